@@ -1,0 +1,627 @@
+"""03_rollout.py: the EMPA-style support environment and batched multi-turn rollouts.
+
+What it does
+  A policy model talks to a simulated user about a scenario. After every assistant turn a judge
+  turns (persona, history, reply) into a progress vector v_t on the three support axes, the hidden
+  state moves, and the user answers. K trajectories per scenario; every live dialogue is answered in
+  one batched generate call per turn. Run alone, it samples a few dialogues and prints them.
+
+Reads   scenarios JSONL (data/scenarios_{train,test}.jsonl): id, kind, persona, situation, opening,
+        items (9 EMPA ratings 0-3) or p0 = [C, A, P], optional priorities, optional user_lines
+        {better, stuck, worse}; the judge's prototypes (data/judge_prototypes.json).
+Writes  <run>/rollouts.jsonl: one record per trajectory with every turn's messages, state P_t, v_t,
+        judge levels, distance, reward (IDR), flags (truncated, judge_failed); <run>/args.json.
+
+Equations (EMPA, REFERENCE.md sections 1-3)
+  initial deficit   C = -2(C1 + C2 + 1.5 C3),  A = -2(A1 + 2 A2 + 1.5 A3),  P = -2(P1 + 2 P2 + 1.5 P3)
+  judge (MDEP-PR)   per axis a progress level in {0,1,2} worth {0,+1,+3} and a negative level in {0,1,2}
+                    worth {0,-2,-4} on C and {0,-2,-5} on A and P;  v_t,a = progress + negative points
+  state             P_t = P_{t-1} + v_t   (not clipped: it can overshoot the origin)
+  distance          d(P) = sqrt( sum_a w_a * max(0, -eps - P_a)^2 ),  w = (1,1,1), eps = 1
+  reward (IDR)      r_t = d(P_{t-1}) - d(P_t)      (written to the JSONL; 04 recomputes its own)
+  direction         v* = -P0/||P0||,  dE_t = v_t . v*,  E_total = sum_t dE_t
+  success           t >= min_turns and E_total >= ||P0||
+  failure           t >= min_turns and (last 5 dE all < 0  or  (std of last 5 ||P_t|| < 0.5 and
+                    >= 6 of the last 8 dE < 0 with their sum < -1));   max_turns: stop (timeout)
+
+Judges and users (--judge, --user)
+  embed      offline judge on all-MiniLM-L6-v2: cosine similarity of the reply to per-axis
+             descriptions of helpful and harmful supporter behaviour, gated by relevance to the user's
+             last message, mapped to the EMPA levels by thresholds; replies close to generic template
+             lines or to the dialogue's earlier replies count as performative (a negative level on
+             the affective axis, progress capped at 1). Deterministic. It is a cheap proxy that rewards
+             on-topic, specific, validating / clarifying / empowering replies; it does not understand
+             the dialogue and can be gamed by anything that embeds close to the prototypes.
+  hf:<m>, api:<m>   an LLM judge given an MDEP-PR style prompt that returns JSON levels; malformed
+             output is retried, then the turn is marked judge_failed: its state does not move and
+             the trainer leaves it out of the loss (never silently scored).
+  scripted   offline user: the scenario's own lines, picked by the last turn's trend (better:
+             dE > 0.5, worse: dE < -0.5, else stuck), deterministic per seed, no line repeated while
+             unused ones remain. Not a model of a person: it reacts only to the judge's trend.
+  hf:<m>, api:<m>   an LLM role-plays the persona (20-50 words a turn) and is told the state's band
+             (how it is going), never the numbers.
+
+Departures from EMPA
+  - The initial deficit comes from the scenario's 9 ratings; the shipped scenarios keep ||P0|| in
+    12-26 (EMPA's scripts: 17.5-41) so that short training episodes can reach the goal.
+  - Training defaults are short (max 4 turns, success gate from turn 2, collapse window 3): the
+    benchmark rules (45 turns, gate 12, windows 5 and 8) are flags, used by 05_eval's empa suite.
+  - Tokens in, tokens out: the policy's context is kept as token ids. Each turn appends exactly the
+    sampled reply ids and the chat template's text for the next user message, so training sees
+    the very tokens that were sampled (no re-tokenisation drift).
+
+CPU:  python 03_rollout.py                      (SmolLM2-135M-Instruct, embed judge, scripted user)
+GPU:  python 03_rollout.py --model Qwen2.5-7B-Instruct --judge api:Qwen2.5-72B-Instruct \\
+          --user api:Qwen2.5-72B-Instruct --api-base http://localhost:8000/v1 --max-turns 15
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import re
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+import common
+
+HERE = Path(__file__).resolve().parent
+AXES = ("C", "A", "P")
+# EMPA initial-deficit items: (axis, multiplier m); each adds -2 * m * level (level 0-3)
+DEFICIT_ITEMS = {"C1": ("C", 1.0), "C2": ("C", 1.0), "C3": ("C", 1.5),
+                 "A1": ("A", 1.0), "A2": ("A", 2.0), "A3": ("A", 1.5),
+                 "P1": ("P", 1.0), "P2": ("P", 2.0), "P3": ("P", 1.5)}
+PROGRESS_POINTS = (0.0, 1.0, 3.0)                      # progress level 0, 1, 2
+NEGATIVE_POINTS = {"C": (0.0, -2.0, -4.0), "A": (0.0, -2.0, -5.0), "P": (0.0, -2.0, -5.0)}
+
+
+# ---------------------------------------------------------------------------------------------
+# Scenarios and the EMPA state
+# ---------------------------------------------------------------------------------------------
+def initial_deficit(items: dict) -> list[float]:
+    # P0_axis = sum over the axis' items of -2 * m * level
+    P0 = {"C": 0.0, "A": 0.0, "P": 0.0}
+    for name, (axis, m) in DEFICIT_ITEMS.items():
+        P0[axis] += -2.0 * m * items[name]
+    return [P0["C"], P0["A"], P0["P"]]
+
+
+def load_scenarios(path) -> list[dict]:
+    """Read and validate scenarios; each gets p0 (from `items` unless given) and default user lines."""
+    recs = common.read_jsonl(path, {"id": str, "persona": str, "situation": str, "opening": str})
+    for r in recs:
+        w = r["_where"]
+        common.check(r["opening"].strip(), f"{w}: field 'opening' is empty")
+        if "p0" in r:
+            ok = isinstance(r["p0"], list) and len(r["p0"]) == 3 and all(
+                isinstance(x, (int, float)) and not isinstance(x, bool) and x <= 0 for x in r["p0"])
+            common.check(ok, f"{w}: field 'p0' must be a list of 3 numbers <= 0 (C, A, P)")
+            r["p0"] = [float(x) for x in r["p0"]]
+        else:
+            common.check(isinstance(r.get("items"), dict), f"{w}: needs field 'items' (9 ratings) or 'p0'")
+            for name in DEFICIT_ITEMS:
+                v = r["items"].get(name)
+                common.check(isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= 3,
+                             f"{w}: field 'items.{name}' must be an integer 0-3")
+            r["p0"] = initial_deficit(r["items"])
+        common.check(norm(r["p0"]) > 0, f"{w}: the initial deficit is zero: nothing to support")
+        lines = r.get("user_lines", {})
+        common.check(isinstance(lines, dict), f"{w}: field 'user_lines' must be an object")
+        for trend in ("better", "stuck", "worse"):
+            got = lines.get(trend, [])
+            common.check(isinstance(got, list) and all(isinstance(s, str) and s.strip() for s in got),
+                         f"{w}: field 'user_lines.{trend}' must be a list of non-empty strings")
+        r["user_lines"] = {t: lines.get(t) or DEFAULT_USER_LINES[t] for t in ("better", "stuck", "worse")}
+    ids = [r["id"] for r in recs]
+    dup = sorted({i for i in ids if ids.count(i) > 1})
+    common.check(not dup, f"{path}: duplicate scenario ids {dup}")
+    return recs
+
+
+DEFAULT_USER_LINES = {  # used by the scripted user when a scenario brings no lines of its own
+    "better": ["That actually helps a little. I hadn't looked at it that way before.",
+               "Yes, that's close to how it feels. Can I tell you what worries me most?"],
+    "stuck": ["I hear you, but I still don't know what to do with all of this.",
+              "Maybe. It still feels just as heavy as before, honestly."],
+    "worse": ["I'm not sure you're really listening to what I said.",
+              "That feels like a stock answer. Never mind."],
+}
+
+
+def norm(x) -> float:
+    return math.sqrt(sum(float(a) ** 2 for a in x))
+
+
+def hinge_distance(P, weights=(1.0, 1.0, 1.0), eps=1.0) -> float:
+    # d(P) = sqrt( sum_axis w_axis * max(0, -eps - P_axis)^2 )
+    total = 0.0
+    for w_a, P_a in zip(weights, P):
+        total += w_a * max(0.0, -eps - P_a) ** 2
+    return math.sqrt(total)
+
+
+def episode_status(P0, dEs, states, t, args) -> str | None:
+    """'success', 'failure' or None (go on) after turn t (1-based); the EMPA rules above."""
+    if t < args.min_turns:
+        return None
+    E_total = sum(dEs)
+    if E_total >= norm(P0):
+        return "success"
+    w = args.collapse_window
+    if len(dEs) >= w and all(dE < 0 for dE in dEs[-w:]):
+        return "failure"  # collapsed
+    if len(dEs) >= 8 and len(states) >= 5:
+        last5 = [norm(P) for P in states[-5:]]
+        mean5 = sum(last5) / 5
+        stagnant = math.sqrt(sum((x - mean5) ** 2 for x in last5) / 4) < 0.5
+        last8 = dEs[-8:]
+        regressing = sum(dE < 0 for dE in last8) >= 6 and sum(dE for dE in last8 if dE < 0) < -1
+        if stagnant and regressing:
+            return "failure"
+    return None
+
+
+def levels_to_v(levels: dict) -> list[float]:
+    # v_t,axis = progress points[level] + negative points[axis][level]
+    return [PROGRESS_POINTS[levels[a][0]] + NEGATIVE_POINTS[a][levels[a][1]] for a in AXES]
+
+
+# ---------------------------------------------------------------------------------------------
+# Judges: (scenario, history, reply) -> levels {axis: (progress 0-2, negative 0-2)} or None (failed)
+# ---------------------------------------------------------------------------------------------
+class EmbedJudge:
+    """Offline judge on MiniLM sentence embeddings (see the module docstring for what it is)."""
+
+    def __init__(self, prototypes_path, device="cpu"):
+        self.embed = common.EmbedBackend(device=device)
+        proto = json.loads(Path(prototypes_path).read_text(encoding="utf-8"))
+        self.th = proto["thresholds"]
+        self.help = {a: self.embed.encode(proto["helpful"][a]) for a in AXES}     # [n, 384] per axis
+        self.harm = {a: self.embed.encode(proto["harmful"][a]) for a in AXES}
+        self.templates = self.embed.encode(proto["templates"])
+
+    @staticmethod
+    def _top2(sims: torch.Tensor) -> float:
+        return sims.topk(min(2, sims.numel())).values.mean().item()
+
+    def judge(self, cases: list[dict]) -> list[dict | None]:
+        """cases: {scenario, history: [messages], reply}. Returns levels plus the features used."""
+        th = self.th
+        replies = [c["reply"] for c in cases]
+        lasts = [next((m["content"] for m in reversed(c["history"]) if m["role"] == "user"), "")
+                 for c in cases]
+        R = self.embed.encode([r if r.strip() else "(no reply)" for r in replies])
+        U = self.embed.encode(lasts)
+        out = []
+        for i, c in enumerate(cases):
+            if not replies[i].strip():  # an empty reply: nothing gained, felt as dismissive
+                out.append({"levels": {a: (0, 1) for a in AXES}, "features": {"empty": True}})
+                continue
+            rel = float(R[i] @ U[i])
+            templ = float((self.templates @ R[i]).max())
+            earlier = [m["content"] for m in c["history"] if m["role"] == "assistant" and m["content"].strip()]
+            rep = float((self.embed.encode(earlier) @ R[i]).max()) if earlier else 0.0
+            performative = templ >= th["template"] or rep >= th["repetition"]
+            levels, feats = {}, {"relevance": round(rel, 3), "template": round(templ, 3),
+                                 "repetition": round(rep, 3)}
+            for a in AXES:
+                help_a = self._top2(self.help[a] @ R[i])
+                harm_a = self._top2(self.harm[a] @ R[i])
+                margin = help_a - harm_a
+                progress = 0
+                if margin >= th["progress1"] and rel >= th["relevance1"]:
+                    progress = 1
+                if margin >= th["progress2"] and rel >= th["relevance2"] and not performative:
+                    progress = 2  # level 2 is strict: on-topic, clearly helpful, not formulaic
+                negative = 2 if margin <= -th["negative2"] else 1 if margin <= -th["negative1"] else 0
+                if a == "A" and performative:
+                    negative = max(negative, 1)  # performative empathy earns a negative level
+                levels[a] = (progress, negative)
+                feats[f"margin_{a}"] = round(margin, 3)
+            out.append({"levels": levels, "features": feats})
+        return out
+
+
+JUDGE_PROMPT = """You are an expert evaluator of emotional-support conversations (MDEP-PR protocol).
+The person seeking support:
+- persona: {persona}
+- situation: {situation}
+
+Conversation so far (the last line is the supporter's reply you must judge):
+{history}
+
+Rate ONLY the supporter's last reply, on three axes:
+- C (cognitive): does the person feel understood, helped to make sense of the situation?
+- A (affective): does the person feel their feelings are heard and resonated with?
+- P (proactive): does the person feel affirmed and empowered to take a step?
+For each axis give a progress level 0, 1 or 2 (2 is strict: a real reframing or real empowerment)
+and an independent negative level 0, 1 or 2 (harm: dismissive, preachy, off-topic, wrong).
+Top rule: performative empathy (ornate metaphors, formulaic repetition, generic comfort that could
+be said to anyone) earns negative levels even when there is also some progress.
+
+Answer with JSON only, exactly this shape:
+{{"C": {{"progress": 0, "negative": 0}}, "A": {{"progress": 0, "negative": 0}}, "P": {{"progress": 0, "negative": 0}}}}"""
+
+
+def parse_judge_json(text: str | None) -> dict | None:
+    """The judge's JSON (possibly wrapped in prose or a code fence) -> levels, or None if invalid."""
+    if not text:
+        return None
+    m = re.search(r"\{.*\}", text, re.S)
+    if not m:
+        return None
+    try:
+        obj = json.loads(m.group(0))
+        levels = {}
+        for a in AXES:
+            p, n = obj[a]["progress"], obj[a]["negative"]
+            if not (isinstance(p, int) and isinstance(n, int) and 0 <= p <= 2 and 0 <= n <= 2):
+                return None
+            levels[a] = (p, n)
+        return levels
+    except (json.JSONDecodeError, KeyError, TypeError):
+        return None
+
+
+class LLMJudge:
+    def __init__(self, backend: common.ChatBackend, retries: int = 2):
+        self.backend, self.retries = backend, retries
+
+    def judge(self, cases: list[dict]) -> list[dict | None]:
+        prompts = []
+        for c in cases:
+            lines = [f"{'Seeker' if m['role'] == 'user' else 'Supporter'}: {m['content']}"
+                     for m in c["history"] if m["role"] != "system"] + [f"Supporter: {c['reply']}"]
+            prompts.append([{"role": "user", "content": JUDGE_PROMPT.format(
+                persona=c["scenario"]["persona"], situation=c["scenario"]["situation"],
+                history="\n".join(lines))}])
+        results: list[dict | None] = [None] * len(cases)
+        todo = list(range(len(cases)))
+        for _ in range(self.retries + 1):  # malformed output: ask again, then give up on that turn
+            answers = self.backend.chat([prompts[i] for i in todo], max_tokens=200, temperature=0.0)
+            still = []
+            for i, text in zip(todo, answers):
+                levels = parse_judge_json(text)
+                if levels is None:
+                    still.append(i)
+                else:
+                    results[i] = {"levels": levels, "features": {}}
+            todo = still
+            if not todo:
+                break
+        return results
+
+
+# ---------------------------------------------------------------------------------------------
+# Simulated users: (scenario, history, trend, band) -> the user's next message, or None (failed)
+# ---------------------------------------------------------------------------------------------
+class ScriptedUser:
+    def __init__(self, seed: int):
+        self.seed = seed
+
+    def reply(self, items: list[dict]) -> list[str | None]:
+        out = []
+        for it in items:
+            lines = it["scenario"]["user_lines"][it["trend"]]
+            said = {m["content"] for m in it["history"] if m["role"] == "user"}
+            fresh = [s for s in lines if s not in said] or lines
+            rng = random.Random(f"{self.seed}|{it['scenario']['id']}|{it['k']}|{len(it['history'])}")
+            out.append(rng.choice(fresh))
+        return out
+
+
+USER_PROMPT = """You are role-playing a person who is talking to a supporter about a problem.
+Who you are: {persona}
+What is going on: {situation}
+How the conversation is going for you: {band}
+Answer the supporter's last message as this person, in 20-50 words, in the first person. Never repeat
+something you already said, never mention being an AI or a role-play, and do not thank them unless
+it really helped."""
+
+
+class LLMUser:
+    def __init__(self, backend: common.ChatBackend):
+        self.backend = backend
+
+    def reply(self, items: list[dict]) -> list[str | None]:
+        convs = []
+        for it in items:
+            sys_msg = USER_PROMPT.format(persona=it["scenario"]["persona"],
+                                         situation=it["scenario"]["situation"], band=it["band"])
+            # roles swap: the supporter's words are the "user" turns of the role-playing model
+            hist = [{"role": "assistant" if m["role"] == "user" else "user", "content": m["content"]}
+                    for m in it["history"] if m["role"] != "system"]
+            convs.append([{"role": "system", "content": sys_msg}] + hist)
+        answers = self.backend.chat(convs, max_tokens=120, temperature=0.7)
+        return [a.strip() if a and a.strip() else None for a in answers]
+
+
+def state_band(trend: str, d: float, d0: float) -> str:
+    """What an LLM user is told about the hidden state: a band and a trend, not the numbers."""
+    how = {"better": "the supporter's last reply helped a bit", "stuck": "the last reply did not really land",
+           "worse": "the last reply made you feel worse or unheard"}[trend]
+    left = d / d0 if d0 > 0 else 0.0
+    level = ("you still feel very low and unsupported" if left > 0.75 else
+             "you feel somewhat better but not there yet" if left > 0.35 else "you feel much better")
+    return f"{level}; {how}"
+
+
+def make_judge(args):
+    if args.judge == "embed":
+        return EmbedJudge(args.judge_prototypes, device=str(common.pick_device()))
+    return LLMJudge(common.make_chat_backend(args.judge, args), retries=args.judge_retries)
+
+
+def make_user(args):
+    if args.user == "scripted":
+        return ScriptedUser(args.seed)
+    return LLMUser(common.make_chat_backend(args.user, args))
+
+
+# ---------------------------------------------------------------------------------------------
+# Batched multi-turn rollout (tokens in, tokens out)
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class Trajectory:
+    scenario: dict
+    k: int
+    ids: list[int]                                  # the policy's whole context, token ids
+    messages: list[dict]                            # the same dialogue as text
+    spans: list[tuple[int, int]] = field(default_factory=list)  # [start, end) of each reply's ids
+    states: list[list[float]] = field(default_factory=list)     # P_0 .. P_T
+    vs: list[list[float] | None] = field(default_factory=list)  # v_1 .. v_T (None: judge failed)
+    levels: list[dict | None] = field(default_factory=list)
+    features: list[dict] = field(default_factory=list)
+    dEs: list[float] = field(default_factory=list)
+    truncated: list[bool] = field(default_factory=list)
+    outcome: str | None = None                      # success | failure | timeout | context_limit | user_failed
+
+    @property
+    def T(self) -> int:
+        return len(self.spans)
+
+    @property
+    def judge_failed(self) -> list[bool]:
+        return [v is None for v in self.vs]
+
+
+def render_ids(tokenizer, messages: list[dict]) -> list[int]:
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def next_user_ids(tokenizer, messages: list[dict], reply_text: str, ended_with_eos: bool) -> list[int]:
+    """Token ids that follow the sampled reply: the template's close of the reply (when the model did
+    not emit it), the new user message and the generation prompt. messages ends with that user message."""
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    i = text.rfind(reply_text) if reply_text else -1
+    if i < 0:
+        raise common.UserError("the model's chat template does not keep the assistant reply verbatim; "
+                               "multi-turn token-in/token-out rollout needs one that does")
+    after = text[i + len(reply_text):]
+    if ended_with_eos and tokenizer.eos_token in after:
+        after = after[after.index(tokenizer.eos_token) + len(tokenizer.eos_token):]
+    return tokenizer(after, add_special_tokens=False)["input_ids"]
+
+
+@torch.no_grad()
+def generate_replies(model, tokenizer, contexts: list[list[int]], args) -> list[tuple[list[int], bool]]:
+    """One batched, sampled generate over every live dialogue. Returns (reply ids, ended_with_eos);
+    the reply ids include the closing eos token when the model produced one."""
+    device = next(model.parameters()).device
+    L = max(len(c) for c in contexts)
+    pad = tokenizer.pad_token_id
+    input_ids = torch.tensor([[pad] * (L - len(c)) + c for c in contexts], device=device)
+    attn = torch.tensor([[0] * (L - len(c)) + [1] * len(c) for c in contexts], device=device)
+    eos = common.eos_token_ids(model, tokenizer)
+    out = model.generate(input_ids=input_ids, attention_mask=attn, do_sample=args.temperature > 0,
+                         temperature=args.temperature if args.temperature > 0 else None,
+                         top_p=args.top_p if args.temperature > 0 else None, top_k=None,
+                         max_new_tokens=args.max_new_tokens, pad_token_id=pad, eos_token_id=eos)
+    results = []
+    for row in out[:, L:].tolist():
+        cut = next((j for j, tok in enumerate(row) if tok in eos), None)
+        results.append((row[:cut + 1], True) if cut is not None else (row, False))
+    return results
+
+
+def rollout(model, tokenizer, scenarios: list[dict], judge, user, args, desc="rollout") -> list[Trajectory]:
+    """K trajectories per scenario, all dialogues advanced together, one turn at a time."""
+    trajs = []
+    for s in scenarios:
+        msgs = [{"role": "system", "content": args.system_prompt}, {"role": "user", "content": s["opening"]}]
+        ids = render_ids(tokenizer, msgs)
+        for k in range(args.k):
+            trajs.append(Trajectory(scenario=s, k=k, ids=list(ids), messages=[dict(m) for m in msgs],
+                                    states=[list(s["p0"])]))
+    was_training = model.training
+    model.eval()
+    bar = tqdm(total=args.max_turns, desc=desc, leave=False, disable=not args.progress)
+    for t in range(1, args.max_turns + 1):
+        live = [tr for tr in trajs if tr.outcome is None]
+        if not live:
+            break
+        # 1. the policy answers every live dialogue in one batched call
+        replies = generate_replies(model, tokenizer, [tr.ids for tr in live], args)
+        cases = []
+        for tr, (reply_ids, ended) in zip(live, replies):
+            text = tokenizer.decode(reply_ids, skip_special_tokens=True).strip()
+            tr.spans.append((len(tr.ids), len(tr.ids) + len(reply_ids)))
+            tr.ids.extend(reply_ids)
+            tr.truncated.append(not ended)
+            cases.append({"scenario": tr.scenario, "history": list(tr.messages), "reply": text})
+            tr.messages.append({"role": "assistant", "content": text})
+        # 2. the judge: v_t at the EMPA levels; P_t = P_{t-1} + v_t
+        verdicts = judge.judge(cases)
+        for tr, verdict in zip(live, verdicts):
+            P_prev = tr.states[-1]
+            v_star = [-x / norm(tr.scenario["p0"]) for x in tr.scenario["p0"]]
+            if verdict is None:  # judge failed: state unchanged, turn flagged, left out of the loss
+                tr.vs.append(None), tr.levels.append(None), tr.features.append({})
+                tr.states.append(list(P_prev))
+                tr.dEs.append(0.0)
+            else:
+                v = levels_to_v(verdict["levels"])
+                tr.vs.append(v), tr.levels.append(verdict["levels"]), tr.features.append(verdict["features"])
+                tr.states.append([P_prev[i] + v[i] for i in range(3)])
+                tr.dEs.append(sum(v[i] * v_star[i] for i in range(3)))
+            # 3. does the episode end?
+            tr.outcome = episode_status(tr.scenario["p0"], tr.dEs, tr.states, t, args)
+            if tr.outcome is None and t == args.max_turns:
+                tr.outcome = "timeout"
+        # 4. the simulated user answers the dialogues that go on
+        going = [tr for tr in live if tr.outcome is None]
+        asks = []
+        for tr in going:
+            dE = tr.dEs[-1]
+            trend = "better" if dE > 0.5 else "worse" if dE < -0.5 else "stuck"
+            d0 = hinge_distance(tr.states[0], eps=args.eps)
+            asks.append({"scenario": tr.scenario, "k": tr.k, "history": tr.messages, "trend": trend,
+                         "band": state_band(trend, hinge_distance(tr.states[-1], eps=args.eps), d0)})
+        answers = user.reply(asks)
+        for tr, answer in zip(going, answers):
+            if answer is None:
+                tr.outcome = "user_failed"
+                continue
+            answer = answer[: args.max_message_chars]
+            tr.messages.append({"role": "user", "content": answer})
+            ended = tr.ids[tr.spans[-1][1] - 1] in common.eos_token_ids(model, tokenizer) \
+                if tr.spans[-1][1] > tr.spans[-1][0] else False
+            extra = next_user_ids(tokenizer, tr.messages, tr.messages[-2]["content"], ended)
+            if len(tr.ids) + len(extra) + args.max_new_tokens > args.max_context:
+                tr.outcome = "context_limit"
+                tr.messages.pop()
+                continue
+            tr.ids.extend(extra)
+        bar.update(1)
+    bar.close()
+    model.train(was_training)
+    return trajs
+
+
+def trajectory_record(tr: Trajectory, args, rewards: list[float] | None = None, **extra) -> dict:
+    """One JSONL record: every turn's messages, state, v_t, levels, distance, reward and flags."""
+    d = [hinge_distance(P, eps=args.eps) for P in tr.states]
+    # default reward written here: IDR r_t = d(P_{t-1}) - d(P_t); the trainer passes its own
+    rewards = rewards if rewards is not None else [d[t - 1] - d[t] for t in range(1, tr.T + 1)]
+    assistant_turns = [i for i, m in enumerate(tr.messages) if m["role"] == "assistant"]
+    turns = []
+    for t in range(tr.T):
+        i = assistant_turns[t]
+        turns.append({"t": t + 1, "user": tr.messages[i - 1]["content"], "assistant": tr.messages[i]["content"],
+                      "v": tr.vs[t], "levels": tr.levels[t], "state": tr.states[t + 1],
+                      "distance": round(d[t + 1], 4), "dE": round(tr.dEs[t], 4), "reward": rewards[t],
+                      "truncated": tr.truncated[t], "judge_failed": tr.vs[t] is None,
+                      "reply_tokens": tr.spans[t][1] - tr.spans[t][0], "judge_features": tr.features[t]})
+    return {"scenario_id": tr.scenario["id"], "k": tr.k, "p0": tr.scenario["p0"], "outcome": tr.outcome,
+            "turns": turns, "final_distance": round(d[-1], 4), "initial_distance": round(d[0], 4),
+            "E_total": round(sum(tr.dEs), 4), "return": round(sum(rewards), 4), **extra}
+
+
+def print_transcript(rec: dict):
+    print(f"\n=== {rec['scenario_id']} k={rec['k']}  P0={rec['p0']}  outcome={rec['outcome']}  "
+          f"d: {rec['initial_distance']} -> {rec['final_distance']}  return={rec['return']:.3f}")
+    for tu in rec["turns"]:
+        print(f"  user:      {tu['user']}")
+        flags = " [cut off]" * tu["truncated"] + " [judge failed]" * tu["judge_failed"]
+        print(f"  assistant: {tu['assistant']}{flags}")
+        print(f"             v={tu['v']}  P={tu['state']}  d={tu['distance']}  r={tu['reward']:.3f}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Flags shared with 04_mica_train.py (the environment), and this script's own main
+# ---------------------------------------------------------------------------------------------
+DEFAULT_SYSTEM = ("You are a warm, thoughtful emotional-support companion. Listen closely, respond to "
+                  "what the person actually said, and keep each reply to two or three sentences.")
+
+
+def add_env_args(p: argparse.ArgumentParser, scenarios_default: str, k_default: int = 4):
+    g = p.add_argument_group("environment")
+    g.add_argument("--scenarios", default=scenarios_default, help="scenarios JSONL")
+    g.add_argument("--k", type=int, default=k_default, help="trajectories per scenario (K)")
+    g.add_argument("--max-turns", type=int, default=4, help="assistant turns before a timeout (EMPA: 45)")
+    g.add_argument("--min-turns", type=int, default=2,
+                   help="no success or failure before this turn (EMPA: 12)")
+    g.add_argument("--collapse-window", type=int, default=3,
+                   help="failure when the last this-many dE are all negative (EMPA: 5)")
+    g.add_argument("--eps", type=float, default=1.0, help="hinge tolerance eps (1 high, 2 medium, 3 low)")
+    g.add_argument("--judge", default="embed", help="embed | hf:<model-or-path> | api:<model>")
+    g.add_argument("--judge-prototypes", default=str(HERE / "data" / "judge_prototypes.json"),
+                   help="the embed judge's behaviour descriptions and thresholds")
+    g.add_argument("--judge-retries", type=int, default=2, help="re-asks of an LLM judge on malformed JSON")
+    g.add_argument("--user", default="scripted", help="scripted | hf:<model-or-path> | api:<model>")
+    g.add_argument("--system-prompt", default=DEFAULT_SYSTEM, help="the policy's system message")
+    g.add_argument("--max-new-tokens", type=int, default=64, help="token cap of one assistant reply")
+    g.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (0 = greedy)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling top-p")
+    g.add_argument("--max-context", type=int, default=2048,
+                   help="stop a dialogue (outcome context_limit) before its context passes this many tokens")
+    g.add_argument("--max-message-chars", type=int, default=2000,
+                   help="simulated-user messages are cut to this many characters")
+    g.add_argument("--no-progress", dest="progress", action="store_false", help="hide progress bars")
+    common.add_backend_args(p)
+
+
+def check_env_args(args):
+    common.check(args.k >= 1, f"--k must be >= 1, got {args.k}")
+    common.check(args.max_turns >= 1, f"--max-turns must be >= 1, got {args.max_turns}")
+    common.check(args.min_turns >= 1, f"--min-turns must be >= 1, got {args.min_turns}")
+    common.check(args.collapse_window >= 1, f"--collapse-window must be >= 1, got {args.collapse_window}")
+    common.check(args.eps >= 0, f"--eps must be >= 0, got {args.eps}")
+    common.check(args.max_new_tokens >= 1, f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    common.check(args.temperature >= 0, f"--temperature must be >= 0, got {args.temperature}")
+    common.check(0 < args.top_p <= 1, f"--top-p must be in (0, 1], got {args.top_p}")
+    common.check(args.judge == "embed" or args.judge.startswith(("hf:", "api:")),
+                 f"--judge must be embed, hf:<model> or api:<model>, got '{args.judge}'")
+    common.check(args.user == "scripted" or args.user.startswith(("hf:", "api:")),
+                 f"--user must be scripted, hf:<model> or api:<model>, got '{args.user}'")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    common.add_model_args(p)
+    add_env_args(p, scenarios_default=str(HERE / "data" / "scenarios_test.jsonl"), k_default=2)
+    g = p.add_argument_group("run")
+    g.add_argument("--num-scenarios", type=int, default=2, help="how many scenarios (0 = all)")
+    g.add_argument("--seed", type=int, default=0, help="random seed (sampling and the scripted user)")
+    g.add_argument("--out-dir", default="runs", help="each run writes into its own folder under this")
+    g.add_argument("--run-name", default="rollout", help="prefix of the run folder")
+    g.add_argument("--quiet", action="store_true", help="do not print transcripts")
+    args = p.parse_args(argv)
+    check_env_args(args)
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    common.set_seed(args.seed)
+    scenarios = load_scenarios(args.scenarios)  # validate inputs before creating anything
+    run_dir = common.make_run_dir(args.out_dir, args.run_name)
+    common.save_args(run_dir, args)
+    if args.num_scenarios:
+        scenarios = scenarios[: args.num_scenarios]
+    model, tokenizer = common.load_policy(args, trainable=False)
+    judge, user = make_judge(args), make_user(args)
+    t0 = time.time()
+    trajs = rollout(model, tokenizer, scenarios, judge, user, args)
+    records = [trajectory_record(tr, args) for tr in trajs]
+    common.append_jsonl(run_dir / "rollouts.jsonl", records)
+    if not args.quiet:
+        for rec in records:
+            print_transcript(rec)
+    n = len(records)
+    print(f"\n{n} trajectories in {time.time() - t0:.1f}s | mean return "
+          f"{sum(r['return'] for r in records) / n:.3f} | success "
+          f"{sum(r['outcome'] == 'success' for r in records)}/{n} | mean final distance "
+          f"{sum(r['final_distance'] for r in records) / n:.3f} | written to {run_dir / 'rollouts.jsonl'}")
+
+
+if __name__ == "__main__":
+    common.run_main(main)

@@ -1,0 +1,446 @@
+"""04_mica_train.py: MICA, online multi-turn RL of a support policy (LoRA) against a simulated user.
+
+What it does
+  Each step samples scenarios, rolls out K dialogues per scenario with 03_rollout's environment,
+  turns the judge's state changes into per-turn rewards, assigns credit with MICA's mixed
+  turn-level / group-level advantage (or GRPO, or REINFORCE++), and takes a clipped policy-gradient
+  step on the assistant tokens of every turn.
+
+Reads   data/scenarios_train.jsonl (or --scenarios), the policy model (--model, default: the packaged
+        SmolLM2-135M-Instruct), the judge and user backends (03_rollout flags).
+Writes  runs/<name>-<time>/ : args.json, metrics.jsonl (one line per step), rollouts.jsonl (every
+        trajectory with rewards and advantages), checkpoints/step_N/ (adapter, optimizer, scheduler,
+        RNG, step; written atomically), adapter/ (the final LoRA adapter, standard peft format).
+
+Equations (MICA, REFERENCE.md section 2; the code below writes each out as a loop)
+  distance      d(P) = sqrt( sum_a w_a max(0, -eps - P_a)^2 )                       (03_rollout)
+  IDR           r_t = d(P_{t-1}) - d(P_t)
+  return        G_t = sum_{j >= t} gamma^(j - t) r_j                       (within one trajectory)
+  turn-level    A_turn[k][t] = (G[k][t] - mean_t) / (std_t + 1e-6)   over the k that reached turn t
+  group-level   A_group[k][t] = (r[k][t] - mean) / (std + 1e-6)       over all sum_k T_k rewards
+  MICA          A[k][t] = alpha A_turn[k][t] + (1 - alpha) A_group[k][t]   (std: sample, ddof = 1)
+  GRPO          R_k = sum_t r[k][t];  A[k][t] = (R_k - mean_K) / (std_K + 1e-6) for every t
+  REINFORCE++   A = (G - mean) / (std + 1e-6) over every turn of every trajectory in the batch
+  update        ratio = exp(log pi(y_i) - log pi_old(y_i)) per assistant token i, A_i = A[k][t(i)]
+                L = (1/N) sum_i max(-ratio_i A_i, -clip(ratio_i, 1 - eps_low, 1 + eps_high) A_i)
+                    + beta (1/N) sum_i [exp(ref_i - logp_i) - (ref_i - logp_i) - 1]   (k3 KL to the
+                    base model with the adapter off; beta = --kl-coef, 0 by default as in MICA)
+
+Departures from the paper (and why)
+  1. LoRA instead of full fine-tuning, so lr is 5e-5 instead of 1e-6 (LoRA needs a larger step).
+  2. Short episodes by default (4 turns; MICA trains on 8-15) and 4 scenarios x K=4 per step
+     (MICA: 16 x 4), so that a laptop CPU can run it; raise --max-turns / --scenarios-per-step on a GPU.
+  3. A reply cut off at --max-new-tokens loses --truncation-penalty from its turn's reward: without
+     it a small policy drifts to the token cap.
+  4. A turn the judge failed on is left out of the loss; for the returns and group statistics its
+     reward is the trajectory's mean valid reward (as the public code fills it).
+  5. REINFORCE++ discounts per turn (rewards sit on turn ends) and whitens per turn, not per token.
+  6. Old log-probs: with one optimizer step per rollout (the default) the policy that sampled is the
+     policy being updated, so old log-probs are the current ones detached (ratio = 1) and no extra
+     forward pass is spent; with more PPO epochs or minibatches they are computed once per rollout.
+
+CPU:  python 04_mica_train.py                          (SmolLM2, embed judge, scripted user, ~1 min/step)
+GPU:  python 04_mica_train.py --model Qwen2.5-7B-Instruct --judge api:Qwen2.5-72B-Instruct \\
+          --user api:Qwen2.5-72B-Instruct --api-base http://localhost:8000/v1 --max-turns 15 \\
+          --scenarios-per-step 16 --max-new-tokens 256 --lr 1e-5
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import math
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import common
+
+env = importlib.import_module("03_rollout")  # the environment: scenarios, judge, user, rollout
+HERE = Path(__file__).resolve().parent
+
+
+# ---------------------------------------------------------------------------------------------
+# Rewards and advantages: the equations, one loop each
+# ---------------------------------------------------------------------------------------------
+def incremental_distance_rewards(states, weights=(1.0, 1.0, 1.0), eps=1.0) -> list[float]:
+    """states = [P0, P1, ..., PT] of one trajectory -> [r_1, ..., r_T]."""
+    # r_t = d(P_{t-1}) - d(P_t),  d(P) = sqrt( sum_a w_a max(0, -eps - P_a)^2 )
+    r = []
+    for t in range(1, len(states)):
+        r.append(env.hinge_distance(states[t - 1], weights, eps) - env.hinge_distance(states[t], weights, eps))
+    return r
+
+
+def _mean_std(xs):
+    """Mean and sample standard deviation (ddof = 1) of a list with at least 2 values."""
+    mean = sum(xs) / len(xs)
+    std = math.sqrt(sum((x - mean) ** 2 for x in xs) / (len(xs) - 1))
+    return mean, std
+
+
+def discounted_returns(r, gamma) -> list[float]:
+    # G_t = sum_{j >= t} gamma^(j - t) r_j, computed backwards: G_t = r_t + gamma * G_{t+1}
+    G, running = [0.0] * len(r), 0.0
+    for t in reversed(range(len(r))):
+        running = r[t] + gamma * running
+        G[t] = running
+    return G
+
+
+def mica_advantages(rewards, alpha, gamma) -> list[list[float]]:
+    """rewards[k][t] for one scenario's K trajectories (lengths may differ) -> A[k][t]."""
+    K = len(rewards)
+    G = [discounted_returns(rewards[k], gamma) for k in range(K)]
+    T_max = max((len(r) for r in rewards), default=0)
+    # turn-level: A_turn[k][t] = (G[k][t] - mean_t) / (std_t + 1e-6) over the k that reached turn t
+    A_turn = [[0.0] * len(rewards[k]) for k in range(K)]
+    for t in range(T_max):
+        reached = [k for k in range(K) if len(rewards[k]) > t]
+        if len(reached) < 2:
+            continue  # fewer than 2 trajectories reached turn t: A_turn = 0
+        mean_t, std_t = _mean_std([G[k][t] for k in reached])
+        for k in reached:
+            A_turn[k][t] = (G[k][t] - mean_t) / (std_t + 1e-6)
+    # group-level: A_group[k][t] = (r[k][t] - mean) / (std + 1e-6) over all sum_k T_k rewards
+    A_group = [[0.0] * len(rewards[k]) for k in range(K)]
+    flat = [x for r in rewards for x in r]
+    if len(flat) >= 2:
+        mean, std = _mean_std(flat)
+        for k in range(K):
+            for t in range(len(rewards[k])):
+                A_group[k][t] = (rewards[k][t] - mean) / (std + 1e-6)
+    # mixed: A = alpha * A_turn + (1 - alpha) * A_group
+    return [[alpha * A_turn[k][t] + (1 - alpha) * A_group[k][t] for t in range(len(rewards[k]))]
+            for k in range(K)]
+
+
+def grpo_advantages(rewards) -> list[list[float]]:
+    """rewards[k][t] for one scenario -> A[k][t] = normalised trajectory outcome, same on every turn."""
+    # R_k = sum_t r[k][t];  A_k = (R_k - mean_K) / (std_K + 1e-6);  0 when K < 2
+    R = [sum(r) for r in rewards]
+    if len(R) < 2:
+        return [[0.0] * len(r) for r in rewards]
+    mean, std = _mean_std(R)
+    return [[(R[k] - mean) / (std + 1e-6)] * len(rewards[k]) for k in range(len(rewards))]
+
+
+def reinforce_pp_advantages(batch_rewards, gamma) -> list[list[list[float]]]:
+    """batch_rewards[s][k][t] for the whole batch -> A[s][k][t]: returns whitened over the batch."""
+    # G_t per trajectory, then A = (G - mean) / (std + 1e-6) over every turn in the batch (no grouping)
+    G = [[discounted_returns(r, gamma) for r in group] for group in batch_rewards]
+    flat = [x for group in G for g in group for x in g]
+    if len(flat) < 2:
+        return [[[0.0] * len(g) for g in group] for group in G]
+    mean, std = _mean_std(flat)
+    return [[[(x - mean) / (std + 1e-6) for x in g] for g in group] for group in G]
+
+
+def turn_rewards(tr, args) -> list[float]:
+    """Per-turn training reward of one trajectory: IDR, minus the cut-off penalty; a turn the judge
+    failed on (or a non-finite value) gets the trajectory's mean valid reward."""
+    r = incremental_distance_rewards(tr.states, args.idr_weights, args.eps)
+    valid = [not failed and math.isfinite(x) for failed, x in zip(tr.judge_failed, r)]
+    r = [x - args.truncation_penalty * cut for x, cut in zip(r, tr.truncated)]
+    fill = [x for x, ok in zip(r, valid) if ok]
+    fill = sum(fill) / len(fill) if fill else 0.0
+    return [x if ok else fill for x, ok in zip(r, valid)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Log-probabilities and the clipped surrogate
+# ---------------------------------------------------------------------------------------------
+def token_logprobs(model, input_ids, attention_mask, loss_mask, temperature=1.0):
+    """log pi(token) for every position where loss_mask is 1, flat [N] in row-major order.
+
+    Memory-light: the LM head runs only on the N scored positions, not on all B x L."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    hidden = base.get_decoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+    pick = loss_mask[:, 1:].bool()                              # position j predicts token j + 1
+    h = hidden[:, :-1][pick]                                    # [N, H]
+    logits = base.get_output_embeddings()(h).float()            # [N, V]
+    if temperature > 0 and temperature != 1.0:
+        logits = logits / temperature                           # the distribution that sampled
+    targets = input_ids[:, 1:][pick]                            # [N]
+    return logits.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+
+
+def clipped_surrogate(logp, logp_old, A, clip_low, clip_high):
+    """Per-token loss -min(ratio A, clip(ratio, 1 - clip_low, 1 + clip_high) A) and a clipped flag."""
+    ratio = torch.exp(logp - logp_old)
+    unclipped = -ratio * A
+    clipped = -torch.clamp(ratio, 1 - clip_low, 1 + clip_high) * A
+    return torch.maximum(unclipped, clipped), (clipped > unclipped).float()
+
+
+def k3_kl(logp, logp_ref):
+    # KL(pi || ref) per token, k3 estimator: exp(ref - logp) - (ref - logp) - 1  (>= 0)
+    d = logp_ref - logp
+    return torch.exp(d) - d - 1
+
+
+def collate(trajs, pad_id, device):
+    """Right-padded ids, attention mask and the loss mask (the assistant tokens of every turn the
+    judge did not fail on) for a list of trajectories."""
+    L = max(len(tr.ids) for tr in trajs)
+    ids = torch.full((len(trajs), L), pad_id, dtype=torch.long)
+    attn = torch.zeros((len(trajs), L), dtype=torch.long)
+    mask = torch.zeros((len(trajs), L), dtype=torch.long)
+    for b, tr in enumerate(trajs):
+        ids[b, : len(tr.ids)] = torch.tensor(tr.ids)
+        attn[b, : len(tr.ids)] = 1
+        for (s, e), failed in zip(tr.spans, tr.judge_failed):
+            if not failed:
+                mask[b, s:e] = 1
+    return ids.to(device), attn.to(device), mask.to(device)
+
+
+def token_advantages(tr, A) -> torch.Tensor:
+    """Every token of turn t gets A[t] (flat, in the order token_logprobs returns them)."""
+    out = []
+    for (s, e), failed, a in zip(tr.spans, tr.judge_failed, A):
+        if not failed:
+            out.extend([a] * (e - s))
+    return torch.tensor(out, dtype=torch.float32)
+
+
+def n_scored(tr) -> int:
+    return sum(e - s for (s, e), failed in zip(tr.spans, tr.judge_failed) if not failed)
+
+
+def ppo_update(model, tokenizer, optimizer, scheduler, trajs, advs, args, log_kl: bool) -> dict:
+    """PPO epochs over minibatches of trajectories (sorted by length to cut padding), gradient
+    accumulation over micro-batches, token-mean loss over each minibatch, grad clipping."""
+    device = next(model.parameters()).device
+    pad = tokenizer.pad_token_id
+    keep = [i for i, tr in enumerate(trajs) if n_scored(tr) > 0]   # nothing to learn from the rest
+    order = sorted(keep, key=lambda i: len(trajs[i].ids))
+    minibatches = [order[j:j + args.minibatch_size] for j in range(0, len(order), args.minibatch_size)]
+    stats = {"loss": [], "clip_frac": [], "kl": [], "grad_norm": [], "tokens": 0}
+    if not order:
+        return {"loss": float("nan"), "clip_frac": float("nan"), "kl": float("nan"),
+                "grad_norm": float("nan"), "train_tokens": 0, "skipped": 1}
+    A_tok = {i: token_advantages(trajs[i], advs[i]).to(device) for i in order}
+
+    def micro_batches(mb):
+        return [mb[j:j + args.micro_batch_size] for j in range(0, len(mb), args.micro_batch_size)]
+
+    # old log-probs: only needed when the policy changes between sampling and a later minibatch
+    one_step = args.ppo_epochs == 1 and len(minibatches) == 1
+    old, ref = {}, {}
+    need_ref = args.kl_coef > 0 or log_kl
+    if not one_step or need_ref:
+        model.eval()
+        with torch.no_grad():
+            for mb in minibatches:
+                for micro in micro_batches(mb):
+                    ids, attn, mask = collate([trajs[i] for i in micro], pad, device)
+                    sizes = [n_scored(trajs[i]) for i in micro]
+                    if not one_step:
+                        for i, x in zip(micro, token_logprobs(model, ids, attn, mask, args.temperature).split(sizes)):
+                            old[i] = x
+                    if need_ref:
+                        with model.disable_adapter():
+                            lp = token_logprobs(model, ids, attn, mask, args.temperature)
+                        for i, x in zip(micro, lp.split(sizes)):
+                            ref[i] = x
+    model.train()
+    for _ in range(args.ppo_epochs):
+        for mb in minibatches:
+            N = sum(n_scored(trajs[i]) for i in mb)                 # token-mean over the minibatch
+            optimizer.zero_grad(set_to_none=True)
+            for micro in micro_batches(mb):
+                ids, attn, mask = collate([trajs[i] for i in micro], pad, device)
+                logp = token_logprobs(model, ids, attn, mask, args.temperature)
+                A = torch.cat([A_tok[i] for i in micro])
+                logp_old = torch.cat([old[i] for i in micro]) if old else logp.detach()
+                pg, was_clipped = clipped_surrogate(logp, logp_old, A, args.clip_low, args.clip_high)
+                loss_sum = pg.sum()
+                if ref:
+                    kl = k3_kl(logp, torch.cat([ref[i] for i in micro]))
+                    stats["kl"].append(kl.detach().mean().item())
+                    if args.kl_coef > 0:
+                        loss_sum = loss_sum + args.kl_coef * kl.sum()
+                (loss_sum / N).backward()
+                stats["loss"].append(loss_sum.item() / N)
+                stats["clip_frac"].append(was_clipped.mean().item())
+                stats["tokens"] += int(mask.sum())
+            gn = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad],
+                                                args.max_grad_norm)
+            stats["grad_norm"].append(float(gn))
+            if math.isfinite(float(gn)):
+                optimizer.step()
+            else:
+                optimizer.zero_grad(set_to_none=True)
+                stats["nonfinite_grad"] = stats.get("nonfinite_grad", 0) + 1
+    scheduler.step()
+    avg = lambda xs: sum(xs) / len(xs) if xs else float("nan")  # noqa: E731
+    return {"loss": sum(stats["loss"]) / max(1, args.ppo_epochs), "clip_frac": avg(stats["clip_frac"]),
+            "kl": avg(stats["kl"]), "grad_norm": avg(stats["grad_norm"]), "train_tokens": stats["tokens"],
+            "skipped": stats.get("nonfinite_grad", 0)}
+
+
+def cosine_with_warmup(step, total, warmup):
+    # lr factor: step / warmup during warmup, then 0.5 (1 + cos(pi * progress)) down to 0
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = (step - warmup) / max(1, total - warmup)
+    return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+
+# ---------------------------------------------------------------------------------------------
+# Config and main loop
+# ---------------------------------------------------------------------------------------------
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    common.add_model_args(p)
+    env.add_env_args(p, scenarios_default=str(HERE / "data" / "scenarios_train.jsonl"))
+    g = p.add_argument_group("algorithm")
+    g.add_argument("--advantage", choices=["mica", "grpo", "reinforce_pp"], default="mica",
+                   help="credit assignment: MICA mixed turn/group, GRPO outcome, REINFORCE++ batch-whitened")
+    g.add_argument("--alpha", type=float, default=0.4, help="MICA weight of the turn-level advantage")
+    g.add_argument("--gamma", type=float, default=0.85, help="discount of the per-turn returns")
+    g.add_argument("--idr-weights", default="1,1,1", help="w = (w_C, w_A, w_P) of the hinge distance")
+    g.add_argument("--truncation-penalty", type=float, default=1.0,
+                   help="subtracted from the reward of a reply cut off at --max-new-tokens")
+    g.add_argument("--clip-low", type=float, default=0.2, help="ratio clip below: 1 - clip_low")
+    g.add_argument("--clip-high", type=float, default=0.28, help="ratio clip above: 1 + clip_high")
+    g.add_argument("--kl-coef", type=float, default=0.0, help="beta of the k3 KL to the base model (0 = off)")
+    g.add_argument("--log-kl-every", type=int, default=5,
+                   help="when --kl-coef is 0, measure the KL to the base every N steps (one no-grad forward)")
+    g = p.add_argument_group("optimisation")
+    g.add_argument("--steps", type=int, default=30, help="training steps (rollout + update)")
+    g.add_argument("--scenarios-per-step", type=int, default=4, help="scenarios per step (each gets K rollouts)")
+    g.add_argument("--lr", type=float, default=5e-5, help="peak learning rate (AdamW)")
+    g.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay")
+    g.add_argument("--warmup-ratio", type=float, default=0.05, help="share of steps with linear warmup")
+    g.add_argument("--ppo-epochs", type=int, default=1, help="passes over each rollout batch")
+    g.add_argument("--minibatch-size", type=int, default=64, help="trajectories per optimizer step")
+    g.add_argument("--micro-batch-size", type=int, default=8,
+                   help="trajectories per forward/backward (gradient accumulation up to a minibatch)")
+    g.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping")
+    g = p.add_argument_group("run")
+    g.add_argument("--seed", type=int, default=0, help="random seed")
+    g.add_argument("--out-dir", default="runs", help="each run writes into its own folder under this")
+    g.add_argument("--run-name", default="mica", help="prefix of the run folder")
+    g.add_argument("--resume", default=None, help="a run folder: continue from its last checkpoint")
+    g.add_argument("--save-every", type=int, default=10, help="checkpoint every N steps")
+    g.add_argument("--keep-checkpoints", type=int, default=2, help="how many checkpoints to keep")
+    g.add_argument("--track", choices=["tensorboard", "wandb"], default=None, help="also log metrics there")
+    args = p.parse_args(argv)
+    env.check_env_args(args)
+    c = common.check
+    c(0.0 <= args.alpha <= 1.0, f"--alpha must be in [0, 1], got {args.alpha}")
+    c(0.0 <= args.gamma <= 1.0, f"--gamma must be in [0, 1], got {args.gamma}")
+    c(args.k >= 2 or args.advantage == "reinforce_pp",
+      f"--k must be >= 2 for --advantage {args.advantage} (it normalises within the K), got {args.k}")
+    c(args.steps >= 1, f"--steps must be >= 1, got {args.steps}")
+    c(args.scenarios_per_step >= 1, f"--scenarios-per-step must be >= 1, got {args.scenarios_per_step}")
+    c(args.lr > 0, f"--lr must be > 0, got {args.lr}")
+    c(args.ppo_epochs >= 1, f"--ppo-epochs must be >= 1, got {args.ppo_epochs}")
+    c(args.minibatch_size >= 1 and args.micro_batch_size >= 1, "--minibatch-size and --micro-batch-size must be >= 1")
+    c(args.clip_low >= 0 and args.clip_high >= 0, "--clip-low and --clip-high must be >= 0")
+    c(args.kl_coef >= 0, f"--kl-coef must be >= 0, got {args.kl_coef}")
+    c(args.save_every >= 1 and args.keep_checkpoints >= 1, "--save-every and --keep-checkpoints must be >= 1")
+    try:
+        args.idr_weights = tuple(float(x) for x in args.idr_weights.split(","))
+    except ValueError:
+        raise common.UserError(f"--idr-weights must be 3 comma-separated numbers, got '{args.idr_weights}'") from None
+    c(len(args.idr_weights) == 3 and min(args.idr_weights) >= 0,
+      f"--idr-weights must be 3 non-negative numbers, got {args.idr_weights}")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    common.set_seed(args.seed)
+    scenarios = env.load_scenarios(args.scenarios)   # validate inputs before creating anything
+    if args.resume:
+        run_dir = Path(args.resume)
+        common.check((run_dir / "args.json").exists(), f"--resume {run_dir}: not a run folder (no args.json)")
+    else:
+        run_dir = common.make_run_dir(args.out_dir, args.run_name)
+        common.save_args(run_dir, args)
+    model, tokenizer = common.load_policy(args, trainable=True)
+    judge, user = env.make_judge(args), env.make_user(args)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
+    warmup = max(1, round(args.warmup_ratio * args.steps))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: cosine_with_warmup(s, args.steps, warmup))
+    start = 1
+    if args.resume:
+        ckpt = common.latest_checkpoint(run_dir / "checkpoints")
+        if ckpt is not None:
+            start = common.load_checkpoint(ckpt, model, optimizer, scheduler)["step"] + 1
+            print(f"resumed from {ckpt} at step {start}")
+    logger = common.MetricsLogger(run_dir, args.track, common.public_args(args))
+    n_trainable = sum(p.numel() for p in params)
+    print(f"run folder {run_dir} | trainable parameters {n_trainable:,} | device {common.pick_device()}")
+
+    for step in range(start, args.steps + 1):
+        t0 = time.time()
+        step_seed = args.seed * 100_003 + step          # every step's randomness depends on (seed, step)
+        torch.manual_seed(step_seed)
+        if isinstance(user, env.ScriptedUser):
+            user.seed = step_seed
+        batch = random.Random(step_seed).sample(scenarios, min(args.scenarios_per_step, len(scenarios)))
+        # 1. rollout: K dialogues per scenario, batched over all live dialogues each turn
+        trajs = env.rollout(model, tokenizer, batch, judge, user, args, desc=f"step {step} rollout")
+        t_roll = time.time() - t0
+        # 2. rewards: IDR per turn (cut-off penalty, failed turns filled), grouped by scenario
+        groups = [[tr for tr in trajs if tr.scenario is s] for s in batch]
+        rewards = [[turn_rewards(tr, args) for tr in g] for g in groups]
+        # 3. advantages
+        if args.advantage == "mica":
+            advs = [mica_advantages(r, args.alpha, args.gamma) for r in rewards]
+        elif args.advantage == "grpo":
+            advs = [grpo_advantages(r) for r in rewards]
+        else:
+            advs = reinforce_pp_advantages(rewards, args.gamma)
+        flat_trajs = [tr for g in groups for tr in g]
+        flat_advs = [a for group in advs for a in group]
+        # 4. update: clipped surrogate on the assistant tokens of each turn
+        t1 = time.time()
+        log_kl = args.kl_coef == 0 and args.log_kl_every > 0 and step % args.log_kl_every == 0
+        upd = ppo_update(model, tokenizer, optimizer, scheduler, flat_trajs, flat_advs, args, log_kl)
+        t_upd = time.time() - t1
+        # 5. log, keep the rollouts, checkpoint
+        flat_r = [x for group in rewards for r in group for x in r]
+        records = []
+        for tr, r, a in zip(flat_trajs, [r for g in rewards for r in g], flat_advs):
+            rec = env.trajectory_record(tr, args, rewards=[round(x, 4) for x in r], step=step)
+            for turn, adv in zip(rec["turns"], a):
+                turn["advantage"] = round(adv, 4)
+            records.append(rec)
+        common.append_jsonl(run_dir / "rollouts.jsonl", records)
+        gen_tokens = sum(e - s for tr in flat_trajs for s, e in tr.spans)
+        n_turns = sum(tr.T for tr in flat_trajs)
+        metrics = {
+            "reward_mean": sum(flat_r) / len(flat_r),
+            "return_mean": sum(rec["return"] for rec in records) / len(records),
+            "success_rate": sum(tr.outcome == "success" for tr in flat_trajs) / len(flat_trajs),
+            "final_distance": sum(rec["final_distance"] for rec in records) / len(records),
+            "turns_mean": n_turns / len(flat_trajs),
+            "truncated_frac": sum(sum(tr.truncated) for tr in flat_trajs) / max(1, n_turns),
+            "judge_failures": sum(sum(tr.judge_failed) for tr in flat_trajs),
+            **{k: v for k, v in upd.items()},
+            "lr": scheduler.get_last_lr()[0],
+            "gen_tokens_per_s": gen_tokens / max(t_roll, 1e-9),
+            "train_tokens_per_s": upd["train_tokens"] / max(t_upd, 1e-9),
+            "step_seconds": time.time() - t0,
+        }
+        logger.log(step, metrics)
+        if step % args.save_every == 0 or step == args.steps:
+            common.save_checkpoint(run_dir / "checkpoints", step, model, optimizer, scheduler,
+                                   keep=args.keep_checkpoints)
+    model.save_pretrained(run_dir / "adapter", safe_serialization=True)
+    tokenizer.save_pretrained(run_dir / "adapter")
+    logger.close()
+    print(f"final adapter: {run_dir / 'adapter'}  (PeftModel.from_pretrained loads it)")
+
+
+if __name__ == "__main__":
+    common.run_main(main)

