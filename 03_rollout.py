@@ -603,6 +603,7 @@ def main(argv=None):
     args = parse_args(argv)
     common.set_seed(args.seed)
     scenarios = load_scenarios(args.scenarios)  # validate inputs before creating anything
+    common.resolve_model(args.model)
     run_dir = common.make_run_dir(args.out_dir, args.run_name)
     common.save_args(run_dir, args)
     if args.num_scenarios:

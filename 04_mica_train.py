@@ -357,7 +357,8 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     common.set_seed(args.seed)
-    scenarios = env.load_scenarios(args.scenarios)   # validate inputs before creating anything
+    scenarios = env.load_scenarios(args.scenarios)  # validate inputs before creating anything
+    common.resolve_model(args.model)
     if args.resume:
         run_dir = Path(args.resume)
         common.check((run_dir / "args.json").exists(), f"--resume {run_dir}: not a run folder (no args.json)")

@@ -20,6 +20,7 @@ import argparse
 import contextlib
 import datetime as _dt
 import fcntl
+import http.client
 import importlib.util
 import json
 import math
@@ -309,7 +310,8 @@ class ChatBackend:
                 if e.code in (400, 401, 403, 404):  # will not get better by retrying
                     raise UserError(f"{self.url} answered HTTP {e.code} for model '{self.name}' "
                                     f"(check --api-base, the model name and OPENAI_API_KEY)") from None
-            except (urllib.error.URLError, TimeoutError, ConnectionError, OSError):
+            except (urllib.error.URLError, TimeoutError, ConnectionError, OSError,
+                    http.client.HTTPException):  # e.g. IncompleteRead: connection closed mid-body
                 pass
             except (ValueError, KeyError, IndexError, TypeError):  # non-JSON, truncated, missing fields
                 pass
@@ -380,12 +382,14 @@ def read_jsonl(path, fields: dict | None = None) -> list[dict]:
     path = str(path)
     check(os.path.exists(path), f"{path}: no such file")
     records = []
-    with open(path, encoding="utf-8") as f:
+    with open(path, "rb") as f:  # bytes: a line that is not UTF-8 gets a file:line error, not a traceback
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
-                rec = json.loads(line)
+                rec = json.loads(line.decode("utf-8"))
+            except UnicodeDecodeError as e:
+                raise UserError(f"{path}:{lineno}: not UTF-8 text (byte {e.start + 1})") from None
             except json.JSONDecodeError as e:
                 raise UserError(f"{path}:{lineno}: not valid JSON ({e.msg} at column {e.colno})") from None
             check(isinstance(rec, dict), f"{path}:{lineno}: expected a JSON object, got {type(rec).__name__}")
@@ -556,7 +560,7 @@ class MetricsLogger:
             self.wandb = wandb.init(project=project, name=Path(run_dir).name, config=config, dir=str(run_dir))
 
     def log(self, step: int, metrics: dict):
-        clean = {k: (round(v, 5) if isinstance(v, float) and math.isfinite(v) else v) for k, v in metrics.items()}
+        clean = {k: (v if not isinstance(v, float) or math.isfinite(v) else None) for k, v in metrics.items()}
         print(f"step {step:4d} | " + " | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
                                                   for k, v in clean.items()), flush=True)
         append_jsonl(self.path, {"step": step, **clean})

@@ -1,0 +1,582 @@
+"""common.py's plumbing: the api: chat backend against a local fake OpenAI server, JSONL I/O, run
+folders and args, checkpoints (adapter, optimizer, scheduler, RNG), model resolution, embeddings."""
+import argparse
+import copy
+import datetime
+import json
+import random
+import threading
+import time
+import types
+from http.server import BaseHTTPRequestHandler, HTTPServer
+from socketserver import ThreadingMixIn
+
+import numpy as np
+import pytest
+import torch
+
+import common
+from conftest import write_jsonl
+
+KEY = "sk-secret-123"
+
+
+# ---------------------------------------------------------------------------------------------
+# A tiny OpenAI-compatible /chat/completions server on 127.0.0.1 (port 0), one thread per request
+# ---------------------------------------------------------------------------------------------
+def ok(content, **kw):
+    """A normal chat-completions answer holding `content`."""
+    return dict(body={"id": "x", "object": "chat.completion",
+                      "choices": [{"index": 0, "message": {"role": "assistant", "content": content},
+                                   "finish_reason": "stop"}]}, **kw)
+
+
+class _Server(ThreadingMixIn, HTTPServer):
+    daemon_threads = False   # server_close() joins every handler thread: none outlives the test
+    block_on_close = True
+
+
+class _Handler(BaseHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
+
+    def do_POST(self):
+        api = self.server.api
+        raw = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        with api.lock:
+            idx = len(api.requests)
+            api.requests.append({"path": self.path, "auth": self.headers.get("Authorization"),
+                                 "content_type": self.headers.get("Content-Type"),
+                                 "body": json.loads(raw)})
+            api.threads.append(threading.current_thread())
+            api.active += 1
+            api.max_active = max(api.max_active, api.active)
+        spec = api.respond(idx, api.requests[idx]["body"])
+        try:
+            if spec.get("hang"):
+                api.release.wait(10)  # longer than the client's timeout; released at teardown
+                return
+            if spec.get("delay"):
+                time.sleep(spec["delay"])
+        finally:
+            with api.lock:  # counted down before the answer goes out, so the client can't overlap it
+                api.active -= 1
+        if "raw" in spec:
+            payload = spec["raw"]
+        else:
+            payload = json.dumps(spec["body"]).encode()
+        try:
+            self.send_response(spec.get("status", 200))
+            for k, v in spec.get("headers", {}).items():
+                self.send_header(k, v)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(spec.get("length", len(payload))))
+            self.end_headers()
+            self.wfile.write(payload)
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+
+
+class FakeAPI:
+    def __init__(self):
+        self.requests, self.threads = [], []
+        self.active = self.max_active = 0
+        self.lock = threading.Lock()
+        self.release = threading.Event()
+        self.plan = [ok("hello")]
+        self.respond = lambda idx, body: self.plan[min(idx, len(self.plan) - 1)]
+        self.server = _Server(("127.0.0.1", 0), _Handler)
+        self.server.api = self
+        self.base = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
+        self._thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05},
+                                        daemon=True)
+        self._thread.start()
+        self._closed = False
+
+    def backend(self, **kw):
+        kw = {"api_base": self.base, "api_key": KEY, "timeout": 5.0, "retries": 2, "backoff": 0.01, **kw}
+        return common.ChatBackend("api:m", **kw)
+
+    def close(self):
+        if self._closed:
+            return
+        self._closed = True
+        self.release.set()
+        self.server.shutdown()
+        self.server.server_close()  # joins the handler threads
+        self._thread.join(5)
+
+
+@pytest.fixture
+def api():
+    server = FakeAPI()
+    yield server
+    server.close()
+
+
+CONV = [{"role": "system", "content": "be kind"}, {"role": "user", "content": "I feel low"}]
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. ChatBackend("api:...")
+# ---------------------------------------------------------------------------------------------
+def test_api_normal_reply_sends_model_messages_params_and_key(api):
+    b = common.ChatBackend("api:m", api_base=api.base + "/", api_key=KEY, timeout=5, retries=2, backoff=0.01)
+    assert b.url == api.base + "/chat/completions"
+    assert b.chat([CONV], max_tokens=17, temperature=0.7) == ["hello"]
+    assert len(api.requests) == 1
+    r = api.requests[0]
+    assert r["path"] == "/v1/chat/completions"
+    assert r["auth"] == "Bearer sk-secret-123"
+    assert r["content_type"] == "application/json"
+    assert r["body"] == {"model": "m", "messages": CONV, "max_tokens": 17, "temperature": 0.7}
+    assert b.failures == 0
+
+
+def test_api_defaults_from_environment(api, monkeypatch):
+    monkeypatch.setenv("OPENAI_BASE_URL", api.base)
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-from-env")
+    b = common.ChatBackend("api:other-model", retries=0)
+    assert b.chat([CONV]) == ["hello"]
+    assert api.requests[0]["auth"] == "Bearer sk-from-env"
+    assert api.requests[0]["body"]["model"] == "other-model"
+    assert api.requests[0]["body"]["max_tokens"] == 256 and api.requests[0]["body"]["temperature"] == 0.0
+
+
+def test_api_no_key_sends_no_authorization(api, monkeypatch):
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    b = common.ChatBackend("api:m", api_base=api.base, retries=0)
+    assert b.chat([CONV]) == ["hello"]
+    assert api.requests[0]["auth"] is None
+
+
+def test_api_empty_batch_makes_no_request(api):
+    assert api.backend().chat([]) == []
+    assert api.requests == []
+
+
+def test_api_500_twice_then_success(api):
+    err = dict(status=500, body={"error": "boom"})
+    api.plan = [err, err, ok("third time lucky")]
+    b = api.backend(retries=3)
+    assert b.chat([CONV]) == ["third time lucky"]
+    assert len(api.requests) == 3
+    assert b.failures == 0
+
+
+def test_api_429_retry_after_zero_then_success(api):
+    api.plan = [dict(status=429, body={"error": "slow down"}, headers={"Retry-After": "0"}), ok("ok now")]
+    b = api.backend(retries=2)
+    assert b.chat([CONV]) == ["ok now"]
+    assert len(api.requests) == 2
+    assert b.failures == 0
+
+
+BAD_ANSWERS = {
+    "non_json": dict(raw=b"<html>502 bad gateway</html>"),
+    "truncated_json": dict(raw=b'{"choices": [{"message": {"content": "hel'),
+    "empty_choices": dict(body={"choices": []}),
+    "choice_without_message": dict(body={"choices": [{"index": 0, "text": "hi"}]}),
+    "message_without_content": dict(body={"choices": [{"message": {"role": "assistant"}}]}),
+    "null_content": dict(body={"choices": [{"message": {"role": "assistant", "content": None}}]}),
+    "json_list": dict(body=[1, 2, 3]),
+    "not_utf8": dict(raw=b'{"choices": [{"message": {"content": "\xff\xfe"}}]}'),
+    "body_shorter_than_content_length": dict(raw=b'{"choices": [', length=500),
+    "always_500": dict(status=500, body={"error": "down"}),
+}
+
+
+@pytest.mark.parametrize("answer", list(BAD_ANSWERS), ids=list(BAD_ANSWERS))
+def test_api_bad_answers_are_retried_then_none(api, answer):
+    api.plan = [BAD_ANSWERS[answer]]
+    b = api.backend(retries=2)
+    assert b.chat([CONV]) == [None]
+    assert len(api.requests) == 3  # retries + 1
+    assert b.failures == 1
+    assert b.chat([CONV]) == [None]
+    assert len(api.requests) == 6
+    assert b.failures == 2
+
+
+def test_api_bad_answer_then_good_answer(api):
+    api.plan = [dict(raw=b"not json"), dict(body={"choices": []}), ok("fine")]
+    b = api.backend(retries=2)
+    assert b.chat([CONV]) == ["fine"]
+    assert len(api.requests) == 3 and b.failures == 0
+
+
+def test_api_timeout_gives_none_and_handler_threads_exit(api):
+    api.plan = [dict(hang=True)]
+    b = api.backend(timeout=0.3, retries=1)
+    assert b.chat([CONV]) == [None]
+    assert len(api.requests) == 2
+    assert b.failures == 1
+    api.close()  # releases the hanging handlers and joins them
+    assert len(api.threads) == 2
+    assert not any(t.is_alive() for t in api.threads)
+
+
+@pytest.mark.parametrize("code", [400, 401, 403, 404])
+def test_api_client_errors_raise_usererror_without_the_key(api, code):
+    api.plan = [dict(status=code, body={"error": {"message": "invalid api key sk-secret-123"}})]
+    b = api.backend(retries=3)
+    with pytest.raises(common.UserError) as ei:
+        b.chat([CONV])
+    msg = str(ei.value)
+    assert api.base + "/chat/completions" in msg
+    assert f"HTTP {code}" in msg
+    assert "'m'" in msg
+    assert KEY not in msg
+    assert len(api.requests) == 1  # not retried
+
+
+def test_api_batch_replies_in_order(api):
+    # later conversations answer faster, so completion order is the reverse of input order
+    def respond(idx, body):
+        n = int(body["messages"][-1]["content"])
+        return ok(f"reply {n}", delay=0.05 * (5 - n))
+
+    api.respond = respond
+    convs = [[{"role": "user", "content": str(n)}] for n in range(6)]
+    b = api.backend(concurrency=6)
+    assert b.chat(convs) == [f"reply {n}" for n in range(6)]
+    assert sorted(r["body"]["messages"][0]["content"] for r in api.requests) == [str(n) for n in range(6)]
+
+
+def test_api_batch_mixed_success_and_failure(api):
+    api.respond = lambda idx, body: (dict(status=500, body={}) if body["messages"][-1]["content"] == "bad"
+                                     else ok("echo " + body["messages"][-1]["content"]))
+    convs = [[{"role": "user", "content": c}] for c in ("a", "bad", "c")]
+    b = api.backend(retries=1, concurrency=2)
+    assert b.chat(convs) == ["echo a", None, "echo c"]
+    assert b.failures == 1
+    assert len(api.requests) == 4  # a, c once; bad twice
+
+
+def test_api_concurrency_is_bounded(api):
+    api.plan = [ok("slow", delay=0.2)]
+    b = api.backend(concurrency=3)
+    assert b.chat([[{"role": "user", "content": str(i)}] for i in range(9)]) == ["slow"] * 9
+    assert len(api.requests) == 9
+    assert 2 <= api.max_active <= 3
+
+
+def test_api_key_not_in_repr_or_public_args(api):
+    b = api.backend()
+    assert KEY not in repr(b) and KEY not in str(b)
+    assert repr(b) == "ChatBackend('api:m')"
+    args = argparse.Namespace(api_key=KEY, api_base=api.base, model="m", lr=1e-5)
+    pub = common.public_args(args)
+    assert pub == {"api_key": "<redacted>", "api_base": api.base, "model": "m", "lr": 1e-5}
+    assert KEY not in json.dumps(pub)
+    assert args.api_key == KEY  # the namespace itself is left alone
+    assert common.public_args(argparse.Namespace(api_key=None, x=1)) == {"api_key": None, "x": 1}
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. bad backend specs
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("spec", ["bogus", "api:", "hf:", "openai:gpt", ":m", ""])
+def test_bad_backend_spec(spec):
+    with pytest.raises(common.UserError, match="expected hf:<model-or-path> or api:<model>"):
+        common.ChatBackend(spec)
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. JSONL
+# ---------------------------------------------------------------------------------------------
+FIELDS = {"id": int, "text": str, "score": (int, float)}
+
+
+def test_read_jsonl_valid_with_blank_line(tmp_path):
+    p = tmp_path / "file.jsonl"
+    p.write_text('{"id": 1, "text": "a", "score": 0.5}\n\n   \n{"id": 2, "text": "b", "score": 3, "x": [1]}\n',
+                 encoding="utf-8")
+    recs = common.read_jsonl(p, FIELDS)
+    assert recs == [
+        {"id": 1, "text": "a", "score": 0.5, "_where": f"{p}:1"},
+        {"id": 2, "text": "b", "score": 3, "x": [1], "_where": f"{p}:4"},
+    ]
+    assert common.read_jsonl(str(p))[1]["_where"] == f"{p}:4"  # no fields: only shape checked
+
+
+def _err(tmp_path, text, fields=FIELDS, mode="w"):
+    p = tmp_path / "file.jsonl"
+    if isinstance(text, bytes):
+        p.write_bytes(text)
+    else:
+        p.write_text(text, encoding="utf-8")
+    with pytest.raises(common.UserError) as ei:
+        common.read_jsonl(p, fields)
+    return str(ei.value), str(p)
+
+
+def test_read_jsonl_bad_json_names_path_and_line(tmp_path):
+    msg, p = _err(tmp_path, '{"id": 1, "text": "a", "score": 1}\n\n{"id": 2, "text": \n')
+    assert msg.startswith(f"{p}:3: not valid JSON")
+    assert "file.jsonl:3" in msg
+
+
+def test_read_jsonl_non_object_line(tmp_path):
+    msg, p = _err(tmp_path, '{"id": 1, "text": "a", "score": 1}\n[1, 2]\n')
+    assert msg == f"{p}:2: expected a JSON object, got list"
+
+
+def test_read_jsonl_missing_field(tmp_path):
+    msg, p = _err(tmp_path, '{"id": 1, "score": 1}\n')
+    assert msg == f"{p}:1: missing field 'text'"
+
+
+def test_read_jsonl_wrong_type(tmp_path):
+    msg, p = _err(tmp_path, '{"id": "7", "text": "a", "score": 1}\n')
+    assert msg == f"{p}:1: field 'id' must be int, got str"
+    msg, p = _err(tmp_path, '{"id": 1, "text": "a", "score": "high"}\n')
+    assert msg == f"{p}:1: field 'score' must be int or float, got str"
+
+
+def test_read_jsonl_bool_is_not_int(tmp_path):
+    msg, p = _err(tmp_path, '{"id": true, "text": "a", "score": 1}\n')
+    assert msg == f"{p}:1: field 'id' must be int, got bool"
+    msg, p = _err(tmp_path, '{"id": 1, "text": "a", "score": false}\n')
+    assert msg == f"{p}:1: field 'score' must be int or float, got bool"
+    p = tmp_path / "ok.jsonl"
+    p.write_text('{"flag": true}\n', encoding="utf-8")
+    assert common.read_jsonl(p, {"flag": bool})[0]["flag"] is True  # bool is fine where bool is asked
+
+
+def test_read_jsonl_empty_file(tmp_path):
+    msg, p = _err(tmp_path, "")
+    assert msg == f"{p}: no records"
+    msg, p = _err(tmp_path, "\n  \n\n")
+    assert msg == f"{p}: no records"
+
+
+def test_read_jsonl_missing_file(tmp_path):
+    p = tmp_path / "nope.jsonl"
+    with pytest.raises(common.UserError) as ei:
+        common.read_jsonl(p)
+    assert str(ei.value) == f"{p}: no such file"
+
+
+def test_read_jsonl_not_utf8_names_path_and_line(tmp_path):
+    # a Latin-1 file is a user mistake: one message with file:line, not a UnicodeDecodeError traceback
+    msg, p = _err(tmp_path, '{"id": 1, "text": "a", "score": 1}\n{"id": 2, "text": "caf\xe9", "score": 1}\n'
+                  .encode("latin-1"))
+    assert msg == f"{p}:2: not UTF-8 text (byte 23)"
+
+
+def test_read_jsonl_crlf_and_non_ascii(tmp_path):
+    p = tmp_path / "file.jsonl"
+    p.write_bytes('{"id": 1, "text": "café 😢", "score": 1}\r\n\r\n{"id": 2, "text": "b", "score": 2}\r\n'
+                  .encode("utf-8"))
+    recs = common.read_jsonl(p, FIELDS)
+    assert [(r["text"], r["_where"]) for r in recs] == [("café 😢", f"{p}:1"), ("b", f"{p}:3")]
+
+
+def test_append_jsonl(tmp_path):
+    p = tmp_path / "out.jsonl"
+    common.append_jsonl(p, {"a": 1, "_where": "x:1", "t": "héllo"})
+    common.append_jsonl(p, [{"a": 2}, {"a": 3, "_where": "y:2"}])
+    lines = p.read_text(encoding="utf-8").splitlines()
+    assert lines == ['{"a": 1, "t": "héllo"}', '{"a": 2}', '{"a": 3}']
+    # round trip through read_jsonl
+    assert [r["a"] for r in common.read_jsonl(p, {"a": int})] == [1, 2, 3]
+    common.append_jsonl(p, [])
+    assert len(p.read_text(encoding="utf-8").splitlines()) == 3
+
+
+def test_write_jsonl_helper_round_trip(tmp_path):
+    p = write_jsonl(tmp_path / "w.jsonl", [{"id": 1, "text": "x", "score": 2.5}])
+    assert common.read_jsonl(p, FIELDS)[0]["score"] == 2.5
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. run folders and args
+# ---------------------------------------------------------------------------------------------
+def test_make_run_dir_same_second_gives_new_folders(tmp_path, monkeypatch):
+    class FrozenDT(datetime.datetime):
+        @classmethod
+        def now(cls, tz=None):
+            return cls(2024, 5, 6, 7, 8, 9)
+
+    monkeypatch.setattr(common, "_dt", types.SimpleNamespace(datetime=FrozenDT))
+    a = common.make_run_dir(str(tmp_path / "runs"), "mica")
+    b = common.make_run_dir(str(tmp_path / "runs"), "mica")
+    c = common.make_run_dir(str(tmp_path / "runs"), "mica")
+    assert a.name == "mica-20240506-070809"
+    assert b.name == "mica-20240506-070809-1"
+    assert c.name == "mica-20240506-070809-2"
+    assert a.is_dir() and b.is_dir() and c.is_dir()
+    assert list(a.iterdir()) == []
+
+
+def test_make_run_dir_real_clock(tmp_path):
+    a = common.make_run_dir(tmp_path, "x")
+    b = common.make_run_dir(tmp_path, "x")
+    assert a != b and a.is_dir() and b.is_dir() and a.name.startswith("x-") and b.name.startswith("x-")
+
+
+def test_save_args_redacts_key(tmp_path, capsys):
+    args = argparse.Namespace(api_key=KEY, model="m", lr=0.001, out=tmp_path)
+    common.save_args(tmp_path, args)
+    saved = json.loads((tmp_path / "args.json").read_text())
+    assert saved == {"api_key": "<redacted>", "model": "m", "lr": 0.001, "out": str(tmp_path)}
+    assert KEY not in (tmp_path / "args.json").read_text()
+    out = capsys.readouterr().out
+    assert "| api_key | <redacted> |" in out and KEY not in out
+    assert [f.name for f in tmp_path.iterdir()] == ["args.json"]  # no temp file left behind
+
+
+# ---------------------------------------------------------------------------------------------
+# 5. checkpoints
+# ---------------------------------------------------------------------------------------------
+def _train_step(model, opt, sched, seed):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, model.config.vocab_size, (2, 8), generator=g)
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    opt.step()
+    sched.step()
+    opt.zero_grad()
+
+
+def _adapter_state(model):
+    from peft import get_peft_model_state_dict
+
+    return {k: v.detach().clone() for k, v in get_peft_model_state_dict(model).items()}
+
+
+def test_checkpoint_round_trip(tiny_model, tmp_path):
+    from peft import LoraConfig, get_peft_model
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    model = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    _train_step(model, opt, sched, seed=1)
+
+    root = tmp_path / "ckpt"
+    common.set_seed(123)
+    random.random(), np.random.rand(), torch.rand(1)  # move the RNGs off their seeded start
+    path = common.save_checkpoint(root, 3, model, opt, sched, extra={"episodes": 42}, keep=2)
+    assert path == root / "step_000003"
+    expected_draws = (random.random(), np.random.rand(3).tolist(), torch.rand(3).tolist())
+    saved_weights = _adapter_state(model)
+    saved_opt = copy.deepcopy(opt.state_dict())
+    saved_lr = opt.param_groups[0]["lr"]
+    assert sched.last_epoch == 1 and saved_lr == pytest.approx(5e-3)
+
+    # the adapter folder is a normal peft adapter
+    assert (path / "adapter" / "adapter_model.safetensors").is_file()
+    assert (path / "adapter" / "adapter_config.json").is_file()
+    on_disk = load_file(str(path / "adapter" / "adapter_model.safetensors"))
+    assert len(on_disk) == len(saved_weights) == 2 * 2 * 2  # 2 layers x (q, v) x (A, B)
+    assert any(v.abs().sum() > 0 for k, v in on_disk.items() if "lora_B" in k)  # the step moved B
+
+    # move everything on: weights, optimizer, scheduler, RNGs
+    _train_step(model, opt, sched, seed=2)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_A" in n:
+                p.add_(1.0)
+    random.random(), np.random.rand(5), torch.rand(5)
+    assert sched.last_epoch == 2
+    changed = _adapter_state(model)
+    assert all(not torch.equal(changed[k], saved_weights[k]) for k in saved_weights)
+
+    state = common.load_checkpoint(path, model, opt, sched)
+    assert state["step"] == 3 and state["episodes"] == 42
+    assert json.loads((path / "state.json").read_text())["step"] == 3
+    restored = _adapter_state(model)
+    assert restored.keys() == saved_weights.keys()
+    assert all(torch.equal(restored[k], saved_weights[k]) for k in saved_weights)
+    assert sched.last_epoch == 1
+    assert opt.param_groups[0]["lr"] == saved_lr
+    now_opt = opt.state_dict()
+    assert now_opt["param_groups"] == saved_opt["param_groups"]
+    assert now_opt["state"].keys() == saved_opt["state"].keys()
+    for i, s in saved_opt["state"].items():
+        assert set(now_opt["state"][i]) == set(s) == {"step", "exp_avg", "exp_avg_sq"}
+        for k in s:
+            assert torch.equal(torch.as_tensor(now_opt["state"][i][k]), torch.as_tensor(s[k])), (i, k)
+    assert float(now_opt["state"][0]["step"]) == 1.0
+    draws = (random.random(), np.random.rand(3).tolist(), torch.rand(3).tolist())
+    assert draws == expected_draws
+
+    # a further step from the restored state works (optimizer state is usable, not just equal)
+    _train_step(model, opt, sched, seed=2)
+    assert float(opt.state_dict()["state"][0]["step"]) == 2.0
+
+
+def test_checkpoint_keep_latest_and_cleanup(tiny_model, tmp_path):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    model = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    root = tmp_path / "ckpt"
+    assert common.latest_checkpoint(root) is None  # folder does not exist yet
+    for step in (3, 9, 10, 1000):
+        _train_step(model, opt, sched, seed=step)
+        common.save_checkpoint(root, step, model, opt, sched, keep=2)
+    assert sorted(p.name for p in root.iterdir()) == ["step_000010", "step_001000"]
+    assert list(root.glob(".step_*")) == [] and list(root.glob("*tmp*")) == []
+    assert common.latest_checkpoint(root) == root / "step_001000"
+    assert json.loads((root / "step_001000" / "state.json").read_text())["step"] == 1000
+    # saving the same step again replaces it in place
+    common.save_checkpoint(root, 1000, model, opt, sched, extra={"again": True}, keep=2)
+    assert sorted(p.name for p in root.iterdir()) == ["step_000010", "step_001000"]
+    assert json.loads((root / "step_001000" / "state.json").read_text())["again"] is True
+    assert (root / "step_001000" / "adapter" / "adapter_model.safetensors").is_file()
+    # keep=1
+    common.save_checkpoint(root, 1001, model, opt, sched, keep=1)
+    assert [p.name for p in root.iterdir()] == ["step_001001"]
+    assert common.latest_checkpoint(root) == root / "step_001001"
+
+
+# ---------------------------------------------------------------------------------------------
+# 6. model resolution
+# ---------------------------------------------------------------------------------------------
+def test_resolve_unknown_model_offline(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    # huggingface_hub reads HF_HUB_OFFLINE once at import; if it is already imported, flip it too
+    import huggingface_hub.constants as hf_constants
+
+    monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(common.UserError) as ei:
+        common.resolve_model("no-such-model-xyz")
+    msg = str(ei.value)
+    assert "'no-such-model-xyz'" in msg and "not found" in msg
+    assert "Qwen2.5-7B-Instruct" in msg  # lists the known aliases
+
+
+def test_resolve_local_folder(tiny_model, tmp_path):
+    assert common.resolve_model(tiny_model) == tiny_model
+    with pytest.raises(common.UserError, match="has no config.json"):
+        common.resolve_model(str(tmp_path))
+
+
+# ---------------------------------------------------------------------------------------------
+# 7. embeddings
+# ---------------------------------------------------------------------------------------------
+def test_embed_backend():
+    emb = common.EmbedBackend()
+    texts = ["I feel so lonely since my father passed away.",
+             "Since my dad died I have felt very alone.",
+             "The quarterly tax report is due on Friday.",
+             "I feel so lonely since my father passed away."]
+    v = emb.encode(texts)
+    assert tuple(v.shape) == (4, 384) and v.dtype == torch.float32
+    assert torch.allclose(v.norm(dim=-1), torch.ones(4), atol=1e-5)
+    assert torch.equal(v[0], v[3])
+    sim = v @ v.T
+    assert sim[0, 1] > sim[0, 2] + 0.2
+    # a fresh encode of a text, alone or in another batch, gives the same vector
+    fresh = common.EmbedBackend().encode([texts[2], "something else entirely"])
+    assert torch.allclose(fresh[0], v[2], atol=1e-5)
+    assert tuple(emb.encode([]).shape) == (0, 384)

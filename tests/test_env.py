@@ -1,0 +1,136 @@
+"""03_rollout's environment: EMPA state, rules, judges, users and the token-in/token-out rollout."""
+import json
+import math
+
+import pytest
+
+import common
+from conftest import write_jsonl
+
+
+class Args:
+    min_turns, collapse_window, max_turns, eps = 12, 5, 45, 1.0
+
+
+def test_initial_deficit_ranges(env):
+    assert env.initial_deficit({n: 0 for n in env.DEFICIT_ITEMS}) == [0.0, 0.0, 0.0]
+    assert env.initial_deficit({n: 3 for n in env.DEFICIT_ITEMS}) == [-21.0, -27.0, -27.0]
+    items = dict(C1=1, C2=2, C3=2, A1=0, A2=1, A3=2, P1=3, P2=0, P3=1)
+    assert env.initial_deficit(items) == [-12.0, -10.0, -9.0]
+
+
+def test_levels_to_v_reference_example(env):
+    # the REFERENCE worked example's v = (1,3,0), (-1,1,1), (3,-1,1) as MDEP-PR levels
+    assert env.levels_to_v({"C": (1, 0), "A": (2, 0), "P": (0, 0)}) == [1, 3, 0]
+    assert env.levels_to_v({"C": (1, 1), "A": (1, 0), "P": (1, 0)}) == [-1, 1, 1]
+    assert env.levels_to_v({"C": (2, 0), "A": (1, 1), "P": (1, 0)}) == [3, -1, 1]
+    assert env.levels_to_v({"C": (0, 2), "A": (0, 2), "P": (0, 2)}) == [-4, -5, -5]
+
+
+def test_hinge_distance(env):
+    assert env.hinge_distance([-6, -9, -4]) == pytest.approx(9.899495)
+    assert env.hinge_distance([-6, -9, -4], eps=3) == pytest.approx(math.sqrt(9 + 36 + 1))
+    assert env.hinge_distance([5, 5, 5]) == 0.0  # overshoot is not penalised
+
+
+def test_episode_rules(env):
+    P0 = [-6, -9, -4]                          # ||P0|| = 11.53
+    a = Args()
+    assert env.episode_status(P0, [3.0] * 5, [], 5, a) is None            # before the gate
+    assert env.episode_status(P0, [1.0] * 12, [], 12, a) == "success"     # E_total 12 >= 11.53
+    assert env.episode_status(P0, [0.9] * 12, [], 12, a) is None
+    dEs = [1.0] * 7 + [-0.1] * 5                                          # collapsed: last 5 < 0
+    assert env.episode_status(P0, dEs, [], 12, a) == "failure"
+    # stagnant (std of last 5 ||P|| < 0.5) and regressing (>= 6 of last 8 dE < 0, sum < -1)
+    states = [[-6, -9, -4]] * 13
+    dEs = [0.0] * 4 + [-0.3, -0.3, 0.1, -0.3, -0.3, 0.1, -0.3, -0.3]
+    assert env.episode_status(P0, dEs, states, 12, a) == "failure"
+    moving = [[-6, -9, -4 + i] for i in range(13)]                       # not stagnant
+    assert env.episode_status(P0, dEs, moving, 12, a) is None
+
+
+def test_load_scenarios_shipped_sets(env):
+    train = env.load_scenarios(common.Path(env.HERE) / "data" / "scenarios_train.jsonl")
+    test = env.load_scenarios(common.Path(env.HERE) / "data" / "scenarios_test.jsonl")
+    assert len(train) >= 20 and len(test) >= 8
+    for s in train + test:
+        assert s["kind"] in ("cognitive", "affective", "proactive")
+        assert 12 <= env.norm(s["p0"]) <= 26
+        assert all(len(s["user_lines"][t]) >= 3 for t in ("better", "stuck", "worse"))
+    assert {s["kind"] for s in train} == {"cognitive", "affective", "proactive"}
+    assert not {s["id"] for s in train} & {s["id"] for s in test}
+
+
+@pytest.mark.parametrize("line, message", [
+    ('{"id": "a", "persona": "p", "situation": "s"}', "x.jsonl:2: missing field 'opening'"),
+    ('{"id": 3, "persona": "p", "situation": "s", "opening": "o", "p0": [-1, -1, -1]}',
+     "x.jsonl:2: field 'id' must be str, got int"),
+    ('{"id": "a", "persona": "p", "situation": "s", "opening": "o", "p0": [-1, 2]}', "x.jsonl:2: field 'p0'"),
+    ('{"id": "a", "persona": "p", "situation": "s", "opening": "o", "items": {"C1": 5}}',
+     "x.jsonl:2: field 'items.C1' must be an integer 0-3"),
+    ('{"id": "a", "persona": "p", "situation": "s", "opening": "  ", "p0": [-1, -1, -1]}',
+     "x.jsonl:2: field 'opening' is empty"),
+    ('{"id": "a", "persona": "p", "situation": "s", "opening": "o", "p0": [-1, -1, -1], '
+     '"user_lines": {"better": "hi"}}', "x.jsonl:2: field 'user_lines.better'"),
+    ('{"id": "a", "persona": "p" "situation": "s"}', "x.jsonl:2: not valid JSON"),
+])
+def test_load_scenarios_errors_name_file_line_field(env, tmp_path, line, message):
+    good = '{"id": "ok", "persona": "p", "situation": "s", "opening": "o", "p0": [-1, -2, -3]}'
+    path = tmp_path / "x.jsonl"
+    path.write_text(good + "\n" + line + "\n")
+    with pytest.raises(common.UserError) as e:
+        env.load_scenarios(path)
+    assert message in str(e.value)
+
+
+def test_parse_judge_json(env):
+    ok = '{"C": {"progress": 1, "negative": 0}, "A": {"progress": 2, "negative": 0}, "P": {"progress": 0, "negative": 1}}'
+    assert env.parse_judge_json(ok) == {"C": (1, 0), "A": (2, 0), "P": (0, 1)}
+    assert env.parse_judge_json("Sure! ```json\n" + ok + "\n```") == {"C": (1, 0), "A": (2, 0), "P": (0, 1)}
+    assert env.parse_judge_json(ok[:-5]) is None                          # truncated
+    assert env.parse_judge_json(ok.replace('"progress": 2', '"progress": 3')) is None   # out of range
+    assert env.parse_judge_json(ok.replace('"progress": 2', '"progress": "2"')) is None  # wrong type
+    assert env.parse_judge_json('{"C": {"progress": 1}}') is None          # missing fields
+    assert env.parse_judge_json("no json here") is None and env.parse_judge_json(None) is None
+
+
+def test_scripted_user_follows_trend_and_is_deterministic(env):
+    s = {"id": "s", "user_lines": {"better": ["b1", "b2"], "stuck": ["s1", "s2"], "worse": ["w1"]}}
+    hist = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "hi"}]
+    u = env.ScriptedUser(seed=7)
+    items = [{"scenario": s, "k": k, "history": hist, "trend": t}
+             for k, t in enumerate(["better", "stuck", "worse"])]
+    a = u.reply(items)
+    assert a[0] in ("b1", "b2") and a[1] in ("s1", "s2") and a[2] == "w1"
+    assert env.ScriptedUser(seed=7).reply(items) == a
+    # an unused line is preferred over one already said in this dialogue
+    said = hist + [{"role": "user", "content": "b1"}, {"role": "assistant", "content": "ok"}]
+    assert all(env.ScriptedUser(seed=sd).reply([{"scenario": s, "k": 0, "history": said, "trend": "better"}])
+               == ["b2"] for sd in range(5))
+
+
+def test_embed_judge_ranks_validating_above_dismissive_on_affective_axis(env):
+    judge = env.EmbedJudge(common.Path(env.HERE) / "data" / "judge_prototypes.json")
+    cases = [
+        ("My dad died last month and I keep replaying our last phone call; I was short with him.",
+         "That sounds so painful. Replaying that last call makes sense when you loved him this much, and "
+         "one short moment doesn't erase what you were to each other.",
+         "Everyone dies eventually. You should just move on and stop dwelling on it."),
+        ("I got passed over for the promotion again and I feel humiliated in front of my team.",
+         "Being passed over again, in front of people you work with every day, would sting anyone. "
+         "It makes sense that you feel humiliated.",
+         "Stop complaining, that's just how work is. Get over it."),
+    ]
+    for user, validating, dismissive in cases:
+        out = judge.judge([{"scenario": {}, "history": [{"role": "user", "content": user}], "reply": r}
+                           for r in (validating, dismissive)])
+        v_good, v_bad = (env.levels_to_v(o["levels"]) for o in out)
+        assert v_good[1] > v_bad[1], (user, out)
+        assert sum(v_good) > sum(v_bad)
+    # deterministic, and an empty reply gains nothing
+    again = judge.judge([{"scenario": {}, "history": [{"role": "user", "content": cases[0][0]}],
+                          "reply": cases[0][1]}])
+    assert again[0]["levels"] == judge.judge([{"scenario": {}, "history": [
+        {"role": "user", "content": cases[0][0]}], "reply": cases[0][1]}])[0]["levels"]
+    empty = judge.judge([{"scenario": {}, "history": [{"role": "user", "content": "hi"}], "reply": ""}])
+    assert sum(env.levels_to_v(empty[0]["levels"])) < 0

