@@ -306,7 +306,7 @@ class ChatBackend:
             except urllib.error.HTTPError as e:
                 retry_after = e.headers.get("Retry-After") if e.headers else None
                 if e.code == 429 and retry_after and retry_after.replace(".", "", 1).isdigit():
-                    wait = max(wait, float(retry_after))
+                    wait = max(wait, min(float(retry_after), 120.0))  # honoured, capped at 2 min
                 if e.code in (400, 401, 403, 404):  # will not get better by retrying
                     raise UserError(f"{self.url} answered HTTP {e.code} for model '{self.name}' "
                                     f"(check --api-base, the model name and OPENAI_API_KEY)") from None
