@@ -176,7 +176,30 @@ def levels_to_v(levels: dict) -> list[float]:
 # Judges: (scenario, history, reply) -> levels {axis: (progress 0-2, negative 0-2)} or None (failed)
 # ---------------------------------------------------------------------------------------------
 class EmbedJudge:
-    """Offline judge on MiniLM sentence embeddings (see the module docstring for what it is)."""
+    """Offline judge. MiniLM sentence embeddings say what a reply is *about* (relevant to this user,
+    specific to their story, a template, a repeat); short cue lists say what *move* it makes (a question,
+    feelings named and validated, a concrete step; or minimising, lecturing, changing the subject).
+    Every prototype, cue pattern and threshold lives in the prototypes JSON. Rules, in order:
+      empty                         -> negative 1 on every axis
+      copied (repeats an earlier reply, or echoes the user / system prompt) -> no progress, C-1, A-1
+      off topic (low relevance and no detail of the user's story)           -> no progress, C-1, A-1
+      template (most sentences are generic comfort lines)                   -> A progress 1, A-1
+      generic (could be said to anyone)  -> only the main move, at most level 1; A-1 unless a question
+      otherwise, per axis: level 1 = a cue of the move (not contradicted by the embedding margin) or a
+      clear embedding margin; level 2 = the main move, >= 2 kinds of cue, relevant, specific, grounded
+      in the user's details with substance of its own, complete, and nothing harmful anywhere.
+      Harmful phrases of an axis cancel its progress and give its negative level (by count)."""
+
+    # words that carry no detail of anyone's story (also the function words of the fluency check)
+    STOP = set("""a an the and or but if so to of in on at by for with from into about as than then that
+        this these those there here it its it's is are was were be been being am do does did done have has
+        had i i'm i've me my mine you you're you've your yours he she him her his they them their we us our
+        what when where which who whom why how not no nor too very just can could would should will shall
+        may might must all any some more most much many one ones really also even still again ever only own
+        same such other up down out over off now like get got feel feels felt sounds sound make makes thing
+        things something anything everything someone anyone everyone way lot don't can't won't i'd you'd
+        that's what's let let's know think want need already back gone look said say keep help alone enough
+        found wait time people ask going""".split())
 
     def __init__(self, prototypes_path, device="cpu"):
         self.embed = common.EmbedBackend(device=device)
@@ -184,46 +207,156 @@ class EmbedJudge:
         self.th = proto["thresholds"]
         self.help = {a: self.embed.encode(proto["helpful"][a]) for a in AXES}     # [n, 384] per axis
         self.harm = {a: self.embed.encode(proto["harmful"][a]) for a in AXES}
-        self.templates = self.embed.encode(proto["templates"])
+        self.templates = self.embed.encode(proto["templates"])                    # one comfort line each
+        self.contrast = self.embed.encode(proto["contrast"])                      # other people's troubles
+        # cues[kind][axis]: compiled patterns, kind "helpful" (the move) or "harmful" (the harm)
+        self.cues = {kind: {a: [re.compile(p, re.I) for p in by_axis[a]] for a in AXES}
+                     for kind, by_axis in proto["cues"].items()}
+        # every word of the cue patterns: stock phrasing, not substance (see `substance` below)
+        self.cue_vocab = self._stems(" ".join(re.sub(r"\\[a-z]|[^a-z']", " ", p.pattern)
+                                              for by_axis in self.cues.values()
+                                              for pats in by_axis.values() for p in pats))
 
     @staticmethod
     def _top2(sims: torch.Tensor) -> float:
         return sims.topk(min(2, sims.numel())).values.mean().item()
 
+    @staticmethod
+    def _sentences(text: str) -> list[str]:
+        return [s.strip() for s in re.split(r"(?<=[.!?;:])\s+|\n+", text) if s.strip()] or [text]
+
+    @staticmethod
+    def _words(text: str) -> list[str]:
+        return re.findall(r"[a-z][a-z']*", text.lower())
+
+    def _stems(self, text: str) -> set[str]:
+        # detail words: no stop words, a common suffix dropped, the first 5 letters kept (yelled ~ yelling)
+        out = set()
+        for w in self._words(text):
+            if len(w) < 4 or w in self.STOP:
+                continue
+            for suf in ("ing", "ed", "es", "s", "ly"):
+                if w.endswith(suf) and len(w) - len(suf) >= 3:
+                    w = w[: -len(suf)]
+                    break
+            out.add(w[:5])
+        return out
+
+    @staticmethod
+    def _copied(text: str, sources: list[str]) -> float:
+        # the largest share of the reply's word 4-grams found verbatim in one source
+        def grams(s):
+            w = re.findall(r"\w+", s.lower())
+            return {tuple(w[i:i + 4]) for i in range(len(w) - 3)}
+        mine = grams(text)
+        return max([len(mine & grams(s)) / len(mine) for s in sources] or [0.0]) if mine else 0.0
+
     def judge(self, cases: list[dict]) -> list[dict | None]:
         """cases: {scenario, history: [messages], reply}. Returns levels plus the features used."""
         th = self.th
-        replies = [c["reply"] for c in cases]
-        lasts = [next((m["content"] for m in reversed(c["history"]) if m["role"] == "user"), "")
-                 for c in cases]
-        R = self.embed.encode([r if r.strip() else "(no reply)" for r in replies])
-        U = self.embed.encode(lasts)
+        # embed every reply and its sentences in batches up front (encode caches per text)
+        self.embed.encode([t for c in cases if c["reply"].strip()
+                           for t in [c["reply"].strip()] + self._sentences(c["reply"].strip())])
         out = []
-        for i, c in enumerate(cases):
-            if not replies[i].strip():  # an empty reply: nothing gained, felt as dismissive
-                out.append({"levels": {a: (0, 1) for a in AXES}, "features": {"empty": True}})
+        for c in cases:
+            reply = c["reply"].strip()
+            if not reply:  # an empty reply: nothing gained, felt as dismissive on every axis
+                out.append({"levels": {a: (0, 1) for a in AXES}, "features": {"kind": "empty"}})
                 continue
-            rel = float(R[i] @ U[i])
-            templ = float((self.templates @ R[i]).max())
-            earlier = [m["content"] for m in c["history"] if m["role"] == "assistant" and m["content"].strip()]
-            rep = float((self.embed.encode(earlier) @ R[i]).max()) if earlier else 0.0
-            performative = templ >= th["template"] or rep >= th["repetition"]
-            levels, feats = {}, {"relevance": round(rel, 3), "template": round(templ, 3),
-                                 "repetition": round(rep, 3)}
+            users = [m["content"] for m in c["history"] if m["role"] == "user"]
+            said = " ".join(users)
+            earlier = [m["content"] for m in c["history"]
+                       if m["role"] == "assistant" and m["content"].strip()]
+            system = [m["content"] for m in c["history"] if m["role"] == "system"]
+            R = self.embed.encode([reply])[0]                                     # [384]
+            S = self.embed.encode(self._sentences(reply))                         # [sentences, 384]
+            U = self.embed.encode([users[-1] if users else "", said])             # last message, all
+
+            # 1. what the reply is about
+            # relevance: cosine to the user's last message or to everything they have said
+            rel = max(float(U[0] @ R), float(U[1] @ R))
+            # specificity: how much closer it is to this user than to other people's troubles
+            # (comfort that could be said to anyone is about as close to all of them)
+            spec = rel - float((self.contrast @ R).mean())
+            # grounding: detail words of the user's story that the reply picks up
+            ground = len(self._stems(reply) & self._stems(said))
+            # substance: detail words of its own, neither the user's nor cue phrasing
+            # (stock phrases filled in with the user's nouns have none)
+            substance = len(self._stems(reply) - self._stems(said) - self.cue_vocab)
+            # template: the share of sentences close to a generic comfort line
+            templ_sims = (self.templates @ S.T).max(0).values                    # best line per sentence
+            templ_share = float((templ_sims >= th["template"]).float().mean())
+            # repetition: close in meaning to, or copied from, an earlier reply; echo: copies the user's
+            # (or the system prompt's) words back
+            rep = float((self.embed.encode(earlier) @ R).max()) if earlier else 0.0
+            rep = max(rep, self._copied(reply, earlier))
+            echo = self._copied(reply, users + system)
+            # fluency: the share of function words (keyword lists and word salad have almost none)
+            words = self._words(reply)
+            fluency = sum(w in self.STOP for w in words) / max(1, len(words))
+            # cut off: stops mid-sentence (ends on a letter, digit, comma or dash)
+            cut = reply[-1].isalnum() or reply[-1] in ",;:-("
+
+            # 2. what kind of reply it is
+            copied = rep >= th["repetition"] or echo >= th["copy"]
+            template = templ_share >= th["template_share"]
+            generic = spec < th["specific1"] and ground < th["ground1"]
+            off_topic = not template and rel < th["relevance1"] and ground < th["ground1"]
+            kind = ("copied" if copied else "off_topic" if off_topic else "template" if template
+                    else "generic" if generic else "specific")
+            feats = {"kind": kind, "performative": kind in ("copied", "template", "generic"),
+                     "relevance": round(rel, 3), "specificity": round(spec, 3), "grounding": ground,
+                     "substance": substance, "template": round(float(templ_sims.max()), 3),
+                     "repetition": round(rep, 3), "echo": round(echo, 3), "fluency": round(fluency, 2),
+                     "cut_off": cut}
+
+            # 3. what move it makes, per axis
+            hits, bad, margin = {}, {}, {}
             for a in AXES:
-                help_a = self._top2(self.help[a] @ R[i])
-                harm_a = self._top2(self.harm[a] @ R[i])
-                margin = help_a - harm_a
+                # kinds of evidence (patterns) for the axis' helpful move; distinct harmful phrases, except
+                # those quoted from the user ("telling me 'lots of people fail' doesn't help")
+                hits[a] = sum(bool(p.search(reply)) for p in self.cues["helpful"][a])
+                bad[a] = len({m.group(0).lower() for p in self.cues["harmful"][a] for m in p.finditer(reply)}
+                             - {m.group(0).lower() for p in self.cues["harmful"][a] for m in p.finditer(said)})
+                # embedding margin: the best sentence's likeness to helpful minus to harmful descriptions
+                margin[a] = (max(self._top2(self.help[a] @ s) for s in S)
+                             - max(self._top2(self.harm[a] @ s) for s in S))
+                feats[f"cues_{a}"], feats[f"harm_{a}"] = hits[a], bad[a]
+                feats[f"margin_{a}"] = round(margin[a], 3)
+            top = max(AXES, key=lambda a: (hits[a] > 0, margin[a]))   # the reply's main move
+            harmful = any(bad.values())
+
+            # 4. levels
+            levels = {}
+            for a in AXES:
                 progress = 0
-                if margin >= th["progress1"] and rel >= th["relevance1"]:
+                if copied or off_topic or fluency < th["fluency"]:
+                    pass  # nothing new, not about them, or not language: no progress
+                elif bad[a]:
+                    pass  # a harmful phrase cancels this axis' progress (feelings named, then dismissed)
+                elif template:
+                    progress = int(a == "A")  # generic comfort: a little affective relief, no more
+                elif generic and a != top:
+                    pass  # could be said to anyone: only its main move counts, at level 1
+                elif (hits[a] and margin[a] >= th["progress1"]) or margin[a] >= th["progress_emb"]:
+                    # level 1: a cue of the move that the embedding does not contradict, or an embedding
+                    # that clearly leans to this axis' helpful descriptions
                     progress = 1
-                if margin >= th["progress2"] and rel >= th["relevance2"] and not performative:
-                    progress = 2  # level 2 is strict: on-topic, clearly helpful, not formulaic
-                negative = 2 if margin <= -th["negative2"] else 1 if margin <= -th["negative1"] else 0
-                if a == "A" and performative:
-                    negative = max(negative, 1)  # performative empathy earns a negative level
+                    # level 2 (strict): the main move, made strongly, about this user's own details with
+                    # substance of its own, complete, and free of anything formulaic or harmful
+                    if (a == top and hits[a] >= th["cues2"] and margin[a] >= th["progress2"]
+                            and rel >= th["relevance2"] and spec >= th["specific2"]
+                            and ground >= th["ground2"] and substance >= th["substance2"]
+                            and kind == "specific" and not cut and not harmful):
+                        progress = 2
+                # negative: harmful phrases of the axis (changing the subject on C, minimising on A,
+                # lecturing or blaming on P), by count
+                negative = 2 if bad[a] >= th["harm2"][a] else 1 if bad[a] >= th["harm1"][a] else 0
+                if a == "C" and (copied or off_topic):
+                    negative = max(negative, 1)  # not listening: saying it again, or talking past them
+                if a == "A" and (copied or off_topic or template or (generic and "?" not in reply)):
+                    negative = max(negative, 1)  # performative empathy (a generic question is only weak)
                 levels[a] = (progress, negative)
-                feats[f"margin_{a}"] = round(margin, 3)
             out.append({"levels": levels, "features": feats})
         return out
 
@@ -545,7 +678,7 @@ def add_env_args(p: argparse.ArgumentParser, scenarios_default: str, k_default: 
     g = p.add_argument_group("environment")
     g.add_argument("--scenarios", default=scenarios_default, help="scenarios JSONL")
     g.add_argument("--k", type=int, default=k_default, help="trajectories per scenario (K)")
-    g.add_argument("--max-turns", type=int, default=4, help="assistant turns before a timeout (EMPA: 45)")
+    g.add_argument("--max-turns", type=int, default=3, help="assistant turns before a timeout (EMPA: 45)")
     g.add_argument("--min-turns", type=int, default=2,
                    help="no success or failure before this turn (EMPA: 12)")
     g.add_argument("--collapse-window", type=int, default=3,
@@ -557,7 +690,7 @@ def add_env_args(p: argparse.ArgumentParser, scenarios_default: str, k_default: 
     g.add_argument("--judge-retries", type=int, default=2, help="re-asks of an LLM judge on malformed JSON")
     g.add_argument("--user", default="scripted", help="scripted | hf:<model-or-path> | api:<model>")
     g.add_argument("--system-prompt", default=DEFAULT_SYSTEM, help="the policy's system message")
-    g.add_argument("--max-new-tokens", type=int, default=64, help="token cap of one assistant reply")
+    g.add_argument("--max-new-tokens", type=int, default=48, help="token cap of one assistant reply")
     g.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (0 = greedy)")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling top-p")
     g.add_argument("--max-context", type=int, default=2048,

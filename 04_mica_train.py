@@ -312,9 +312,9 @@ def parse_args(argv=None):
     g.add_argument("--log-kl-every", type=int, default=5,
                    help="when --kl-coef is 0, measure the KL to the base every N steps (one no-grad forward)")
     g = p.add_argument_group("optimisation")
-    g.add_argument("--steps", type=int, default=30, help="training steps (rollout + update)")
+    g.add_argument("--steps", type=int, default=20, help="training steps (rollout + update)")
     g.add_argument("--scenarios-per-step", type=int, default=4, help="scenarios per step (each gets K rollouts)")
-    g.add_argument("--lr", type=float, default=5e-5, help="peak learning rate (AdamW)")
+    g.add_argument("--lr", type=float, default=1e-4, help="peak learning rate (AdamW)")
     g.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay")
     g.add_argument("--warmup-ratio", type=float, default=0.05, help="share of steps with linear warmup")
     g.add_argument("--ppo-epochs", type=int, default=1, help="passes over each rollout batch")

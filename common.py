@@ -180,6 +180,9 @@ def add_model_args(p: argparse.ArgumentParser, default_model: str = PACKAGED_SMO
                    help="4-bit NF4 base weights via bitsandbytes; auto = on with CUDA, off on CPU")
     g.add_argument("--gradient-checkpointing", action="store_true",
                    help="recompute activations in the backward pass (less memory, ~30%% slower)")
+    g.add_argument("--attn-implementation", default="auto",
+                   help="attention kernel: auto (eager on CPU, where it is faster with padding; sdpa on "
+                        "GPU), eager, sdpa, flash_attention_2")
     g.add_argument("--trust-remote-code", action="store_true",
                    help="allow a hub model's own Python code to run (off by default)")
 
@@ -194,8 +197,11 @@ def load_policy(args, trainable: bool = True):
     path = resolve_model(args.model)
     device = pick_device()
     use_4bit = args.load_in_4bit == "on" or (args.load_in_4bit == "auto" and device.type == "cuda")
+    attn = args.attn_implementation
+    if attn == "auto":
+        attn = "sdpa" if device.type == "cuda" else "eager"
     kwargs = dict(dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
-                  trust_remote_code=args.trust_remote_code)
+                  trust_remote_code=args.trust_remote_code, attn_implementation=attn)
     if use_4bit:
         from transformers import BitsAndBytesConfig
 

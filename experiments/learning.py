@@ -11,19 +11,22 @@ Quick look:                    python experiments/learning.py --seeds 0 --steps 
 """
 import argparse
 import json
+import os
 import math
 import statistics
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run(cmd):
+def run(cmd, threads=None):
     print("$", " ".join(map(str, cmd)), flush=True)
-    p = subprocess.run([sys.executable, *map(str, cmd)], cwd=ROOT, capture_output=True, text=True)
+    env = dict(os.environ, HF_HUB_OFFLINE="1", **({"OMP_NUM_THREADS": str(threads)} if threads else {}))
+    p = subprocess.run([sys.executable, *map(str, cmd)], cwd=ROOT, capture_output=True, text=True, env=env)
     if p.returncode != 0:
         sys.exit(f"failed ({p.returncode}):\n{p.stderr[-3000:]}")
     return p.stdout
@@ -37,7 +40,7 @@ def evaluate(args, out_dir, name, seed, adapter=None):
     cmd = [ROOT / "03_rollout.py", "--scenarios", args.test, "--num-scenarios", "0", "--k", args.eval_k,
            "--seed", 10_000 + seed, "--max-turns", args.max_turns, "--max-new-tokens", args.max_new_tokens,
            "--temperature", args.temperature, "--out-dir", out_dir, "--run-name", name, "--quiet", "--no-progress"]
-    run(cmd + (["--adapter", adapter] if adapter else []))
+    run(cmd + (["--adapter", adapter] if adapter else []), args.threads)
     recs = [json.loads(x) for x in (newest(out_dir, name) / "rollouts.jsonl").read_text().splitlines()]
     return {"return": statistics.mean(r["return"] for r in recs),
             "success": statistics.mean(r["outcome"] == "success" for r in recs),
@@ -47,31 +50,38 @@ def evaluate(args, out_dir, name, seed, adapter=None):
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--seeds", default="0,1,2", help="comma-separated training seeds")
-    p.add_argument("--steps", type=int, default=30, help="training steps per seed (the fixed budget)")
+    p.add_argument("--parallel", type=int, default=1, help="seeds run at once (each then uses 1 CPU thread)")
+    p.add_argument("--steps", type=int, default=20, help="training steps per seed (the fixed budget)")
     p.add_argument("--train-args", default="", help="extra flags for 04_mica_train.py, quoted")
     p.add_argument("--test", default=str(ROOT / "data" / "scenarios_test.jsonl"), help="held-out scenarios")
     p.add_argument("--eval-k", type=int, default=4, help="dialogues per test scenario")
-    p.add_argument("--max-turns", type=int, default=4, help="turns per dialogue (train and eval)")
-    p.add_argument("--max-new-tokens", type=int, default=64, help="reply token cap (train and eval)")
+    p.add_argument("--max-turns", type=int, default=3, help="turns per dialogue (train and eval)")
+    p.add_argument("--max-new-tokens", type=int, default=48, help="reply token cap (train and eval)")
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (train and eval)")
     p.add_argument("--out-dir", default=str(ROOT / "runs" / "learning"), help="where runs and the table go")
     args = p.parse_args()
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    rows, t0 = [], time.time()
-    for seed in [int(s) for s in args.seeds.split(",")]:
+    args.threads = 1 if args.parallel > 1 else None
+    t0 = time.time()
+
+    def one_seed(seed):
         base = evaluate(args, out, f"eval-base-s{seed}", seed)
         run([ROOT / "04_mica_train.py", "--seed", seed, "--steps", args.steps, "--max-turns", args.max_turns,
              "--max-new-tokens", args.max_new_tokens, "--temperature", args.temperature, "--out-dir", out,
-             "--run-name", f"train-s{seed}", "--no-progress", *args.train_args.split()])
+             "--run-name", f"train-s{seed}", "--no-progress", *args.train_args.split()], args.threads)
         train_dir = newest(out, f"train-s{seed}")
         trained = evaluate(args, out, f"eval-mica-s{seed}", seed, adapter=train_dir / "adapter")
         m = [json.loads(x) for x in (train_dir / "metrics.jsonl").read_text().splitlines()]
         q = max(1, len(m) // 4)
-        rows.append({"seed": seed, "base": base, "mica": trained,
-                     "train_return_first": statistics.mean(x["return_mean"] for x in m[:q]),
-                     "train_return_last": statistics.mean(x["return_mean"] for x in m[-q:])})
-        print(json.dumps(rows[-1]), flush=True)
+        row = {"seed": seed, "base": base, "mica": trained,
+               "train_return_first": statistics.mean(x["return_mean"] for x in m[:q]),
+               "train_return_last": statistics.mean(x["return_mean"] for x in m[-q:])}
+        print(json.dumps(row), flush=True)
+        return row
+
+    with ThreadPoolExecutor(max_workers=args.parallel) as pool:
+        rows = list(pool.map(one_seed, [int(s) for s in args.seeds.split(",")]))
 
     def ms(xs):
         return f"{statistics.mean(xs):.3f} ± {statistics.stdev(xs):.3f}" if len(xs) > 1 else f"{xs[0]:.3f}"
