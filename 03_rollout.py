@@ -25,13 +25,17 @@ Equations (EMPA, REFERENCE.md sections 1-3)
                     >= 6 of the last 8 dE < 0 with their sum < -1));   max_turns: stop (timeout)
 
 Judges and users (--judge, --user)
-  embed      offline judge on all-MiniLM-L6-v2: cosine similarity of the reply to per-axis
-             descriptions of helpful and harmful supporter behaviour, gated by relevance to the user's
-             last message, mapped to the EMPA levels by thresholds; replies close to generic template
-             lines or to the dialogue's earlier replies count as performative (a negative level on
-             the affective axis, progress capped at 1). Deterministic. It is a cheap proxy that rewards
-             on-topic, specific, validating / clarifying / empowering replies; it does not understand
-             the dialogue and can be gamed by anything that embeds close to the prototypes.
+  embed      offline judge: all-MiniLM-L6-v2 embeddings say what a reply is about (relevant to the
+             user's messages, specific to this user rather than to anyone's trouble, grounded in their
+             details, a template, a repeat, an echo), short cue lists say which move it makes (a
+             question or reflection -> C, feelings named and validated -> A, a concrete step or
+             affirmation -> P; changing the subject, minimising, lecturing -> negative levels). Empty,
+             copied and off-topic replies get no progress; template comfort earns at most A+1 with A-1
+             (performative empathy); level 2 is strict (main move, relevant, specific, grounded,
+             complete, nothing harmful). Every prototype, cue and threshold is in
+             data/judge_prototypes.json. Deterministic. It is a cheap proxy, not a reader: it cannot
+             tell a wise reply from one that merely uses the cue words about the user's nouns, and a
+             policy trained long enough against it will find such blind spots.
   hf:<m>, api:<m>   an LLM judge given an MDEP-PR style prompt that returns JSON levels; malformed
              output is retried, then the turn is marked judge_failed: its state does not move and
              the trainer leaves it out of the loss (never silently scored).
@@ -531,12 +535,13 @@ def render_ids(tokenizer, messages: list[dict]) -> list[int]:
 
 def next_user_ids(tokenizer, messages: list[dict], reply_text: str, ended_with_eos: bool) -> list[int]:
     """Token ids that follow the sampled reply: the template's close of the reply (when the model did
-    not emit it), the new user message and the generation prompt. messages ends with that user message."""
+    not emit it), the new user message and the generation prompt. messages ends with [reply, user]."""
+    head = tokenizer.apply_chat_template(messages[:-2], tokenize=False, add_generation_prompt=True)
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    i = text.rfind(reply_text) if reply_text else -1
+    i = text.find(reply_text, len(head)) if text.startswith(head) else -1
     if i < 0:
-        raise common.UserError("the model's chat template does not keep the assistant reply verbatim; "
-                               "multi-turn token-in/token-out rollout needs one that does")
+        raise common.UserError("the model's chat template does not keep earlier turns and the assistant "
+                               "reply verbatim; the token-in/token-out rollout needs one that does")
     after = text[i + len(reply_text):]
     if ended_with_eos and tokenizer.eos_token in after:
         after = after[after.index(tokenizer.eos_token) + len(tokenizer.eos_token):]
@@ -624,9 +629,7 @@ def rollout(model, tokenizer, scenarios: list[dict], judge, user, args, desc="ro
                 continue
             answer = answer[: args.max_message_chars]
             tr.messages.append({"role": "user", "content": answer})
-            ended = tr.ids[tr.spans[-1][1] - 1] in common.eos_token_ids(model, tokenizer) \
-                if tr.spans[-1][1] > tr.spans[-1][0] else False
-            extra = next_user_ids(tokenizer, tr.messages, tr.messages[-2]["content"], ended)
+            extra = next_user_ids(tokenizer, tr.messages, tr.messages[-2]["content"], not tr.truncated[-1])
             if len(tr.ids) + len(extra) + args.max_new_tokens > args.max_context:
                 tr.outcome = "context_limit"
                 tr.messages.pop()

@@ -128,3 +128,12 @@ def test_token_logprobs_match_full_forward(trainer, tiny, env):
         full = torch.log_softmax(model(input_ids=ids, attention_mask=attn).logits.float(), -1)
     ref = full[:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1)[mask[:, 1:].bool()]
     assert lp.shape == ref.shape and torch.allclose(lp, ref, atol=1e-5)
+
+
+def test_next_user_ids_after_an_empty_reply(env, tiny):
+    _, tok = tiny
+    msgs = [{"role": "system", "content": "be kind"}, {"role": "user", "content": "hello there"}]
+    ids = env.render_ids(tok, msgs) + [tok.eos_token_id]          # the model ended at once
+    full = msgs + [{"role": "assistant", "content": ""}, {"role": "user", "content": "are you there?"}]
+    ids += env.next_user_ids(tok, full, "", True)
+    assert tok.decode(ids) == tok.apply_chat_template(full, tokenize=False, add_generation_prompt=True)
