@@ -55,6 +55,7 @@ import time
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 import common
 
@@ -277,7 +278,8 @@ def ppo_update(model, tokenizer, optimizer, scheduler, trajs, advs, args, log_kl
                 stats["nonfinite_grad"] = stats.get("nonfinite_grad", 0) + 1
     scheduler.step()
     avg = lambda xs: sum(xs) / len(xs) if xs else float("nan")  # noqa: E731
-    return {"loss": sum(stats["loss"]) / max(1, args.ppo_epochs), "clip_frac": avg(stats["clip_frac"]),
+    n_updates = args.ppo_epochs * len(minibatches)        # the micro losses add up to one minibatch's loss
+    return {"loss": sum(stats["loss"]) / n_updates, "clip_frac": avg(stats["clip_frac"]),
             "kl": avg(stats["kl"]), "grad_norm": avg(stats["grad_norm"]), "train_tokens": stats["tokens"],
             "skipped": stats.get("nonfinite_grad", 0)}
 
@@ -381,7 +383,8 @@ def main(argv=None):
     n_trainable = sum(p.numel() for p in params)
     print(f"run folder {run_dir} | trainable parameters {n_trainable:,} | device {common.pick_device()}")
 
-    for step in range(start, args.steps + 1):
+    for step in tqdm(range(start, args.steps + 1), desc="train", initial=start - 1, total=args.steps,
+                     disable=not args.progress):
         t0 = time.time()
         step_seed = args.seed * 100_003 + step          # every step's randomness depends on (seed, step)
         torch.manual_seed(step_seed)
@@ -424,6 +427,8 @@ def main(argv=None):
             "return_mean": sum(rec["return"] for rec in records) / len(records),
             "success_rate": sum(tr.outcome == "success" for tr in flat_trajs) / len(flat_trajs),
             "final_distance": sum(rec["final_distance"] for rec in records) / len(records),
+            # sum of the pure IDR over a trajectory telescopes to d(P0) - d(P_T): the held-out measure
+            "distance_drop": sum(rec["initial_distance"] - rec["final_distance"] for rec in records) / len(records),
             "turns_mean": n_turns / len(flat_trajs),
             "truncated_frac": sum(sum(tr.truncated) for tr in flat_trajs) / max(1, n_turns),
             "judge_failures": sum(sum(tr.judge_failed) for tr in flat_trajs),

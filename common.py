@@ -37,6 +37,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from tqdm import tqdm
+
+tqdm_write = tqdm.write  # prints above any live progress bar
 
 
 # ---------------------------------------------------------------------------------------------
@@ -567,8 +570,8 @@ class MetricsLogger:
 
     def log(self, step: int, metrics: dict):
         clean = {k: (v if not isinstance(v, float) or math.isfinite(v) else None) for k, v in metrics.items()}
-        print(f"step {step:4d} | " + " | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
-                                                  for k, v in clean.items()), flush=True)
+        tqdm_write(f"step {step:4d} | " + " | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
+                                                  for k, v in clean.items()))
         append_jsonl(self.path, {"step": step, **clean})
         for k, v in clean.items():
             if isinstance(v, (int, float)):

@@ -134,3 +134,50 @@ def test_embed_judge_ranks_validating_above_dismissive_on_affective_axis(env):
         {"role": "user", "content": cases[0][0]}], "reply": cases[0][1]}])[0]["levels"]
     empty = judge.judge([{"scenario": {}, "history": [{"role": "user", "content": "hi"}], "reply": ""}])
     assert sum(env.levels_to_v(empty[0]["levels"])) < 0
+
+
+class FakeBackend:
+    """Stands in for common.ChatBackend: answers from a list, records what it was asked."""
+
+    def __init__(self, answers):
+        self.answers, self.asked = list(answers), []
+
+    def chat(self, conversations, max_tokens=256, temperature=0.0):
+        self.asked.append(conversations)
+        return [self.answers.pop(0) if self.answers else None for _ in conversations]
+
+
+GOOD = '{"C": {"progress": 2, "negative": 0}, "A": {"progress": 1, "negative": 1}, "P": {"progress": 0, "negative": 0}}'
+
+
+def test_llm_judge_retries_malformed_output_then_fails_the_turn(env):
+    case = {"scenario": {"persona": "Ana, 30", "situation": "lost her job"},
+            "history": [{"role": "system", "content": "sys"}, {"role": "user", "content": "I lost my job."}],
+            "reply": "That must be a shock."}
+    fake = FakeBackend(["not json", "```json\n" + GOOD + "\n```"])
+    out = env.LLMJudge(fake, retries=2).judge([case])
+    assert out[0]["levels"] == {"C": (2, 0), "A": (1, 1), "P": (0, 0)}
+    assert len(fake.asked) == 2                                   # one retry was enough
+    prompt = fake.asked[0][0][0]["content"]
+    assert "Ana, 30" in prompt and "Supporter: That must be a shock." in prompt and "MDEP-PR" in prompt
+    assert "sys" not in prompt.split("Conversation so far")[1]     # the system prompt is not shown
+    fake = FakeBackend(["{}", "nope", None])
+    assert env.LLMJudge(fake, retries=2).judge([case]) == [None]   # judge_failed, never a made-up score
+    assert len(fake.asked) == 3
+
+
+def test_llm_user_sees_the_band_not_the_numbers(env):
+    fake = FakeBackend(["  I guess that helps a little.  ", ""])
+    s = {"persona": "Ben, 40", "situation": "his shop is failing"}
+    hist = [{"role": "system", "content": "policy system prompt"}, {"role": "user", "content": "My shop is failing."},
+            {"role": "assistant", "content": "That sounds stressful."}]
+    band = env.state_band("better", 13.37, 27.9)
+    out = env.LLMUser(fake).reply([{"scenario": s, "history": hist, "band": band},
+                                   {"scenario": s, "history": hist, "band": band}])
+    assert out == ["I guess that helps a little.", None]           # an empty answer is a failure
+    conv = fake.asked[0][0]
+    assert conv[0]["role"] == "system" and "Ben, 40" in conv[0]["content"] and band in conv[0]["content"]
+    assert [m["role"] for m in conv[1:]] == ["assistant", "user"]  # roles swapped, policy system dropped
+    assert "13.37" not in conv[0]["content"] and "27.9" not in conv[0]["content"] and "0.4" not in conv[0]["content"]
+    assert env.state_band("worse", 19.0, 20.0).startswith("you still feel very low")
+    assert env.state_band("better", 2.0, 20.0).startswith("you feel much better")

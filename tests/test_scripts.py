@@ -67,7 +67,8 @@ def test_train_script_end_to_end_and_adapter_loads(tiny_model, tmp_path):
 def test_train_script_other_estimators(tiny_model, tmp_path, advantage):
     p = run_script("04_mica_train.py", "--model", tiny_model, "--steps", "1", "--scenarios-per-step", "2",
                    "--k", "2", "--advantage", advantage, "--ppo-epochs", "2", "--minibatch-size", "2",
-                   "--micro-batch-size", "1", "--kl-coef", "0.05", "--out-dir", tmp_path, *TINY)
+                   "--micro-batch-size", "1", "--kl-coef", "0.05", "--gradient-checkpointing",
+                   "--lora-targets", "q_proj,v_proj", "--out-dir", tmp_path, *TINY)
     assert p.returncode == 0, p.stderr[-3000:]
     m = metrics(only_run(tmp_path))[0]
     assert m["kl"] == m["kl"] and m["train_tokens"] > 0    # not NaN: the reference was computed
@@ -120,3 +121,61 @@ def test_bad_flags_exit_2_with_one_message(tmp_path, flags, message):
     assert p.returncode == 2, (p.returncode, p.stderr[-2000:])
     assert message in p.stderr and "Traceback" not in p.stderr
     assert not any(Path(tmp_path).iterdir())                  # nothing written for a rejected run
+
+
+def test_rollout_with_api_judge_and_user_on_a_loopback_server(tiny_model, tmp_path):
+    """03 against an OpenAI-compatible server on 127.0.0.1: an LLM judge that sometimes answers with
+    garbage (retried, then judge_failed) and an LLM user; the key reaches the server, never the files."""
+    import http.server
+    import threading
+
+    calls = {"judge": 0, "user": 0, "auth": set()}
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def log_message(self, *a):
+            pass
+
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            calls["auth"].add(self.headers.get("Authorization"))
+            text = json.dumps(body["messages"])
+            if "MDEP-PR" in text:
+                calls["judge"] += 1
+                # every third judge call is malformed; a case asked three times in a row fails
+                answer = "I think it was fine." if calls["judge"] % 3 == 0 else (
+                    '{"C": {"progress": 1, "negative": 0}, "A": {"progress": 1, "negative": 0}, '
+                    '"P": {"progress": 0, "negative": 0}}')
+            else:
+                calls["user"] += 1
+                answer = "I am not sure. It still hurts when I think about it."
+            out = json.dumps({"choices": [{"message": {"role": "assistant", "content": answer}}]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(out)))
+            self.end_headers()
+            self.wfile.write(out)
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        p = run_script("03_rollout.py", "--model", tiny_model, "--num-scenarios", "2", "--k", "2",
+                       "--judge", "api:judge-model", "--user", "api:user-model", "--judge-retries", "1",
+                       "--api-base", f"http://127.0.0.1:{server.server_port}/v1", "--out-dir", tmp_path,
+                       *TINY, env_extra={"OPENAI_API_KEY": "sk-test-secret-42"})
+    finally:
+        server.shutdown()
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert calls["judge"] >= 8 and calls["user"] >= 1 and calls["auth"] == {"Bearer sk-test-secret-42"}
+    recs = [json.loads(x) for x in (only_run(tmp_path) / "rollouts.jsonl").read_text().splitlines()]
+    turns = [t for r in recs for t in r["turns"]]
+    judged = [t for t in turns if not t["judge_failed"]]
+    assert judged and all(t["v"] == [1.0, 1.0, 0.0] for t in judged)
+    for t in turns:
+        if t["judge_failed"]:
+            assert t["v"] is None and t["levels"] is None
+    users = [t["user"] for r in recs for t in r["turns"][1:]]
+    assert users and all(u == "I am not sure. It still hurts when I think about it." for u in users)
+    for f in only_run(tmp_path).rglob("*"):
+        if f.is_file():
+            assert "sk-test-secret-42" not in f.read_text(errors="ignore"), f
+    assert "sk-test-secret-42" not in p.stdout + p.stderr

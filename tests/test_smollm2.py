@@ -22,3 +22,27 @@ def test_smollm2_train_step_and_rollout(tmp_path):
                    timeout=1500)
     assert q.returncode == 0, q.stderr[-3000:]
     assert "=== test-01 k=0" in q.stdout and "assistant:" in q.stdout
+
+
+def test_two_processes_convert_the_packaged_model_at_once(tmp_path):
+    """The GGUF -> HF conversion into an empty cache, started by two processes together: both get the
+    same complete folder (a file lock serialises them, the folder appears by an atomic rename)."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    code = ("import common, json; p = common.resolve_model('SmolLM2-135M-Instruct'); "
+            "from transformers import AutoConfig; print('OK', p, AutoConfig.from_pretrained(p).num_hidden_layers)")
+    env = dict(os.environ, EMPATHY_RL_CACHE=str(tmp_path / "cache"), HF_HUB_OFFLINE="1")
+    procs = [subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    outs = [p.communicate(timeout=900) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-2000:]
+        assert out.strip().endswith(" 30")                     # SmolLM2-135M has 30 layers
+    assert outs[0][0] == outs[1][0]
+    folder = tmp_path / "cache" / "SmolLM2-135M-Instruct"
+    assert (folder / "model.safetensors").exists() and (folder / "tokenizer_config.json").exists()
+    assert [p.name for p in (tmp_path / "cache").iterdir() if p.name.startswith(".SmolLM2")] == []
