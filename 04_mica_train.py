@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import math
 import random
 import sys
@@ -364,6 +365,11 @@ def main(argv=None):
     if args.resume:
         run_dir = Path(args.resume)
         common.check((run_dir / "args.json").exists(), f"--resume {run_dir}: not a run folder (no args.json)")
+        saved, now = json.loads((run_dir / "args.json").read_text()), common.public_args(args)
+        changed = {k: (saved.get(k), v) for k, v in now.items()
+                   if k not in ("resume", "out_dir", "run_name") and json.dumps(saved.get(k)) != json.dumps(v)}
+        for k, (old, new) in changed.items():
+            print(f"warning: --resume with {k} = {new!r}; the run started with {old!r}", file=sys.stderr)
     else:
         run_dir = common.make_run_dir(args.out_dir, args.run_name)
         common.save_args(run_dir, args)
