@@ -432,6 +432,10 @@ class LLMJudge:
             todo = still
             if not todo:
                 break
+        if cases and all(r is None for r in results):  # not one usable answer: stop, don't train on nothing
+            raise common.UserError(f"judge {self.backend.spec}: no usable answer for any of {len(cases)} "
+                                   f"replies after {self.retries} re-asks each (is the endpoint up and the "
+                                   f"model able to answer in JSON?)")
         return results
 
 
@@ -476,7 +480,11 @@ class LLMUser:
                     for m in it["history"] if m["role"] != "system"]
             convs.append([{"role": "system", "content": sys_msg}] + hist)
         answers = self.backend.chat(convs, max_tokens=120, temperature=0.7)
-        return [a.strip() if a and a.strip() else None for a in answers]
+        out = [a.strip() if a and a.strip() else None for a in answers]
+        if out and all(a is None for a in out):
+            raise common.UserError(f"user {self.backend.spec}: no answer for any of {len(out)} dialogues "
+                                   f"after its retries (is the endpoint up?)")
+        return out
 
 
 def state_band(trend: str, d: float, d0: float) -> str:

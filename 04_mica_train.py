@@ -389,6 +389,24 @@ def main(argv=None):
     n_trainable = sum(p.numel() for p in params)
     print(f"run folder {run_dir} | trainable parameters {n_trainable:,} | device {common.pick_device()}")
 
+    try:
+        train_loop(args, run_dir, scenarios, model, tokenizer, judge, user, optimizer, scheduler, logger, start)
+    except common.UserError:
+        # e.g. the judge's endpoint went down: keep what was learned, then stop with the one message
+        done = logger.last_step
+        if done is not None and done >= start:
+            common.save_checkpoint(run_dir / "checkpoints", done, model, optimizer, scheduler,
+                                   keep=args.keep_checkpoints)
+            print(f"saved checkpoint step {done} before stopping; continue with --resume {run_dir}",
+                  file=sys.stderr)
+        raise
+    model.save_pretrained(run_dir / "adapter", safe_serialization=True)
+    tokenizer.save_pretrained(run_dir / "adapter")
+    logger.close()
+    print(f"final adapter: {run_dir / 'adapter'}  (PeftModel.from_pretrained loads it)")
+
+
+def train_loop(args, run_dir, scenarios, model, tokenizer, judge, user, optimizer, scheduler, logger, start):
     for step in tqdm(range(start, args.steps + 1), desc="train", initial=start - 1, total=args.steps,
                      disable=not args.progress):
         t0 = time.time()
@@ -448,10 +466,6 @@ def main(argv=None):
         if step % args.save_every == 0 or step == args.steps:
             common.save_checkpoint(run_dir / "checkpoints", step, model, optimizer, scheduler,
                                    keep=args.keep_checkpoints)
-    model.save_pretrained(run_dir / "adapter", safe_serialization=True)
-    tokenizer.save_pretrained(run_dir / "adapter")
-    logger.close()
-    print(f"final adapter: {run_dir / 'adapter'}  (PeftModel.from_pretrained loads it)")
 
 
 if __name__ == "__main__":

@@ -554,6 +554,7 @@ class MetricsLogger:
     def __init__(self, run_dir: Path, track: str | None = None, config: dict | None = None,
                  project: str = "empathy-rl"):
         self.path = Path(run_dir) / "metrics.jsonl"
+        self.last_step = None  # the last step logged by this process
         self.tb = self.wandb = None
         if track == "tensorboard":
             try:
@@ -573,6 +574,7 @@ class MetricsLogger:
         tqdm_write(f"step {step:4d} | " + " | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
                                                   for k, v in clean.items()))
         append_jsonl(self.path, {"step": step, **clean})
+        self.last_step = step
         for k, v in clean.items():
             if isinstance(v, (int, float)):
                 if self.tb:

@@ -179,3 +179,17 @@ def test_rollout_with_api_judge_and_user_on_a_loopback_server(tiny_model, tmp_pa
         if f.is_file():
             assert "sk-test-secret-42" not in f.read_text(errors="ignore"), f
     assert "sk-test-secret-42" not in p.stdout + p.stderr
+
+
+def test_unreachable_judge_stops_with_one_message(tiny_model, tmp_path):
+    import socket
+
+    with socket.socket() as s:                    # a port on which nothing listens
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    p = run_script("04_mica_train.py", "--model", tiny_model, "--steps", "2", "--scenarios-per-step", "1",
+                   "--k", "2", "--judge", "api:judge", "--api-base", f"http://127.0.0.1:{port}/v1",
+                   "--api-retries", "1", "--api-timeout", "2", "--out-dir", tmp_path, *TINY)
+    assert p.returncode == 2, p.stderr[-2000:]
+    assert "judge api:judge: no usable answer for any of 2 replies" in p.stderr
+    assert "Traceback" not in p.stderr
