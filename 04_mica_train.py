@@ -51,6 +51,7 @@ import importlib
 import json
 import math
 import random
+import resource
 import sys
 import time
 from pathlib import Path
@@ -322,7 +323,7 @@ def parse_args(argv=None):
     g.add_argument("--warmup-ratio", type=float, default=0.05, help="share of steps with linear warmup")
     g.add_argument("--ppo-epochs", type=int, default=1, help="passes over each rollout batch")
     g.add_argument("--minibatch-size", type=int, default=64, help="trajectories per optimizer step")
-    g.add_argument("--micro-batch-size", type=int, default=8,
+    g.add_argument("--micro-batch-size", type=int, default=4,
                    help="trajectories per forward/backward (gradient accumulation up to a minibatch)")
     g.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping")
     g = p.add_argument_group("run")
@@ -461,6 +462,7 @@ def train_loop(args, run_dir, scenarios, model, tokenizer, judge, user, optimize
             "gen_tokens_per_s": gen_tokens / max(t_roll, 1e-9),
             "train_tokens_per_s": upd["train_tokens"] / max(t_upd, 1e-9),
             "step_seconds": time.time() - t0,
+            "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
         }
         logger.log(step, metrics)
         if step % args.save_every == 0 or step == args.steps:

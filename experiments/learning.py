@@ -28,7 +28,8 @@ def run(cmd, threads=None):
     env = dict(os.environ, HF_HUB_OFFLINE="1", **({"OMP_NUM_THREADS": str(threads)} if threads else {}))
     p = subprocess.run([sys.executable, *map(str, cmd)], cwd=ROOT, capture_output=True, text=True, env=env)
     if p.returncode != 0:
-        sys.exit(f"failed ({p.returncode}):\n{p.stderr[-3000:]}")
+        print(f"FAILED ({p.returncode}): {' '.join(map(str, cmd))}\n{p.stderr[-3000:]}", flush=True)
+        raise RuntimeError(f"a run failed with exit code {p.returncode}")
     return p.stdout
 
 
