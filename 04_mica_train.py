@@ -433,6 +433,7 @@ def train_loop(args, run_dir, scenarios, model, tokenizer, judge, user, optimize
         flat_advs = [a for group in advs for a in group]
         # 4. update: clipped surrogate on the assistant tokens of each turn
         t1 = time.time()
+        lr = optimizer.param_groups[0]["lr"]             # the rate this step's update uses
         log_kl = args.kl_coef == 0 and args.log_kl_every > 0 and step % args.log_kl_every == 0
         upd = ppo_update(model, tokenizer, optimizer, scheduler, flat_trajs, flat_advs, args, log_kl)
         t_upd = time.time() - t1
@@ -458,7 +459,7 @@ def train_loop(args, run_dir, scenarios, model, tokenizer, judge, user, optimize
             "truncated_frac": sum(sum(tr.truncated) for tr in flat_trajs) / max(1, n_turns),
             "judge_failures": sum(sum(tr.judge_failed) for tr in flat_trajs),
             **{k: v for k, v in upd.items()},
-            "lr": scheduler.get_last_lr()[0],
+            "lr": lr,
             "gen_tokens_per_s": gen_tokens / max(t_roll, 1e-9),
             "train_tokens_per_s": upd["train_tokens"] / max(t_upd, 1e-9),
             "step_seconds": time.time() - t0,
