@@ -93,9 +93,12 @@ def test_resume_after_kill_matches_uninterrupted_run(tiny_model, tmp_path):
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     run = only_run(tmp_path / "cut")
-    assert not list((run / "checkpoints").glob(".step_*")) or True   # a partial write stays hidden
     done = sorted(x.name for x in (run / "checkpoints").iterdir() if x.name.startswith("step_"))
     assert done, "no checkpoint before the kill"
+    for name in done:                          # a visible checkpoint is always complete (a partial
+        ck = run / "checkpoints" / name        # write can only be a hidden .step_*.tmp folder)
+        assert (ck / "state.json").exists() and (ck / "trainer_state.pt").exists()
+        assert (ck / "adapter" / "adapter_model.safetensors").exists()
     res = run_script("04_mica_train.py", *base, "--resume", run)
     assert res.returncode == 0, res.stderr[-3000:]
     want = {m["step"]: m for m in metrics(only_run(tmp_path / "full"))}
