@@ -489,8 +489,9 @@ def save_checkpoint(ckpt_root: Path, step: int, model, optimizer, scheduler, ext
     ckpt_root = Path(ckpt_root)
     ckpt_root.mkdir(parents=True, exist_ok=True)
     final = ckpt_root / f"step_{step:06d}"
+    for stale in ckpt_root.glob(".step_*.tmp-*"):  # left by a process killed while saving
+        shutil.rmtree(stale, ignore_errors=True)
     tmp = ckpt_root / f".step_{step:06d}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     model.save_pretrained(tmp / "adapter", safe_serialization=True)
     torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()},
