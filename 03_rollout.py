@@ -420,6 +420,7 @@ class LLMJudge:
                 history="\n".join(lines))}])
         results: list[dict | None] = [None] * len(cases)
         todo = list(range(len(cases)))
+        down_before = getattr(self.backend, "failures", 0)   # calls that failed after all transport retries
         for _ in range(self.retries + 1):  # malformed output: ask again, then give up on that turn
             answers = self.backend.chat([prompts[i] for i in todo], max_tokens=200, temperature=0.0)
             still = []
@@ -432,10 +433,10 @@ class LLMJudge:
             todo = still
             if not todo:
                 break
-        if cases and all(r is None for r in results):  # not one usable answer: stop, don't train on nothing
+        if cases and all(r is None for r in results) and getattr(self.backend, "failures", 0) > down_before:
+            # not one answer and the endpoint itself failed: stop rather than train on nothing
             raise common.UserError(f"judge {self.backend.spec}: no usable answer for any of {len(cases)} "
-                                   f"replies after {self.retries} re-asks each (is the endpoint up and the "
-                                   f"model able to answer in JSON?)")
+                                   f"replies; the endpoint failed after its retries (is it up?)")
         return results
 
 
@@ -479,9 +480,10 @@ class LLMUser:
             hist = [{"role": "assistant" if m["role"] == "user" else "user", "content": m["content"]}
                     for m in it["history"] if m["role"] != "system"]
             convs.append([{"role": "system", "content": sys_msg}] + hist)
+        down_before = getattr(self.backend, "failures", 0)
         answers = self.backend.chat(convs, max_tokens=120, temperature=0.7)
         out = [a.strip() if a and a.strip() else None for a in answers]
-        if out and all(a is None for a in out):
+        if out and all(a is None for a in out) and getattr(self.backend, "failures", 0) > down_before:
             raise common.UserError(f"user {self.backend.spec}: no answer for any of {len(out)} dialogues "
                                    f"after its retries (is the endpoint up?)")
         return out

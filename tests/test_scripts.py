@@ -194,5 +194,5 @@ def test_unreachable_judge_stops_with_one_message(tiny_model, tmp_path):
                    "--k", "2", "--judge", "api:judge", "--api-base", f"http://127.0.0.1:{port}/v1",
                    "--api-retries", "1", "--api-timeout", "2", "--out-dir", tmp_path, *TINY)
     assert p.returncode == 2, p.stderr[-2000:]
-    assert "judge api:judge: no usable answer for any of 2 replies" in p.stderr
+    assert "judge api:judge: no usable answer for any of 2 replies; the endpoint failed" in p.stderr
     assert "Traceback" not in p.stderr
