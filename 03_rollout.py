@@ -38,7 +38,8 @@ Judges and users (--judge, --user)
              policy trained long enough against it will find such blind spots.
   hf:<m>, api:<m>   an LLM judge given an MDEP-PR style prompt that returns JSON levels; malformed
              output is retried, then the turn is marked judge_failed: its state does not move and
-             the trainer leaves it out of the loss (never silently scored).
+             the trainer leaves it out of the loss (never silently scored). An endpoint that gives no
+             answer at all for a whole turn (down after its retries) stops the run with one message.
   scripted   offline user: the scenario's own lines, picked by the last turn's trend (better:
              dE > 0.5, worse: dE < -0.5, else stuck), deterministic per seed, no line repeated while
              unused ones remain. Not a model of a person: it reacts only to the judge's trend.
