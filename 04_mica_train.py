@@ -39,7 +39,7 @@ Departures from the paper (and why)
      policy being updated, so old log-probs are the current ones detached (ratio = 1) and no extra
      forward pass is spent; with more PPO epochs or minibatches they are computed once per rollout.
 
-CPU:  python 04_mica_train.py                          (SmolLM2, embed judge, scripted user, ~1 min/step)
+CPU:  python 04_mica_train.py                          (SmolLM2, embed judge, scripted user, ~80 s/step)
 GPU:  python 04_mica_train.py --model Qwen2.5-7B-Instruct --judge api:Qwen2.5-72B-Instruct \\
           --user api:Qwen2.5-72B-Instruct --api-base http://localhost:8000/v1 --max-turns 15 \\
           --scenarios-per-step 16 --max-new-tokens 256 --lr 1e-5
