@@ -49,7 +49,7 @@ Judges and users (--judge, --user)
 Departures from EMPA
   - The initial deficit comes from the scenario's 9 ratings; the shipped scenarios keep ||P0|| in
     12-26 (EMPA's scripts: 17.5-41) so that short training episodes can reach the goal.
-  - Training defaults are short (max 4 turns, success gate from turn 2, collapse window 3): the
+  - Training defaults are short (max 3 turns, success gate from turn 2, collapse window 3): the
     benchmark rules (45 turns, gate 12, windows 5 and 8) are flags, used by 05_eval's empa suite.
   - Tokens in, tokens out: the policy's context is kept as token ids. Each turn appends exactly the
     sampled reply ids and the chat template's text for the next user message, so training sees

@@ -27,8 +27,8 @@ Equations (MICA, REFERENCE.md section 2; the code below writes each out as a loo
                     base model with the adapter off; beta = --kl-coef, 0 by default as in MICA)
 
 Departures from the paper (and why)
-  1. LoRA instead of full fine-tuning, so lr is 5e-5 instead of 1e-6 (LoRA needs a larger step).
-  2. Short episodes by default (4 turns; MICA trains on 8-15) and 4 scenarios x K=4 per step
+  1. LoRA instead of full fine-tuning, so lr is 1e-4 instead of 1e-6 (LoRA needs a larger step).
+  2. Short episodes by default (3 turns of at most 48 tokens; MICA trains on 8-15) and 4 scenarios x K=4 per step
      (MICA: 16 x 4), so that a laptop CPU can run it; raise --max-turns / --scenarios-per-step on a GPU.
   3. A reply cut off at --max-new-tokens loses --truncation-penalty from its turn's reward: without
      it a small policy drifts to the token cap.
