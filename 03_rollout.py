@@ -66,7 +66,6 @@ import json
 import math
 import random
 import re
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -544,6 +543,24 @@ def render_ids(tokenizer, messages: list[dict]) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
+def opening_ids(tokenizer, s: dict, args) -> tuple[list[dict], list[int]]:
+    """The first context: system prompt + the scenario's opening. An opening too long for
+    --max-context is cut (its end kept, where the person's request usually is), with a warning."""
+    msgs = [{"role": "system", "content": args.system_prompt}, {"role": "user", "content": s["opening"]}]
+    ids = render_ids(tokenizer, msgs)
+    over = len(ids) + args.max_new_tokens - args.max_context
+    if over > 0:
+        opening = tokenizer(s["opening"], add_special_tokens=False)["input_ids"]
+        keep = len(opening) - over - 8                  # a few tokens of slack: re-tokenising can merge
+        common.check(keep > 0, f"scenario {s['id']}: the system prompt alone leaves no room under "
+                               f"--max-context {args.max_context}")
+        msgs[1]["content"] = tokenizer.decode(opening[-keep:], skip_special_tokens=True)
+        ids = render_ids(tokenizer, msgs)
+        common.warn(f"scenario {s['id']} ({s.get('_where', '?')}): opening of {len(opening):,} tokens cut to "
+                    f"its last {keep:,} to fit --max-context {args.max_context}")
+    return msgs, ids
+
+
 def next_user_ids(tokenizer, messages: list[dict], reply_text: str, ended_with_eos: bool) -> list[int]:
     """Token ids that follow the sampled reply: the template's close of the reply (when the model did
     not emit it), the new user message and the generation prompt. messages ends with [reply, user]."""
@@ -584,8 +601,7 @@ def rollout(model, tokenizer, scenarios: list[dict], judge, user, args, desc="ro
     """K trajectories per scenario, all dialogues advanced together, one turn at a time."""
     trajs = []
     for s in scenarios:
-        msgs = [{"role": "system", "content": args.system_prompt}, {"role": "user", "content": s["opening"]}]
-        ids = render_ids(tokenizer, msgs)
+        msgs, ids = opening_ids(tokenizer, s, args)
         for k in range(args.k):
             trajs.append(Trajectory(scenario=s, k=k, ids=list(ids), messages=[dict(m) for m in msgs],
                                     states=[list(s["p0"])]))
@@ -638,7 +654,10 @@ def rollout(model, tokenizer, scenarios: list[dict], judge, user, args, desc="ro
             if answer is None:
                 tr.outcome = "user_failed"
                 continue
-            answer = answer[: args.max_message_chars]
+            if len(answer) > args.max_message_chars:
+                common.warn(f"a simulated-user message of {len(answer):,} characters was cut to "
+                            f"--max-message-chars {args.max_message_chars} (scenario {tr.scenario['id']})")
+                answer = answer[: args.max_message_chars]
             tr.messages.append({"role": "user", "content": answer})
             extra = next_user_ids(tokenizer, tr.messages, tr.messages[-2]["content"], not tr.truncated[-1])
             if len(tr.ids) + len(extra) + args.max_new_tokens > args.max_context:
@@ -728,6 +747,10 @@ def check_env_args(args):
                  f"--judge must be embed, hf:<model> or api:<model>, got '{args.judge}'")
     common.check(args.user == "scripted" or args.user.startswith(("hf:", "api:")),
                  f"--user must be scripted, hf:<model> or api:<model>, got '{args.user}'")
+    common.check(args.max_context > args.max_new_tokens,
+                 f"--max-context must be larger than --max-new-tokens, got {args.max_context}")
+    common.check(args.max_message_chars >= 1, f"--max-message-chars must be >= 1, got {args.max_message_chars}")
+    common.check_backend_args(args)
 
 
 def parse_args(argv=None):
@@ -750,7 +773,7 @@ def main(argv=None):
     args = parse_args(argv)
     common.set_seed(args.seed)
     scenarios = load_scenarios(args.scenarios)  # validate inputs before creating anything
-    common.resolve_model(args.model)
+    common.check_model_args(args)
     run_dir = common.make_run_dir(args.out_dir, args.run_name)
     common.save_args(run_dir, args)
     if args.num_scenarios:
@@ -769,6 +792,12 @@ def main(argv=None):
           f"{sum(r['return'] for r in records) / n:.3f} | success "
           f"{sum(r['outcome'] == 'success' for r in records)}/{n} | mean final distance "
           f"{sum(r['final_distance'] for r in records) / n:.3f} | written to {run_dir / 'rollouts.jsonl'}")
+    judged = [t["judge_failed"] for r in records for t in r["turns"]]
+    faults = [f"{who} api: {b.retried} retries, {b.failures} failed calls" for who, b in
+              (("judge", getattr(judge, "backend", None)), ("user", getattr(user, "backend", None)))
+              if b is not None and b.kind == "api"]
+    print(f"judge failed on {sum(judged)}/{len(judged)} turns | user failed in "
+          f"{sum(r['outcome'] == 'user_failed' for r in records)} dialogues" + "".join(" | " + f for f in faults))
 
 
 if __name__ == "__main__":

@@ -224,7 +224,7 @@ def ppo_update(model, tokenizer, optimizer, scheduler, trajs, advs, args, log_kl
     stats = {"loss": [], "clip_frac": [], "kl": [], "grad_norm": [], "tokens": 0}
     if not order:
         return {"loss": float("nan"), "clip_frac": float("nan"), "kl": float("nan"),
-                "grad_norm": float("nan"), "train_tokens": 0, "skipped": 1}
+                "grad_norm": float("nan"), "train_tokens": 0, "skipped_updates": 1}
     A_tok = {i: token_advantages(trajs[i], advs[i]).to(device) for i in order}
 
     def micro_batches(mb):
@@ -283,7 +283,7 @@ def ppo_update(model, tokenizer, optimizer, scheduler, trajs, advs, args, log_kl
     n_updates = args.ppo_epochs * len(minibatches)        # the micro losses add up to one minibatch's loss
     return {"loss": sum(stats["loss"]) / n_updates, "clip_frac": avg(stats["clip_frac"]),
             "kl": avg(stats["kl"]), "grad_norm": avg(stats["grad_norm"]), "train_tokens": stats["tokens"],
-            "skipped": stats.get("nonfinite_grad", 0)}
+            "skipped_updates": stats.get("nonfinite_grad", 0)}
 
 
 def cosine_with_warmup(step, total, warmup):
@@ -363,7 +363,7 @@ def main(argv=None):
     args = parse_args(argv)
     common.set_seed(args.seed)
     scenarios = env.load_scenarios(args.scenarios)  # validate inputs before creating anything
-    common.resolve_model(args.model)
+    common.check_model_args(args)
     if args.resume:
         run_dir = Path(args.resume)
         common.check((run_dir / "args.json").exists(), f"--resume {run_dir}: not a run folder (no args.json)")
@@ -372,6 +372,8 @@ def main(argv=None):
                    if k not in ("resume", "out_dir", "run_name") and json.dumps(saved.get(k)) != json.dumps(v)}
         for k, (old, new) in changed.items():
             print(f"warning: --resume with {k} = {new!r}; the run started with {old!r}", file=sys.stderr)
+        for name in ("metrics.jsonl", "rollouts.jsonl"):   # a kill mid-append may leave a torn line
+            common.repair_jsonl_tail(run_dir / name)
     else:
         run_dir = common.make_run_dir(args.out_dir, args.run_name)
         common.save_args(run_dir, args)
@@ -408,10 +410,23 @@ def main(argv=None):
     print(f"final adapter: {run_dir / 'adapter'}  (PeftModel.from_pretrained loads it)")
 
 
+def api_counts(judge, user, before: dict | None = None) -> dict:
+    """Retries and failed calls of the judge's and the user's LLM endpoints (api: backends), as
+    totals, or as the change since `before`: the step log shows what the faults cost."""
+    now = {}
+    for who, obj in (("judge", judge), ("user", user)):
+        backend = getattr(obj, "backend", None)
+        if backend is not None and backend.kind == "api":
+            now[f"{who}_api_retries"] = backend.retried
+            now[f"{who}_api_failed_calls"] = backend.failures
+    return {k: v - before.get(k, 0) for k, v in now.items()} if before is not None else now
+
+
 def train_loop(args, run_dir, scenarios, model, tokenizer, judge, user, optimizer, scheduler, logger, start):
     for step in tqdm(range(start, args.steps + 1), desc="train", initial=start - 1, total=args.steps,
                      disable=not args.progress):
         t0 = time.time()
+        before = api_counts(judge, user)
         step_seed = args.seed * 100_003 + step          # every step's randomness depends on (seed, step)
         torch.manual_seed(step_seed)
         if isinstance(user, env.ScriptedUser):
@@ -430,6 +445,11 @@ def train_loop(args, run_dir, scenarios, model, tokenizer, judge, user, optimize
             advs = [grpo_advantages(r) for r in rewards]
         else:
             advs = reinforce_pp_advantages(rewards, args.gamma)
+        # degenerate signals: a group whose rewards are all equal (or with a single trajectory) has
+        # zero advantage and teaches nothing; a non-finite advantage never reaches the loss
+        degenerate = sum(all(abs(a) < 1e-9 for A in group for a in A) for group in advs)
+        nonfinite = sum(not math.isfinite(a) for group in advs for A in group for a in A)
+        advs = [[[a if math.isfinite(a) else 0.0 for a in A] for A in group] for group in advs]
         flat_trajs = [tr for g in groups for tr in g]
         flat_advs = [a for group in advs for a in group]
         # 4. update: clipped surrogate on the assistant tokens of each turn
@@ -459,6 +479,10 @@ def train_loop(args, run_dir, scenarios, model, tokenizer, judge, user, optimize
             "turns_mean": n_turns / len(flat_trajs),
             "truncated_frac": sum(sum(tr.truncated) for tr in flat_trajs) / max(1, n_turns),
             "judge_failures": sum(sum(tr.judge_failed) for tr in flat_trajs),
+            "user_failures": sum(tr.outcome == "user_failed" for tr in flat_trajs),
+            "degenerate_groups": degenerate,
+            "nonfinite_advantages": nonfinite,
+            **api_counts(judge, user, before),
             **{k: v for k, v in upd.items()},
             "lr": lr,
             "gen_tokens_per_s": gen_tokens / max(t_roll, 1e-9),

@@ -64,6 +64,16 @@ def check(condition, message):
         raise UserError(message)
 
 
+_warned: set[str] = set()
+
+
+def warn(message: str):
+    """One line on stderr (above any progress bar), each distinct message once per process."""
+    if message not in _warned:
+        _warned.add(message)
+        tqdm_write(f"warning: {message}", file=sys.stderr)
+
+
 # ---------------------------------------------------------------------------------------------
 # 2. Model resolution and loading
 # ---------------------------------------------------------------------------------------------
@@ -190,6 +200,14 @@ def add_model_args(p: argparse.ArgumentParser, default_model: str = PACKAGED_SMO
                    help="allow a hub model's own Python code to run (off by default)")
 
 
+def check_model_args(args):
+    """Validate --model and --adapter before a run folder is created (one message, exit 2)."""
+    resolve_model(args.model)
+    if args.adapter:
+        check(os.path.exists(os.path.join(args.adapter, "adapter_config.json")),
+              f"--adapter {args.adapter}: no adapter_config.json there (expected a peft adapter folder)")
+
+
 def load_policy(args, trainable: bool = True):
     """Base model + LoRA adapter (new, or args.adapter) and its tokenizer.
 
@@ -262,6 +280,7 @@ class ChatBackend:
         self.timeout, self.retries, self.backoff = timeout, retries, backoff
         self.concurrency = max(1, concurrency)
         self.failures = 0  # calls that failed after all retries, for the step log
+        self.retried = 0   # retries spent (HTTP errors, timeouts, malformed responses), for the step log
         self._lock = threading.Lock()
         if kind == "api":
             base = api_base or os.environ.get("OPENAI_BASE_URL") or "http://localhost:8000/v1"
@@ -325,6 +344,8 @@ class ChatBackend:
             except (ValueError, KeyError, IndexError, TypeError):  # non-JSON, truncated, missing fields
                 pass
             if attempt < self.retries:
+                with self._lock:
+                    self.retried += 1
                 time.sleep(wait)
         with self._lock:
             self.failures += 1
@@ -339,12 +360,21 @@ def add_backend_args(p: argparse.ArgumentParser):
                    help="API key (default: $OPENAI_API_KEY); never printed, logged or saved")
     g.add_argument("--api-timeout", type=float, default=60.0, help="seconds per request")
     g.add_argument("--api-retries", type=int, default=3, help="retries per request, exponential backoff")
+    g.add_argument("--api-backoff", type=float, default=1.0,
+                   help="seconds before the first retry; doubles each retry (a 429's Retry-After wins)")
     g.add_argument("--api-concurrency", type=int, default=8, help="concurrent requests per backend")
+
+
+def check_backend_args(args):
+    check(args.api_timeout > 0, f"--api-timeout must be > 0 seconds, got {args.api_timeout}")
+    check(args.api_retries >= 0, f"--api-retries must be >= 0, got {args.api_retries}")
+    check(args.api_backoff >= 0, f"--api-backoff must be >= 0 seconds, got {args.api_backoff}")
+    check(args.api_concurrency >= 1, f"--api-concurrency must be >= 1, got {args.api_concurrency}")
 
 
 def make_chat_backend(spec: str, args) -> ChatBackend:
     return ChatBackend(spec, api_base=args.api_base, api_key=args.api_key, timeout=args.api_timeout,
-                       retries=args.api_retries, concurrency=args.api_concurrency)
+                       retries=args.api_retries, concurrency=args.api_concurrency, backoff=args.api_backoff)
 
 
 class EmbedBackend:
@@ -418,11 +448,30 @@ def append_jsonl(path, records):
     """Append records (dict or list of dicts) as lines, flushed and fsynced: append-only, crash-safe."""
     if isinstance(records, dict):
         records = [records]
-    with open(path, "a", encoding="utf-8") as f:
-        for r in records:
-            f.write(json.dumps({k: v for k, v in r.items() if k != "_where"}, ensure_ascii=False) + "\n")
+    text = "".join(json.dumps({k: v for k, v in r.items() if k != "_where"}, ensure_ascii=False) + "\n"
+                   for r in records)
+    with open(path, "a", encoding="utf-8") as f:   # one write: a kill can tear at most the last line
+        f.write(text)
         f.flush()
         os.fsync(f.fileno())
+
+
+def repair_jsonl_tail(path) -> int:
+    """Cut a torn last line (a process killed mid-append) off an append-only JSONL file, so that
+    appending can go on; returns the number of bytes removed (0 when the file ends cleanly)."""
+    path = Path(path)
+    if not path.exists() or path.stat().st_size == 0:
+        return 0
+    with open(path, "rb+") as f:
+        data = f.read()
+        if data.endswith(b"\n"):
+            return 0
+        keep = data.rfind(b"\n") + 1
+        f.truncate(keep)
+        f.flush()
+        os.fsync(f.fileno())
+    warn(f"{path}: removed a torn last line ({len(data) - keep} bytes) left by an interrupted run")
+    return len(data) - keep
 
 
 # ---------------------------------------------------------------------------------------------

@@ -75,3 +75,105 @@ def run_script(script, *args, cwd=None, timeout=900, env_extra=None):
 def write_jsonl(path, records):
     Path(path).write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
     return path
+
+
+JUDGE_OK = ('{"C": {"progress": 1, "negative": 0}, "A": {"progress": 1, "negative": 0}, '
+            '"P": {"progress": 0, "negative": 0}}')
+USER_OK = "I am not sure. It still hurts when I think about it."
+FAULTS = ("http_500", "http_429", "hang", "truncated_json", "not_json", "empty_choices", "missing_fields")
+
+
+class FaultServer:
+    """An OpenAI-compatible /chat/completions server on 127.0.0.1 that injects faults.
+
+    Every request gets a good answer (judge JSON for MDEP-PR prompts, a user line otherwise) except
+    a `rate` share of them, spread evenly and deterministically, which get the next fault of FAULTS
+    in turn: HTTP 500, 429 with Retry-After: 1, a hang of `hang_s` seconds (past the client's
+    timeout), a body cut mid-JSON, a non-JSON body, empty choices, and a reply without the expected
+    fields (no content, or judge JSON with its levels missing). `down=True` answers 500 to all."""
+
+    def __init__(self, rate=0.3, hang_s=2.5, judge_answer=JUDGE_OK, user_answer=USER_OK):
+        import http.server
+        import threading
+
+        self.rate, self.hang_s, self.down = rate, hang_s, False
+        self.judge_answer, self.user_answer = judge_answer, user_answer
+        self.requests, self.faults, self.auth = 0, {k: 0 for k in FAULTS}, set()
+        self.lock = threading.Lock()
+        server = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *a):
+                pass
+
+            def send(self, code, body: bytes, headers=(), declared=None):
+                self.send_response(code)
+                for k, v in headers:
+                    self.send_header(k, v)
+                self.send_header("Content-Length", str(declared if declared is not None else len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_POST(self):
+                import time as _time
+
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                judge = "MDEP-PR" in json.dumps(body["messages"])
+                with server.lock:
+                    server.requests += 1
+                    n = server.requests
+                    server.auth.add(self.headers.get("Authorization"))
+                    fault = None
+                    if server.down:
+                        fault = "http_500"
+                    elif int(n * server.rate) != int((n - 1) * server.rate):   # rate share, evenly
+                        fault = FAULTS[sum(server.faults.values()) % len(FAULTS)]
+                    if fault:
+                        server.faults[fault] += 1
+                answer = server.judge_answer if judge else server.user_answer
+                good = json.dumps({"choices": [{"message": {"role": "assistant", "content": answer}}]}).encode()
+                try:
+                    if fault == "http_500":
+                        self.send(500, b'{"error": "internal"}')
+                    elif fault == "http_429":
+                        self.send(429, b'{"error": "rate limited"}', [("Retry-After", "1")])
+                    elif fault == "hang":
+                        _time.sleep(server.hang_s)
+                        self.send(200, good)
+                    elif fault == "truncated_json":
+                        self.send(200, good[: len(good) // 2], declared=len(good))
+                        self.close_connection = True
+                    elif fault == "not_json":
+                        self.send(200, b"<html>502 Bad Gateway</html>")
+                    elif fault == "empty_choices":
+                        self.send(200, b'{"choices": []}')
+                    elif fault == "missing_fields":
+                        bad = '{"C": {"progress": 1}}' if judge else None
+                        msg = {"role": "assistant", **({"content": bad} if bad else {})}
+                        self.send(200, json.dumps({"choices": [{"message": msg}]}).encode())
+                    else:
+                        self.send(200, good)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass                                   # the client gave up (timeout): fine
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.base = f"http://127.0.0.1:{self.httpd.server_port}/v1"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture
+def fault_server():
+    servers = []
+
+    def start(**kw):
+        servers.append(FaultServer(**kw))
+        return servers[-1]
+
+    yield start
+    for s in servers:
+        s.close()

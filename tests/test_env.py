@@ -1,11 +1,9 @@
 """03_rollout's environment: EMPA state, rules, judges, users and the token-in/token-out rollout."""
-import json
 import math
 
 import pytest
 
 import common
-from conftest import write_jsonl
 
 
 class Args:
