@@ -136,3 +136,99 @@ def test_bad_supervision_exits_2(tmp_path, record, message):
     p = run_script("01_rubric_sft.py", "--train", data, "--out-dir", tmp_path / "runs")
     assert p.returncode == 2 and message in p.stderr and "Traceback" not in p.stderr, p.stderr[-2000:]
     assert not (tmp_path / "runs").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# 02: preference RL of the generator
+# ---------------------------------------------------------------------------------------------
+pref = importlib.import_module("02_rubric_pref_rl")
+
+
+def test_care_score_hand_computed():
+    rubric = {"weights": {"cognitive": 0.40, "affective": 0.35, "proactive": 0.25}}   # CARE's conflict case
+    s = {"cognitive": [0.5, 0.7], "affective": [0.9], "proactive": [0.2, 0.4, 0.6]}
+    # S = 0.40 * 0.6 + 0.35 * 0.9 + 0.25 * 0.4 = 0.24 + 0.315 + 0.1 = 0.655
+    assert pref.rubric_score(rubric, s) == pytest.approx(0.655)
+
+
+def test_preference_reward_terms_and_ablations():
+    import math
+
+    r = pref.preference_reward(0.62, 0.57, True, margin_coef=0.5, margin_tau=0.05)
+    assert r == pytest.approx({"r_rec": 1.0, "r_margin": 0.5 * math.tanh(1.0), "r_fmt": 0.0})
+    r = pref.preference_reward(0.50, 0.60, True, 0.5, 0.05)
+    assert r["r_rec"] == 0.0 and r["r_margin"] == pytest.approx(-0.5 * math.tanh(2.0))
+    assert pref.preference_reward(0.5, 0.6, False, 0.5, 0.05) == {"r_rec": 0.0, "r_margin": 0.0, "r_fmt": -1.0}
+    assert pref.preference_reward(0.5, 0.6, False, 0.5, 0.05, use_format=False)["r_fmt"] == 0.0
+    assert pref.preference_reward(0.7, 0.6, True, 0.5, 0.05, use_margin=False)["r_margin"] == 0.0
+    # the lowest valid reward (-lambda) is still above an invalid rubric's (-1) for lambda < 1
+    worst_valid = sum(pref.preference_reward(0.0, 1.0, True, 0.5, 0.05).values())
+    assert worst_valid > sum(pref.preference_reward(0, 0, False, 0.5, 0.05).values())
+
+
+def test_group_advantages():
+    A = pref.group_advantages([1.0, 0.0, 0.0, -1.0])
+    # mean 0, sample std sqrt(2/3) = 0.8165
+    assert A == pytest.approx([1.224744, 0.0, 0.0, -1.224744], abs=1e-5)
+    assert pref.group_advantages([0.3, 0.3, 0.3]) == [0.0, 0.0, 0.0]
+    assert pref.group_advantages([0.3]) == [0.0]
+
+
+def test_parse_scores():
+    assert pref.parse_scores('Sure: {"scores": [10, 5, 0]}', 3) == [1.0, 0.5, 0.0]
+    assert pref.parse_scores('{"scores": [10, 5]}', 3) is None
+    assert pref.parse_scores('{"scores": [11, 5, 0]}', 3) is None
+    assert pref.parse_scores('{"score": [1, 2, 3]}', 3) is None and pref.parse_scores(None, 1) is None
+
+
+def test_judge_rubrics_with_a_fake_judge():
+    class Fake:   # scores a reply 1 on a criterion when they share the word "feel", else 0
+        def score(self, items):
+            return [[float("feel" in it["reply"] and "feel" in c) for c in it["criteria"]] for it in items]
+
+    pair = {"context": [{"role": "user", "content": "x"}], "chosen_text": "You feel hurt.",
+            "rejected_text": "Call them tomorrow."}
+    rb = {"weights": {"cognitive": 0.2, "affective": 0.5, "proactive": 0.3},
+          "criteria": {"cognitive": ["a"], "affective": ["names how they feel", "b"], "proactive": ["c"]}}
+    out = pref.judge_rubrics(Fake(), [pair, pair], [rb, None])
+    assert out[1] is None
+    assert out[0]["S_chosen"] == pytest.approx(0.5 * 0.5) and out[0]["S_rejected"] == 0.0
+
+
+def test_pref_rl_script_runs_and_reports(tiny_model, tmp_path):
+    p = run_script("02_rubric_pref_rl.py", "--model", tiny_model, "--steps", "2", "--contexts-per-step", "2",
+                   "--g", "2", "--max-new-tokens", "12", "--report-limit", "3", "--save-every", "1",
+                   "--out-dir", tmp_path, "--no-progress")
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "no --adapter" in p.stderr
+    run = next(Path(tmp_path).iterdir())
+    m = lines(run / "metrics.jsonl")
+    assert [x["step"] for x in m] == [1, 2]
+    for key in ("reward_mean", "recovery_rate", "parse_valid", "judge_failures", "degenerate_groups", "loss"):
+        assert key in m[0]
+    assert len(lines(run / "rollouts.jsonl")) == 2 * 2 * 2
+    rep = json.loads((run / "report.json").read_text())
+    assert set(rep) == {"before", "after"} and 0 <= rep["after"]["recovery_acc"] <= 1
+    assert "preference-recovery accuracy" in (run / "report.md").read_text()
+    assert (run / "weights_by_turn.png").stat().st_size > 0 and (run / "weights_by_emotion.png").exists()
+    assert (run / "adapter" / "adapter_config.json").exists()
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--g", "1"], "--g must be >= 2"),
+    (["--margin-tau", "0"], "--margin-tau must be > 0"),
+    (["--judge", "gpt"], "--judge must be embed"),
+    (["--train", "nope.jsonl"], "nope.jsonl: no such file"),
+])
+def test_pref_rl_bad_flags(tmp_path, flags, message):
+    p = run_script("02_rubric_pref_rl.py", "--out-dir", tmp_path, *flags)
+    assert p.returncode == 2 and message in p.stderr and "Traceback" not in p.stderr, p.stderr[-2000:]
+    assert not any(Path(tmp_path).iterdir())
+
+
+def test_bad_preference_pair_names_the_line(tmp_path):
+    data = write_jsonl(tmp_path / "p.jsonl", [
+        {"prompt": [{"role": "user", "content": "hi"}], "chosen": "a", "rejected": "b"},
+        {"prompt": [{"role": "user", "content": "hi"}], "chosen": [{"role": "user", "content": "a"}], "rejected": "b"}])
+    p = run_script("02_rubric_pref_rl.py", "--train", data, "--out-dir", tmp_path / "runs")
+    assert p.returncode == 2 and "p.jsonl:2: field 'chosen' must be" in p.stderr, p.stderr[-2000:]
