@@ -78,6 +78,7 @@ import json
 import math
 import os
 import re
+import statistics
 import sys
 import zlib
 from pathlib import Path
@@ -433,7 +434,7 @@ def eqbench3_cases(model, tok, tasks, judge, args) -> tuple[list[dict], list[dic
     return cases, transcripts
 
 
-EQ_JUDGE_PROMPT = """You are an expert judge of emotional intelligence. Below is a {kind} task from EQ-Bench 3:
+EQ_JUDGE_PROMPT = """You are an expert judge of emotional intelligence. Below is an EQ-Bench 3 task ({kind}):
 the user's turns and the respondent's answers.
 
 {transcript}
@@ -741,11 +742,13 @@ def plot_per_turn(series: dict, ylabel: str, path: Path):
         xs, means, sds = [], [], []
         for t in range(max(len(r) for r in runs)):
             vals = [r[t] for r in runs if len(r) > t]          # the cases still going at turn t
-            xs.append(t), means.append(sum(vals) / len(vals)), sds.append(mean_ci(vals)[1] or 0.0)
-        sds = [h * math.sqrt(sum(len(r) > t for r in runs)) / 1.96 for t, h in zip(xs, sds)]  # back to sd
+            xs.append(t), means.append(statistics.mean(vals))
+            sds.append(statistics.stdev(vals) if len(vals) > 1 else 0.0)
         ax.plot(xs, means, label=f"{model} (n={len(runs)})")
         ax.fill_between(xs, [m - s for m, s in zip(means, sds)], [m + s for m, s in zip(means, sds)], alpha=0.2)
-    ax.set_xlabel("turn"), ax.set_ylabel(ylabel), ax.legend(fontsize=8), fig.tight_layout()
+    ax.set_xlabel("turn (0 = before the first reply)"), ax.set_ylabel(ylabel), ax.set_title(f"{ylabel}: mean and ±1 sd")
+    ax.xaxis.get_major_locator().set_params(integer=True)
+    ax.legend(fontsize=8), fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
@@ -787,20 +790,22 @@ def write_results(run_dir: Path, args) -> str:
                for m in models if any(r["model"] == m for r in records)}
     table = results_table(summary, args.suites)
     md = ["# Evaluation", "", f"command: `python 05_eval.py {' '.join(sys.argv[1:])}`", "", table, "",
-          "mean ± 95% CI (1.96 sd / sqrt n) over cases; n = cases kept, failed cases are excluded."]
+          "mean ± 95% CI (1.96 sd / sqrt n) over cases; n = cases kept; failed cases are excluded and counted."]
+    epm = ("Outcome", "Efficiency", "Stability", "RDI_idx", "E_total_idx", "S_net_idx", "rho_idx", "S_proj_idx",
+           "tau_idx", "R_pos_idx", "Align_idx", "R_pen_idx", "turns", "final_distance")
+    rows = [(m, by["empa"]) for m, by in summary.items() if by.get("empa", {}).get("n")]
+    if rows:
+        md += ["", "EMPA details (means over cases; the indices are 0-100 scaled)", "",
+               "| model | outcomes | " + " | ".join(k.replace("_idx", "") for k in epm) + " |", "|---" * (len(epm) + 2) + "|"]
+        md += [f"| {m} | {json.dumps(e['outcomes'])} | " + " | ".join(f"{e[k][0]:.2f}" for k in epm) + " |" for m, e in rows]
     for m, by in summary.items():
-        e, q, b = by.get("empa", {}), by.get("eqbench3", {}), by.get("emobench", {})
-        if e.get("n"):
-            md += ["", f"**{m}, EMPA**: outcomes {e['outcomes']}; " + ", ".join(
-                f"{k} {fmt(e[k])}" for k in ("Outcome", "Efficiency", "Stability", "RDI_idx", "E_total_idx", "S_net_idx",
-                                            "rho_idx", "S_proj_idx", "tau_idx", "R_pos_idx", "Align_idx", "R_pen_idx",
-                                            "turns", "final_distance"))]
+        q, b = by.get("eqbench3", {}), by.get("emobench", {})
         if q.get("n"):
-            md += ["", f"**{m}, EQ-Bench 3 by task kind**: {json.dumps({k: round(v, 2) for k, v in q['by_kind'].items()})}"]
-        for t in ("EU", "EA"):
-            if t in b:
-                md += ["", f"**{m}, EmoBench {t}**: by category {json.dumps({k: round(v, 1) for k, v in b[t + '_by_category'].items()}, ensure_ascii=False)}; "
-                           f"by language {json.dumps({k: round(v, 1) for k, v in b[t + '_by_language'].items()})}"]
+            md += ["", f"{m}, EQ-Bench 3 by task kind: " + ", ".join(f"{k} {v:.2f}" for k, v in q["by_kind"].items())]
+        for t in (t for t in ("EU", "EA") if t in b):
+            md += ["", f"{m}, EmoBench {t} accuracy % by category: " + ", ".join(
+                f"{k} {v:.1f}" for k, v in b[t + "_by_category"].items()) + "; by language: " + ", ".join(
+                f"{k} {v:.1f}" for k, v in b[t + "_by_language"].items())]
     common._atomic_write_text(run_dir / "results.md", "\n".join(md) + "\n")
     common._atomic_write_text(run_dir / "results.json", json.dumps(
         {"args": common.public_args(args), "summary": summary, "cases": records}, indent=1, ensure_ascii=False, default=str))
@@ -825,7 +830,8 @@ def parse_args(argv=None):
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     common.add_model_args(p)
     env.add_env_args(p, scenarios_default=str(HERE / "data" / "scenarios_test.jsonl"), k_default=1)
-    p.set_defaults(max_turns=45, min_turns=12, collapse_window=5)        # EMPA's benchmark rules
+    # EMPA's benchmark rules; room for 45 turns (capped at the model's window)
+    p.set_defaults(max_turns=45, min_turns=12, collapse_window=5, max_context=8192)
     g = p.add_argument_group("evaluation")
     g.add_argument("--suite", default=",".join(SUITES), help="comma-separated suites: " + ", ".join(SUITES))
     g.add_argument("--adapters", nargs="*", default=[], help="peft adapter folders, evaluated after the base model")
@@ -921,6 +927,10 @@ def main(argv=None):
     judge = env.make_judge(args) if {"empa", "eqbench3", "sage"} & set(args.suites) else None
     user = env.make_user(args) if {"empa", "sage"} & set(args.suites) else None
     model, tok = common.load_policy(args, trainable=False)
+    window = getattr(model.config, "max_position_embeddings", None)
+    if window and args.max_context > window:
+        print(f"--max-context {args.max_context} is above the model's window: using {window}")
+        args.max_context = window
     print(f"run folder {run_dir} | models: base{''.join(', ' + a for a in args.adapters)} | device {common.pick_device()}")
     try:
         for label, adapter in [("base", None)] + [(a, a) for a in args.adapters]:
@@ -930,17 +940,13 @@ def main(argv=None):
             for suite in args.suites:
                 # 5. the suite's unfinished cases, in batches; each batch is saved as soon as it is done
                 units = data[suite]
-                key = lambda u: [f"{u['id']}#{k}" for k in range(args.k)] if suite == "empa" else \
-                    [u["case"] if suite == "emobench" else u["id"]]  # noqa: E731
-                todo = [u for u in units if not all((label, suite, c) in done for c in key(u))]
+                todo = [u for u in units if not all((label, suite, c) in done for c in case_ids(suite, u, args.k))]
                 bar = tqdm(total=len(units), initial=len(units) - len(todo), desc=f"{label} {suite}",
                            disable=not args.progress)
                 for start in range(0, len(todo), args.batch_size):
                     batch = todo[start:start + args.batch_size]
                     # same seed per batch for every model: paired comparisons
-                    torch.manual_seed(zlib.crc32(f"{args.seed}|{suite}|{key(batch[0])[0]}".encode()))
-                    if isinstance(user, env.ScriptedUser):
-                        user.seed = args.seed
+                    torch.manual_seed(zlib.crc32(f"{args.seed}|{suite}|{case_ids(suite, batch[0], 1)[0]}".encode()))
                     cases, transcripts = run_suite(suite, model, tok, batch, judge, user, args)
                     tag = {"model": label, "suite": suite}
                     common.append_jsonl(run_dir / "transcripts.jsonl", [{**tag, **t} for t in transcripts])
@@ -954,6 +960,13 @@ def main(argv=None):
     # 6. aggregate: results.json, results.md, plots; print the table
     table = write_results(run_dir, args)
     print(f"\n{table}\n\nwritten to {run_dir} (results.md, results.json, cases.jsonl, plots)")
+
+
+def case_ids(suite, unit, k) -> list[str]:
+    """The cases one unit of work yields: an EMPA scenario gives K dialogues, anything else one case."""
+    if suite == "empa":
+        return [f"{unit['id']}#{i}" for i in range(k)]
+    return [unit["case"] if suite == "emobench" else unit["id"]]
 
 
 def run_suite(suite, model, tok, batch, judge, user, args) -> tuple[list[dict], list[dict]]:

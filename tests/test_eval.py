@@ -273,7 +273,7 @@ def test_eval_with_an_llm_judge_on_a_loopback_server_then_endpoint_down(tiny_mod
             text = json.dumps(body["messages"])
             if "EQ-Bench" in text:
                 calls["eq"] += 1
-                crit = ev.ANALYSIS_CRITERIA if "analysis task" in text else ev.ROLEPLAY_CRITERIA
+                crit = ev.ANALYSIS_CRITERIA if "task (analysis)" in text else ev.ROLEPLAY_CRITERIA
                 answer = "hmm" if calls["eq"] == 1 else json.dumps({c: 10 for c in crit})
             else:
                 calls["sage"] += 1
