@@ -4,8 +4,9 @@ What it does
   Loads the base model once, evaluates it, then switches to each --adapters folder (peft) and evaluates
   it the same way, with the same seeds. Suites (--suite, comma-separated; each also runs alone):
     empa      03_rollout's environment on the held-out scenarios with the benchmark's rules (45 turns,
-              no success or failure before turn 12, collapse window 5): outcome, turns, final distance,
-              every EPM sub-metric and the EPM-Index per case and overall.
+              no success or failure before turn 12, collapse window 5; --max-context 8192, capped at the
+              model's window, so that 45 turns fit): outcome, turns, final distance, every EPM sub-metric
+              and the EPM-Index per case and overall.
     eqbench3  the public scenario_prompts.txt format: each scenario's fixed user turns are played to the
               model, the judge scores the task's six criteria 0-20 (role-play and drafting: the role-play
               set; analysis, ids 401-420 or an "analysis" category: the analysis set).
@@ -60,7 +61,8 @@ Choices and departures (say which, as REFERENCE.md asks)
      levels, each axis scores clip(10 + 5 * (progress - negative), 0, 20), and each criterion takes the
      mean over replies of the axis in CRITERION_AXIS. It measures on-topic supportive moves, not insight.
      The real scores need an LLM judge (--judge api:...), which is asked for all criteria as JSON.
-     No pairwise Elo, only the rubric score; a scenario's turns stop early at --max-context.
+     No pairwise Elo, only the rubric score; no system prompt (the prompts carry their own
+     instructions); a scenario's later turns are dropped when they pass --max-context.
   6. EmoBench log-likelihood (--mcq loglik, default): each option is scored by the mean log-probability of
      its tokens as the assistant's answer to the question (length-normalised), the argmax is chosen. The
      cause question names the emotion the model chose. --mcq generate: greedy answer, letter parsed.
@@ -917,7 +919,8 @@ def main(argv=None):
     common.set_seed(args.seed)
     # 1. read and validate every input before anything is created
     data = load_suite_data(args)
-    common.resolve_model(args.model)
+    for name in [args.model] + [spec[3:] for spec in (args.judge, args.user) if spec.startswith("hf:")]:
+        common.resolve_model(name)
     # 2. the run folder (new, or the one to resume: its finished cases are skipped)
     run_dir = open_run_dir(args)
     done = {k for k, r in last_records(run_dir).items() if not r.get("failed")}
