@@ -530,7 +530,8 @@ def sage_cases(model, tok, profiles, judge, user, args) -> tuple[list[dict], lis
             break
         # 1. the policy answers every live dialogue in one batched call
         for d, (reply_ids, _) in zip(live, env.generate_replies(model, tok, ctx, args)):
-            d["messages"].append({"role": "assistant", "content": tok.decode(reply_ids, skip_special_tokens=True).strip()})
+            text = tok.decode(reply_ids, skip_special_tokens=True).strip()
+            d["messages"].append({"role": "assistant", "content": text})
         # 2. the simulated user's emotion: e_t = min(100, max(0, e_{t-1} + change_t))
         for d, change in zip(live, emotion_changes(live, judge, args)):
             if change is None:
@@ -566,7 +567,8 @@ def sage_cases(model, tok, profiles, judge, user, args) -> tuple[list[dict], lis
 
 
 EMO_TEMPLATES = {  # {scenario}, {subject}, {emotion}, {qtype}, {choices}
-    "en": {"emotion": "Scenario: {scenario}\nQuestion: What emotion(s) would {subject} ultimately feel in this situation?",
+    "en": {"emotion": "Scenario: {scenario}\nQuestion: What emotion(s) would {subject} ultimately feel in this "
+                      "situation?",
            "cause": "Scenario: {scenario}\nQuestion: Why would {subject} feel {emotion} in this situation?",
            "EA": "Scenario: {scenario}\nQuestion: In this scenario, what is the most effective {qtype} for {subject}?",
            "choices": "\nChoices:\n{choices}\n", "loglik": "Answer with the text of one choice.",
@@ -581,8 +583,8 @@ EMO_TEMPLATES = {  # {scenario}, {subject}, {emotion}, {qtype}, {choices}
 def mcq_prompt(item, question, options, mode, emotion=None) -> str:
     T = EMO_TEMPLATES["zh" if item["language"].lower().startswith(("zh", "ch")) else "en"]
     lettered = "\n".join(f"{chr(65 + i)}. {o}" for i, o in enumerate(options))
-    text = T[question].format(scenario=item["scenario"], subject=item["subject"], qtype=item.get("question type", "").lower(),
-                              emotion=emotion or T["this"])
+    text = T[question].format(scenario=item["scenario"], subject=item["subject"], emotion=emotion or T["this"],
+                              qtype=item.get("question type", "").lower())
     return text + T["choices"].format(choices=lettered) + T[mode]
 
 
@@ -590,7 +592,8 @@ def emobench_cases(items, kind, choose, mode="loglik") -> list[dict]:
     """choose(questions) -> the chosen option index (or None) per {prompt, options} question. EU asks the
     emotion, then the cause naming the chosen emotion; it is correct only when both are right."""
     if kind == "EA":
-        picks = choose([{"prompt": mcq_prompt(it, "EA", it["choices"], mode), "options": it["choices"]} for it in items])
+        picks = choose([{"prompt": mcq_prompt(it, "EA", it["choices"], mode), "options": it["choices"]}
+                        for it in items])
         return [{"case": it["case"], "task": "EA", "language": it["language"], "category": it["category"],
                  "pred": None if p is None else it["choices"][p], "answered": p is not None,
                  "correct": int(p is not None and it["choices"][p] == it["label"]), "failed": None}
@@ -605,7 +608,8 @@ def emobench_cases(items, kind, choose, mode="loglik") -> list[dict]:
         emotion_ok = e == it["emotion_label"]
         cause_ok = c is not None and it["cause_choices"][c] == it["cause_label"]
         out.append({"case": it["case"], "task": "EU", "language": it["language"], "category": it["coarse_category"],
-                    "pred": [e, None if c is None else it["cause_choices"][c]], "answered": e is not None and c is not None,
+                    "pred": [e, None if c is None else it["cause_choices"][c]],
+                    "answered": e is not None and c is not None,
                     "emotion_correct": int(emotion_ok), "cause_correct": int(cause_ok),
                     "correct": int(emotion_ok and cause_ok), "failed": None})
     return out
@@ -625,14 +629,9 @@ def parse_choice(text: str, options: list[str]) -> int | None:
 
 
 @torch.no_grad()
-def answer_mcq(model, tok, questions, args) -> list[int | None]:
-    if args.mcq == "generate":
-        greedy = argparse.Namespace(**{**vars(args), "temperature": 0.0, "max_new_tokens": 16})
-        ctx = [env.render_ids(tok, [{"role": "user", "content": q["prompt"]}]) for q in questions]
-        replies = env.generate_replies(model, tok, ctx, greedy)
-        return [parse_choice(tok.decode(ids, skip_special_tokens=True), q["options"])
-                for (ids, _), q in zip(replies, questions)]
-    # loglik: score(option) = (1/|o|) sum_j log pi(o_j | prompt, o_<j), the option as the assistant's answer
+def option_logliks(model, tok, questions, batch_size) -> list[list[float]]:
+    """score(option) = (1/|o|) sum_j log pi(o_j | prompt, o_<j): the option as the assistant's answer to the
+    question (length-normalised mean log-probability of its tokens), for every option of every question."""
     rows = []
     for qi, q in enumerate(questions):
         prompt_ids = env.render_ids(tok, [{"role": "user", "content": q["prompt"]}])
@@ -640,8 +639,8 @@ def answer_mcq(model, tok, questions, args) -> list[int | None]:
             rows.append((qi, oi, prompt_ids, tok(o, add_special_tokens=False)["input_ids"]))
     scores = [[0.0] * len(q["options"]) for q in questions]
     device = next(model.parameters()).device
-    for start in range(0, len(rows), args.batch_size):
-        part = rows[start:start + args.batch_size]
+    for start in range(0, len(rows), batch_size):
+        part = rows[start:start + batch_size]
         L = max(len(p) + len(o) for _, _, p, o in part)
         ids = torch.full((len(part), L), tok.pad_token_id, dtype=torch.long)
         attn, mask = torch.zeros_like(ids), torch.zeros_like(ids)
@@ -652,7 +651,19 @@ def answer_mcq(model, tok, questions, args) -> list[int | None]:
         lp = trainer.token_logprobs(model, ids.to(device), attn.to(device), mask.to(device))
         for (qi, oi, _, o), x in zip(part, lp.split([len(o) for _, _, _, o in part])):
             scores[qi][oi] = x.mean().item()
-    return [max(range(len(s)), key=s.__getitem__) for s in scores]
+    return scores
+
+
+@torch.no_grad()
+def answer_mcq(model, tok, questions, args) -> list[int | None]:
+    """loglik: the option with the highest mean log-probability; generate: a greedy answer, letter parsed."""
+    if args.mcq == "loglik":
+        return [max(range(len(s)), key=s.__getitem__) for s in option_logliks(model, tok, questions, args.batch_size)]
+    greedy = argparse.Namespace(**{**vars(args), "temperature": 0.0, "max_new_tokens": 16})
+    ctx = [env.render_ids(tok, [{"role": "user", "content": q["prompt"]}]) for q in questions]
+    replies = env.generate_replies(model, tok, ctx, greedy)
+    return [parse_choice(tok.decode(ids, skip_special_tokens=True), q["options"])
+            for (ids, _), q in zip(replies, questions)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -687,7 +698,8 @@ def summarize(cases: list[dict], suite: str) -> dict:
         s["outcomes"] = {o: sum(c["outcome"] == o for c in ok) for o in sorted({c["outcome"] for c in ok})}
     elif suite == "eqbench3":
         s["score"] = mean_ci([c["score"] for c in ok])
-        s["by_kind"] = {k: mean_ci([c["score"] for c in ok if c["kind"] == k])[0] for k in sorted({c["kind"] for c in ok})}
+        s["by_kind"] = {k: statistics.mean(c["score"] for c in ok if c["kind"] == k)
+                        for k in sorted({c["kind"] for c in ok})}
     elif suite == "sage":
         s["sentient"] = mean_ci([c["final_emotion"] for c in ok])
         s["successes"] = sum(c["final_emotion"] >= 100 for c in ok)
@@ -700,7 +712,7 @@ def summarize(cases: list[dict], suite: str) -> dict:
                 s[task] = mean_ci([100.0 * c["correct"] for c in xs])
                 s[task + "_n"] = len(xs)
                 for by in ("category", "language"):
-                    s[f"{task}_by_{by}"] = {v: 100.0 * sum(c["correct"] for c in xs if c[by] == v) / sum(c[by] == v for c in xs)
+                    s[f"{task}_by_{by}"] = {v: 100.0 * statistics.mean(c["correct"] for c in xs if c[by] == v)
                                             for v in sorted({c[by] for c in xs})}
     return s
 
@@ -726,7 +738,8 @@ def results_table(summary: dict, suites) -> str:
             elif suite == "eqbench3":
                 cells += [fmt(s["score"], s["n"]) + failed] if s["n"] else miss
             elif suite == "sage":
-                cells += [fmt(s["sentient"], s["n"]) + failed, f"{s['successes']} / {s['failures']}"] if s["n"] else miss
+                cells += ([fmt(s["sentient"], s["n"]) + failed, f"{s['successes']} / {s['failures']}"]
+                          if s["n"] else miss)
             else:
                 cells += [fmt(s[t], s[t + "_n"]) if t in s else "-" for t in ("EU", "EA")]
         lines.append(f"| {model} | " + " | ".join(cells) + " |")
@@ -748,7 +761,8 @@ def plot_per_turn(series: dict, ylabel: str, path: Path):
             sds.append(statistics.stdev(vals) if len(vals) > 1 else 0.0)
         ax.plot(xs, means, label=f"{model} (n={len(runs)})")
         ax.fill_between(xs, [m - s for m, s in zip(means, sds)], [m + s for m, s in zip(means, sds)], alpha=0.2)
-    ax.set_xlabel("turn (0 = before the first reply)"), ax.set_ylabel(ylabel), ax.set_title(f"{ylabel}: mean and ±1 sd")
+    ax.set_xlabel("turn (0 = before the first reply)"), ax.set_ylabel(ylabel)
+    ax.set_title(f"{ylabel}: mean and ±1 sd over the cases still going")
     ax.xaxis.get_major_locator().set_params(integer=True)
     ax.legend(fontsize=8), fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -764,20 +778,25 @@ def plot_rubrics(transcripts: list[dict], run_dir: Path) -> list[str]:
 
     rows = [(tu["t"], tu.get("emotion"), tu["rubric"].get("weights") if isinstance(tu["rubric"], dict) else tu["rubric"])
             for tr in transcripts for tu in tr.get("turns", []) if tu.get("rubric") is not None]
-    band = lambda e: "S >= 100" if e >= 100 else "A >= 70" if e >= 70 else "B >= 40" if e >= 40 else "C >= 10" if e >= 10 else "F < 10"  # noqa: E731
+    rows = [(t, e, w) for t, e, w in rows if isinstance(w, list) and len(w) == 3]
+
+    bands = [(0, "F < 10"), (10, "C >= 10"), (40, "B >= 40"), (70, "A >= 70"), (100, "S >= 100")]  # SAGE's
+    by_turn, by_emotion = {}, {}
+    for t, e, w in rows:
+        by_turn.setdefault(t, []).append(w)
+        if e is not None:
+            by_emotion.setdefault([name for low, name in bands if e >= low][-1], []).append(w)
     written = []
-    for name, key in (("rubric_by_turn.png", lambda t, e: t), ("rubric_by_emotion.png", lambda t, e: band(e))):
-        groups = {}
-        for t, e, w in rows:
-            if name == "rubric_by_turn.png" or e is not None:
-                groups.setdefault(key(t, e), []).append(w)
+    for name, groups, keys, xlabel in (
+            ("rubric_by_turn.png", by_turn, sorted(by_turn), "turn"),
+            ("rubric_by_emotion.png", by_emotion, [b for _, b in bands if b in by_emotion], "user emotion band")):
         if not groups:
             continue
-        keys = sorted(groups)
         fig, ax = plt.subplots(figsize=(7, 4))
         for a, axis in enumerate(env.AXES):
-            ax.plot([str(k) for k in keys], [sum(w[a] for w in groups[k]) / len(groups[k]) for k in keys], marker="o", label=axis)
-        ax.set_ylabel("mean rubric weight"), ax.legend(), fig.tight_layout()
+            means = [sum(w[a] for w in groups[k]) / len(groups[k]) for k in keys]
+            ax.plot([str(k) for k in keys], means, marker="o", label=axis)
+        ax.set_xlabel(xlabel), ax.set_ylabel("mean rubric weight"), ax.legend(), fig.tight_layout()
         fig.savefig(run_dir / name, dpi=120)
         plt.close(fig)
         written.append(name)
@@ -798,8 +817,10 @@ def write_results(run_dir: Path, args) -> str:
     rows = [(m, by["empa"]) for m, by in summary.items() if by.get("empa", {}).get("n")]
     if rows:
         md += ["", "EMPA details (means over cases; the indices are 0-100 scaled)", "",
-               "| model | outcomes | " + " | ".join(k.replace("_idx", "") for k in epm) + " |", "|---" * (len(epm) + 2) + "|"]
-        md += [f"| {m} | {json.dumps(e['outcomes'])} | " + " | ".join(f"{e[k][0]:.2f}" for k in epm) + " |" for m, e in rows]
+               "| model | outcomes | " + " | ".join(k.replace("_idx", "") for k in epm) + " |",
+               "|---" * (len(epm) + 2) + "|"]
+        md += [f"| {m} | {json.dumps(e['outcomes'])} | " + " | ".join(f"{e[k][0]:.2f}" for k in epm) + " |"
+               for m, e in rows]
     for m, by in summary.items():
         q, b = by.get("eqbench3", {}), by.get("emobench", {})
         if q.get("n"):
@@ -810,7 +831,8 @@ def write_results(run_dir: Path, args) -> str:
                 f"{k} {v:.1f}" for k, v in b[t + "_by_language"].items())]
     common._atomic_write_text(run_dir / "results.md", "\n".join(md) + "\n")
     common._atomic_write_text(run_dir / "results.json", json.dumps(
-        {"args": common.public_args(args), "summary": summary, "cases": records}, indent=1, ensure_ascii=False, default=str))
+        {"args": common.public_args(args), "summary": summary, "cases": records},
+        indent=1, ensure_ascii=False, default=str))
     # plots: distance per turn (EMPA), emotion per turn (SAGE), rubric weights when the rollouts carry them
     for suite, key, ylabel, name in (("empa", "distances", "hinge distance d(P_t)", "distance_per_turn.png"),
                                      ("sage", "emotions", "user emotion e_t", "emotion_per_turn.png")):
@@ -840,12 +862,14 @@ def parse_args(argv=None):
     g.add_argument("--max-cases", type=int, default=0, help="at most this many cases per suite and file (0 = all)")
     g.add_argument("--batch-size", type=int, default=8,
                    help="cases generated together (EmoBench: options scored together); saved after each batch")
-    g.add_argument("--r-pen", choices=["levels", "points"], default="levels", help="EPM R_pen counts negative levels or points")
+    g.add_argument("--r-pen", choices=["levels", "points"], default="levels",
+                   help="EPM R_pen counts negative levels or their points")
     g.add_argument("--s-proj", choices=["goal", "step"], default="goal",
                    help="EPM S_proj direction u_t: goal v* = -P0/||P0||, or step -P_{t-1}/||P_{t-1}||")
     g.add_argument("--eqbench3", default=str(HERE / "data" / "eval" / "eqbench3_sample.txt"),
                    help="EQ-Bench 3 scenario_prompts.txt (the default is a 4-scenario sample written for this project)")
-    g.add_argument("--sage-profiles", default=str(HERE / "data" / "eval" / "sage_profiles.jsonl"), help="SAGE profiles JSONL")
+    g.add_argument("--sage-profiles", default=str(HERE / "data" / "eval" / "sage_profiles.jsonl"),
+                   help="SAGE profiles JSONL")
     g.add_argument("--sage-turns", type=int, default=10, help="SAGE: turns before the episode stops")
     g.add_argument("--sage-start", type=float, default=40.0, help="SAGE: the user's starting emotion (0-100)")
     g.add_argument("--emobench-eu", default=str(HERE / "data" / "eval" / "emobench_eu.jsonl"),
@@ -865,7 +889,8 @@ def parse_args(argv=None):
     args.suites = [s.strip() for s in args.suite.split(",") if s.strip()]
     bad = [s for s in args.suites if s not in SUITES]
     c(args.suites and not bad, f"--suite: unknown suite(s) {bad or args.suite!r}; choose from {', '.join(SUITES)}")
-    c(args.adapter is None, "--adapter is for training; 05_eval.py takes --adapters A B ... (the base is always evaluated)")
+    c(args.adapter is None, "--adapter is for training; 05_eval.py takes --adapters A B ... "
+                            "(the base is always evaluated)")
     for a in args.adapters:
         c(os.path.exists(os.path.join(a, "adapter_config.json")), f"--adapters {a}: no adapter_config.json there")
     c(len(set(args.adapters)) == len(args.adapters) and "base" not in args.adapters, "--adapters: each folder once")
@@ -904,7 +929,8 @@ def open_run_dir(args) -> Path:
     common.check((run_dir / "args.json").exists(), f"--resume {run_dir}: not a run folder (no args.json)")
     saved, now = json.loads((run_dir / "args.json").read_text()), common.public_args(args)
     for k, v in now.items():
-        if k not in ("resume", "out_dir", "run_name") and json.dumps(saved.get(k), default=str) != json.dumps(v, default=str):
+        same = json.dumps(saved.get(k), default=str) == json.dumps(v, default=str)
+        if k not in ("resume", "out_dir", "run_name") and not same:
             print(f"warning: --resume with {k} = {v!r}; the run started with {saved.get(k)!r}", file=sys.stderr)
     for name in ("cases.jsonl", "transcripts.jsonl"):   # a line cut by a kill: start the next one on its own
         f = run_dir / name
@@ -934,7 +960,7 @@ def main(argv=None):
     if window and args.max_context > window:
         print(f"--max-context {args.max_context} is above the model's window: using {window}")
         args.max_context = window
-    print(f"run folder {run_dir} | models: base{''.join(', ' + a for a in args.adapters)} | device {common.pick_device()}")
+    print(f"run folder {run_dir} | models: {', '.join(['base'] + args.adapters)} | device {common.pick_device()}")
     try:
         for label, adapter in [("base", None)] + [(a, a) for a in args.adapters]:
             # 4. switch to this model's adapter (peft keeps the base weights, one adapter active)
@@ -959,7 +985,7 @@ def main(argv=None):
     except common.UserError as e:
         # e.g. the judge's endpoint went down: keep what was finished, then stop with the one message
         write_results(run_dir, args)
-        raise common.UserError(f"{e}\nfinished cases are saved in {run_dir}; continue with --resume {run_dir}") from None
+        raise common.UserError(f"{e}; the finished cases are saved: continue with --resume {run_dir}") from None
     # 6. aggregate: results.json, results.md, plots; print the table
     table = write_results(run_dir, args)
     print(f"\n{table}\n\nwritten to {run_dir} (results.md, results.json, cases.jsonl, plots)")

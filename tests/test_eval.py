@@ -133,6 +133,31 @@ def test_emobench_scoring_with_a_fake_scorer():
     assert s["EA_by_category"]["Personal-Personal"] == 0.0
 
 
+def test_option_loglik_matches_a_direct_computation(tiny_model):
+    import argparse
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    tok = common.load_tokenizer(tiny_model)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    q = {"prompt": "I feel so alone since my dad died.", "options": ["That sounds really painful.", "What happened next?",
+                                                                      "alone", "我很难过"]}
+    got = ev.option_logliks(model, tok, [q, q], batch_size=3)          # padded batches that cut across questions
+    prompt = ev.env.render_ids(tok, [{"role": "user", "content": q["prompt"]}])
+    want = []
+    with torch.no_grad():
+        for o in q["options"]:                 # mean_j log pi(o_j | prompt, o_<j) from the full logits
+            ids = tok(o, add_special_tokens=False)["input_ids"]
+            logp = model(torch.tensor([prompt + ids])).logits[0].log_softmax(-1)
+            want.append(sum(logp[len(prompt) - 1 + j, x].item() for j, x in enumerate(ids)) / len(ids))
+    assert got[0] == pytest.approx(want, abs=1e-4) and got[1] == pytest.approx(want, abs=1e-4)
+    args = argparse.Namespace(mcq="loglik", batch_size=8, temperature=1.0, top_p=1.0, max_new_tokens=48)
+    assert ev.answer_mcq(model, tok, [q], args) == [max(range(4), key=want.__getitem__)]
+    args.mcq = "generate"                      # greedy, parsed: an index or None (random weights rarely answer)
+    assert ev.answer_mcq(model, tok, [q], args)[0] in (None, 0, 1, 2, 3)
+
+
 def test_judge_answer_parsing():
     crit = ev.ROLEPLAY_CRITERIA
     good = "Sure.\n```json\n" + json.dumps({c: 12 for c in crit}) + "\n```"
