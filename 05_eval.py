@@ -825,6 +825,8 @@ def write_results(run_dir: Path, args) -> str:
         q, b = by.get("eqbench3", {}), by.get("emobench", {})
         if q.get("n"):
             md += ["", f"{m}, EQ-Bench 3 by task kind: " + ", ".join(f"{k} {v:.2f}" for k, v in q["by_kind"].items())]
+        if b.get("unanswered"):
+            md += ["", f"{m}, EmoBench: {b['unanswered']} items without a parsable answer (counted wrong)"]
         for t in (t for t in ("EU", "EA") if t in b):
             md += ["", f"{m}, EmoBench {t} accuracy % by category: " + ", ".join(
                 f"{k} {v:.1f}" for k, v in b[t + "_by_category"].items()) + "; by language: " + ", ".join(
