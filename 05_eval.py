@@ -67,7 +67,7 @@ Choices and departures (say which, as REFERENCE.md asks)
      its tokens as the assistant's answer to the question (length-normalised), the argmax is chosen. The
      cause question names the emotion the model chose. --mcq generate: greedy answer, letter parsed.
 
-CPU:  python 05_eval.py --adapters runs/mica-20261130-120000/adapter --max-new-tokens 48
+CPU:  python 05_eval.py --adapters runs/mica-20261130-120000/adapter      (SmolLM2, embed judge, scripted user)
 GPU:  python 05_eval.py --model Qwen2.5-7B-Instruct --adapters runs/mica-A/adapter runs/grpo-B/adapter \\
           --judge api:Qwen2.5-72B-Instruct --user api:Qwen2.5-72B-Instruct --api-base http://localhost:8000/v1 \\
           --eqbench3 path/to/scenario_prompts.txt --emobench-eu EU.jsonl --emobench-ea EA.jsonl --max-new-tokens 512
