@@ -1,0 +1,339 @@
+"""05_eval.py: EPM metrics, loaders, EmoBench scoring, judge-answer parsing, bad inputs, and subprocess runs
+of every suite on the tiny random model (with an adapter, --resume, an LLM judge on a loopback server)."""
+import importlib
+import json
+import math
+import socket
+from pathlib import Path
+
+import pytest
+
+import common
+from conftest import ROOT, run_script, write_jsonl
+
+ev = importlib.import_module("05_eval")
+SAMPLES = ROOT / "data" / "eval"
+# the REFERENCE worked example: P0 = (-6,-9,-4), v = (1,3,0), (-1,1,1), (3,-1,1) as MDEP-PR levels
+P0 = [-6.0, -9.0, -4.0]
+VS = [[1, 3, 0], [-1, 1, 1], [3, -1, 1]]
+LEVELS = [{"C": (1, 0), "A": (2, 0), "P": (0, 0)}, {"C": (1, 1), "A": (1, 0), "P": (1, 0)},
+          {"C": (2, 0), "A": (1, 1), "P": (1, 0)}]
+
+
+def test_epm_worked_example():
+    m = ev.epm_index(P0, VS, LEVELS)
+    want = {"RDI": 0.393, "RDI_idx": 69.65, "E_total": 4.596, "E_total_idx": 33.21, "S_net": 8, "S_net_idx": 46.25,
+            "rho": 1.532, "S_proj": 1.532, "rho_idx": 44.22, "S_proj_idx": 44.22, "tau": 1.751, "tau_idx": 62.47,
+            "R_pos_idx": 100, "Align": 0.532, "Align_idx": 76.59, "R_pen": 0.667, "R_pen_idx": 77.78,
+            "Outcome": 49.70, "Efficiency": 50.30, "Stability": 84.79, "EPM": 63.86}
+    for k, v in want.items():
+        assert m[k] == pytest.approx(v, abs=0.006), k
+    assert ev.epm_index(P0, VS, LEVELS, r_pen="points")["EPM"] == pytest.approx(60.89, abs=0.006)
+    # per-step direction u_t = -P_{t-1}/||P_{t-1}||: (v1.v* + 5/sqrt(77) + 16/sqrt(70)) / 3
+    step = (33 / math.sqrt(133) + 5 / math.sqrt(77) + 16 / math.sqrt(70)) / 3
+    assert ev.epm_index(P0, VS, LEVELS, s_proj="step")["S_proj"] == pytest.approx(step)
+
+
+def test_epm_tau_undefined_and_ci():
+    # there and back: P_T = P0, tau undefined -> saved as None, index 0
+    m = ev.epm_efficiency(P0, [[1, 1, 1], [-1, -1, -1]])
+    assert m["tau"] is None and m["tau_idx"] == 0.0
+    mean, half = ev.mean_ci([1.0, 2.0, 3.0, 4.0])
+    assert mean == 2.5 and half == pytest.approx(1.96 * math.sqrt(5 / 3) / 2)
+    assert ev.mean_ci([7.0]) == (7.0, None)
+
+
+def test_eqbench3_sample_and_irregular_text(tmp_path):
+    tasks, stats = ev.load_eqbench3(SAMPLES / "eqbench3_sample.txt")
+    assert (stats["scenarios"], stats["prompts"]) == (4, 7)
+    assert [(t["id"], t["kind"], len(t["prompts"])) for t in tasks] == [
+        ("1", "roleplay", 3), ("7", "drafting", 2), ("15", "roleplay", 1), ("402", "analysis", 1)]
+    text = ("preamble line\r\n####### Prompt1\r\norphan turn\r\n"
+            "######## 3|Work Dilemma|A | title with a pipe\r\n\r\n####### Prompt1\r\nfirst\r\n\r\nstill first\r\n"
+            "#######Prompt 2\r\nsecond\r\n####### 3:\r\n\r\n"            # an empty third prompt is dropped
+            "########   9 |  Family  \r\nno marker yet\r\n####### 1\r\nonly\r\n"
+            "######## 10 | Empty | no prompts here\r\n"
+            "######## 3 | Dup | same id again\r\n####### Prompt1\r\ndup\r\n"
+            "######## 405 | Something | analysis by id\r\n####### 1\r\nread this\r\n#######  2\r\nand this")
+    (tmp_path / "odd.txt").write_bytes(text.encode())
+    tasks, stats = ev.load_eqbench3(tmp_path / "odd.txt")
+    assert [t["id"] for t in tasks] == ["3", "9", "405"]
+    assert stats == {"scenarios": 3, "prompts": 5, "ignored_lines": 4, "empty_scenarios": 1, "duplicates": 1}
+    assert tasks[0]["prompts"] == ["first\n\nstill first", "second"]
+    assert tasks[0]["title"] == "A | title with a pipe" and tasks[0]["category"] == "Work Dilemma"
+    assert tasks[1]["category"] == "" and tasks[1]["title"] == "Family"
+    assert tasks[2]["kind"] == "analysis" and tasks[2]["prompts"] == ["read this", "and this"]
+    (tmp_path / "none.txt").write_text("# nothing\n## Prompt1\n")
+    with pytest.raises(common.UserError, match="no scenarios with prompts"):
+        ev.load_eqbench3(tmp_path / "none.txt")
+    (tmp_path / "bin.txt").write_bytes(b"######## 1 | a | b\n####### 1\n\xff\xfe\n")
+    with pytest.raises(common.UserError, match=r"bin.txt:3: not UTF-8"):
+        ev.load_eqbench3(tmp_path / "bin.txt")
+
+
+def test_sage_profiles_including_chinese(tmp_path):
+    profiles = ev.load_sage_profiles(SAMPLES / "sage_profiles.jsonl")
+    zh = [p for p in profiles if "林晓" in p["player"]][0]
+    assert zh["first_talk"].startswith("我被调岗了") and zh["cha_group"] == ["林晓", "朋友"]
+    s = ev.sage_scenario(zh)
+    assert s["opening"] == zh["first_talk"] and s["user_lines"] is ev.SAGE_ZH_LINES
+    no_first = [p for p in profiles if "first_talk" not in p][0]     # opens with its scene
+    assert ev.sage_scenario(no_first)["opening"] == no_first["scene"]
+    assert ev.sage_scenario(profiles[0])["user_lines"] is ev.env.DEFAULT_USER_LINES
+    bad = {k: v for k, v in zh.items() if k not in ("task", "_where")}
+    write_jsonl(tmp_path / "p.jsonl", [{k: v for k, v in zh.items() if k != "_where"}, bad])
+    with pytest.raises(common.UserError, match=r"p.jsonl:2: missing field 'task'"):
+        ev.load_sage_profiles(tmp_path / "p.jsonl")
+
+
+def test_emobench_loaders(tmp_path):
+    eu = ev.load_emobench(str(SAMPLES / "emobench_eu.jsonl"), "EU")
+    ea = ev.load_emobench(str(SAMPLES / "emobench_ea.jsonl"), "EA")
+    assert len(eu) == 6 and len(ea) == 6
+    assert {r["language"] for r in eu} == {"en", "zh"} == {r["language"] for r in ea}
+    assert "question type" in ea[0] and eu[3]["case"] == "EU-zh-1"
+    item = {k: v for k, v in ea[0].items() if k not in ("_where", "case")}
+    write_jsonl(tmp_path / "ea.jsonl", [item, {**item, "qid": 9, "label": "not a choice"}])
+    with pytest.raises(common.UserError, match=r"ea.jsonl:2: field 'label' is not one of 'choices'"):
+        ev.load_emobench(str(tmp_path / "ea.jsonl"), "EA")
+    write_jsonl(tmp_path / "ea2.jsonl", [{k: v for k, v in item.items() if k != "question type"}])
+    with pytest.raises(common.UserError, match=r"ea2.jsonl:1: missing field 'question type'"):
+        ev.load_emobench(str(tmp_path / "ea2.jsonl"), "EA")
+    with pytest.raises(common.UserError, match="not a hub dataset name"):
+        ev.load_emobench("no_such_file.jsonl", "EU")
+
+
+def test_emobench_scoring_with_a_fake_scorer():
+    eu = ev.load_emobench(str(SAMPLES / "emobench_eu.jsonl"), "EU")
+    ea = ev.load_emobench(str(SAMPLES / "emobench_ea.jsonl"), "EA")
+    asked = []
+
+    def fake(questions):
+        """Knows every answer, except: the cause of EU-en-2 and the EA answer for EA-zh-3."""
+        asked.extend(q["prompt"] for q in questions)
+        picks = []
+        for q in questions:
+            it = next(x for x in eu + ea if x["scenario"] in q["prompt"])
+            gold = it.get("label") or (it["emotion_label"] if q["options"] == it["emotion_choices"] else it["cause_label"])
+            wrong = (it["case"] == "EU-en-2" and q["options"] == it["cause_choices"]) or it["case"] == "EA-zh-3"
+            picks.append((q["options"].index(gold) + 1) % len(q["options"]) if wrong else q["options"].index(gold))
+        return picks
+
+    cases = ev.emobench_cases(eu, "EU", fake) + ev.emobench_cases(ea, "EA", fake)
+    by = {c["case"]: c for c in cases}
+    assert by["EU-en-2"]["emotion_correct"] == 1 and by["EU-en-2"]["cause_correct"] == 0
+    assert by["EU-en-2"]["correct"] == 0                     # EU needs both the emotion and the cause
+    assert by["EA-zh-3"]["correct"] == 0
+    assert sum(c["correct"] for c in cases) == 10
+    assert any("Why would Rosa feel Pride and grief" in p for p in asked)     # the cause names the chosen emotion
+    assert any("为什么小林在这种情况下会感到失落和委屈" in p for p in asked)
+    s = ev.summarize(cases, "emobench")
+    assert s["EU"][0] == pytest.approx(500 / 6) and s["EA"][0] == pytest.approx(500 / 6)
+    assert s["EU_by_language"] == {"en": pytest.approx(200 / 3), "zh": 100.0}
+    assert s["EA_by_category"]["Personal-Personal"] == 0.0
+
+
+def test_option_loglik_matches_a_direct_computation(tiny_model):
+    import argparse
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    tok = common.load_tokenizer(tiny_model)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    q = {"prompt": "I feel so alone since my dad died.", "options": ["That sounds really painful.", "What happened next?",
+                                                                      "alone", "我很难过"]}
+    got = ev.option_logliks(model, tok, [q, q], batch_size=3)          # padded batches that cut across questions
+    prompt = ev.env.render_ids(tok, [{"role": "user", "content": q["prompt"]}])
+    want = []
+    with torch.no_grad():
+        for o in q["options"]:                 # mean_j log pi(o_j | prompt, o_<j) from the full logits
+            ids = tok(o, add_special_tokens=False)["input_ids"]
+            logp = model(torch.tensor([prompt + ids])).logits[0].log_softmax(-1)
+            want.append(sum(logp[len(prompt) - 1 + j, x].item() for j, x in enumerate(ids)) / len(ids))
+    assert got[0] == pytest.approx(want, abs=1e-4) and got[1] == pytest.approx(want, abs=1e-4)
+    args = argparse.Namespace(mcq="loglik", batch_size=8, temperature=1.0, top_p=1.0, max_new_tokens=48)
+    assert ev.answer_mcq(model, tok, [q], args) == [max(range(4), key=want.__getitem__)]
+    args.mcq = "generate"                      # greedy, parsed: an index or None (random weights rarely answer)
+    assert ev.answer_mcq(model, tok, [q], args)[0] in (None, 0, 1, 2, 3)
+
+
+def test_judge_answer_parsing():
+    crit = ev.ROLEPLAY_CRITERIA
+    good = "Sure.\n```json\n" + json.dumps({c: 12 for c in crit}) + "\n```"
+    assert ev.parse_criteria(good, crit) == {c: 12.0 for c in crit}
+    assert ev.parse_criteria(json.dumps({c: "7" for c in crit}), crit)["pragmatic_ei"] == 7.0
+    assert ev.parse_criteria(json.dumps({c: 21 for c in crit}), crit) is None          # out of 0-20
+    assert ev.parse_criteria(json.dumps({crit[0]: 5}), crit) is None                     # a criterion missing
+    assert ev.parse_criteria("no json", crit) is None and ev.parse_criteria(None, crit) is None
+    assert ev.parse_change('{"analysis": "ok", "change": 4}') == 4.0
+    assert ev.parse_change('{"change": -25}') == -10.0                                  # clipped
+    assert ev.parse_change('analysis... change: +3') == 3.0
+    assert ev.parse_change('{"change": "a lot"}') is None and ev.parse_change("") is None
+    opts = ["Joy", "Anger", "Fear"]
+    assert ev.parse_choice("B. Anger", opts) == 1 and ev.parse_choice("(C)", opts) == 2
+    assert ev.parse_choice("I think it is anger.", opts) == 1 and ev.parse_choice("none", opts) is None
+
+
+def test_rubric_plots_only_when_turns_carry_rubrics(tmp_path):
+    assert ev.plot_rubrics([{"turns": [{"t": 1, "emotion": 40}]}], tmp_path) == []
+    trs = [{"turns": [{"t": 1, "emotion": 40, "rubric": {"weights": [0.3, 0.5, 0.2]}},
+                      {"t": 2, "emotion": 75, "rubric": [0.4, 0.3, 0.3]}]}]
+    assert ev.plot_rubrics(trs, tmp_path) == ["rubric_by_turn.png", "rubric_by_emotion.png"]
+    assert (tmp_path / "rubric_by_turn.png").stat().st_size > 1000
+
+
+@pytest.mark.parametrize("flags, make, message", [
+    (["--suite", "empa,nope"], None, "--suite: unknown suite(s) ['nope']"),
+    (["--adapters", "/no/such/adapter"], None, "--adapters /no/such/adapter: no adapter_config.json"),
+    (["--sage-start", "150"], None, "--sage-start must be in [0, 100]"),
+    (["--adapter", "x"], None, "05_eval.py takes --adapters"),
+    (["--suite", "sage", "--sage-profiles", "{p}"], '{"id": 1}\n{"id": 2, oops}\n', "p.jsonl:1: missing field 'player'"),
+    (["--suite", "sage", "--sage-profiles", "{p}"], None, "p.jsonl:2: not valid JSON"),
+    (["--suite", "emobench", "--emobench-eu", "{p}"], '{"qid": "1", "language": 3}\n', "p.jsonl:1: field 'language' must be str"),
+    (["--suite", "eqbench3", "--eqbench3", "{p}"], "just text\n", "no scenarios with prompts"),
+])
+def test_bad_inputs_exit_2_with_one_message(tmp_path, capsys, flags, make, message):
+    p = tmp_path / "p.jsonl"
+    profile = json.loads((SAMPLES / "sage_profiles.jsonl").read_text(encoding="utf-8").splitlines()[0])
+    p.write_text(make if make is not None else json.dumps(profile) + "\n{not json\n", encoding="utf-8")
+    out = tmp_path / "runs"
+    with pytest.raises(SystemExit) as e:
+        common.run_main(ev.main, [f.format(p=p) for f in flags] + ["--out-dir", str(out)])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and err.count("\n") == 1
+    assert not out.exists()                                    # nothing written for a rejected run
+
+
+@pytest.fixture(scope="module")
+def tiny_adapter(tiny_model, tmp_path_factory):
+    """A LoRA adapter with random (non-zero) B matrices: the adapted model differs from the base."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model), LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
+    torch.manual_seed(1)
+    for n, p in model.named_parameters():
+        if "lora_B" in n:
+            p.data.normal_(0, 0.5)
+    out = tmp_path_factory.mktemp("adapter")
+    model.save_pretrained(out)
+    return str(out)
+
+
+TINY = ["--max-turns", "2", "--min-turns", "1", "--sage-turns", "2", "--max-new-tokens", "6", "--max-cases", "4",
+        "--batch-size", "3", "--no-progress"]
+
+
+def only_run(out_dir):
+    runs = [p for p in Path(out_dir).iterdir() if p.is_dir()]
+    assert len(runs) == 1, runs
+    return runs[0]
+
+
+def test_eval_script_all_suites_with_an_adapter_then_resume(tiny_model, tiny_adapter, tmp_path):
+    p = run_script("05_eval.py", "--model", tiny_model, "--adapters", tiny_adapter, "--out-dir", tmp_path, *TINY)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "eqbench3: read 4 scenarios and 7 prompts" in p.stdout
+    run = only_run(tmp_path)
+    lines = (run / "cases.jsonl").read_text(encoding="utf-8").splitlines()
+    recs = [json.loads(x) for x in lines]
+    # per model: 4 EMPA scenarios x K=1, 4 EQ-Bench tasks, 4 SAGE profiles, 4 EU + 4 EA items
+    for model in ("base", tiny_adapter):
+        got = {s: sum(r["model"] == model and r["suite"] == s for r in recs) for s in ev.SUITES}
+        assert got == {"empa": 4, "eqbench3": 4, "sage": 4, "emobench": 8}, (model, got)
+    by = {(r["model"], r["suite"], r["case"]): r for r in recs}
+    empa = by[("base", "empa", "test-01#0")]
+    assert empa["outcome"] in ("success", "failure", "timeout") and len(empa["distances"]) == empa["turns"] + 1
+    assert 0 <= empa["R_pos_idx"] <= 100 and "EPM" in empa and "tau" in empa
+    zh = by[("base", "sage", "sage-zh-1")]                           # a Chinese profile ran
+    assert zh["emotions"][0] == 40 and all(abs(c) <= 10 for c in zh["changes"]) and not zh["failed"]
+    assert {r["language"] for r in recs if r["suite"] == "emobench"} == {"en", "zh"}
+    eq = by[("base", "eqbench3", "402")]
+    assert eq["kind"] == "analysis" and set(eq["criteria"]) == set(ev.ANALYSIS_CRITERIA)
+    assert eq["score"] == pytest.approx(5 * sum(eq["criteria"].values()) / 6)
+    # the adapter is really applied: its EmoBench log-likelihood choices are not the base's, or EMPA differs
+    same = lambda a, b: {k: v for k, v in a.items() if k != "model"} == {k: v for k, v in b.items() if k != "model"}  # noqa: E731
+    assert not all(same(by[("base", s, c)], by[(tiny_adapter, s, c)]) for (m, s, c) in by if m == "base")
+    table = (run / "results.md").read_text(encoding="utf-8")
+    assert "| model | EMPA EPM-Index | EMPA success % | EQ-Bench 3 | SAGE Sentient" in table
+    assert "| base | " in table and f"| {tiny_adapter} | " in table and "(n=4)" in table
+    res = json.loads((run / "results.json").read_text(encoding="utf-8"))
+    assert res["summary"]["base"]["sage"]["n"] == 4 and len(res["cases"]) == len(recs)
+    assert (run / "distance_per_turn.png").exists() and (run / "emotion_per_turn.png").exists()
+    assert "rubric plots skipped" in p.stdout and "| EmoBench EA % |" in p.stdout
+
+    # a kill mid-way: the last 10 cases lost, one half-written line left; --resume redoes only those
+    keep = 30
+    (run / "cases.jsonl").write_text("\n".join(lines[:keep]) + "\n" + lines[keep][:25], encoding="utf-8")
+    q = run_script("05_eval.py", "--model", tiny_model, "--adapters", tiny_adapter, "--resume", run, *TINY)
+    assert q.returncode == 0, q.stderr[-3000:]
+    assert f"{keep} finished cases are skipped" in q.stdout and "unfinished line" in q.stderr
+    after = (run / "cases.jsonl").read_text(encoding="utf-8").splitlines()
+    assert after[:keep] == lines[:keep]                              # finished cases untouched
+    redone = [json.loads(x) for x in after[keep + 1:]]
+    assert sorted((r["model"], r["suite"], r["case"]) for r in redone) == \
+        sorted((r["model"], r["suite"], r["case"]) for r in recs[keep:])
+    assert json.loads((run / "results.json").read_text())["summary"][tiny_adapter]["emobench"]["n"] == 8
+
+
+def test_eval_with_an_llm_judge_on_a_loopback_server_then_endpoint_down(tiny_model, tmp_path):
+    """EQ-Bench criteria and SAGE changes asked of an OpenAI-compatible judge on 127.0.0.1 (sometimes
+    malformed: retried); the key reaches the server and no file; then a dead endpoint stops the run."""
+    import http.server
+    import threading
+
+    calls = {"eq": 0, "sage": 0, "auth": set()}
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def log_message(self, *a):
+            pass
+
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            calls["auth"].add(self.headers.get("Authorization"))
+            text = json.dumps(body["messages"])
+            if "EQ-Bench" in text:
+                calls["eq"] += 1
+                crit = ev.ANALYSIS_CRITERIA if "task (analysis)" in text else ev.ROLEPLAY_CRITERIA
+                answer = "hmm" if calls["eq"] == 1 else json.dumps({c: 10 for c in crit})
+            else:
+                calls["sage"] += 1
+                answer = '{"analysis": "a bit better", "change": 15}'
+            out = json.dumps({"choices": [{"message": {"role": "assistant", "content": answer}}]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(out)))
+            self.end_headers()
+            self.wfile.write(out)
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    flags = ["--model", tiny_model, "--suite", "eqbench3,sage", "--judge", "api:judge", *TINY]
+    try:
+        p = run_script("05_eval.py", *flags, "--api-base", f"http://127.0.0.1:{server.server_port}/v1",
+                       "--out-dir", tmp_path / "ok", env_extra={"OPENAI_API_KEY": "sk-test-secret-42"})
+    finally:
+        server.shutdown()
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert calls["auth"] == {"Bearer sk-test-secret-42"} and calls["eq"] == 5 and calls["sage"] >= 4
+    recs = [json.loads(x) for x in (only_run(tmp_path / "ok") / "cases.jsonl").read_text().splitlines()]
+    assert all(r["score"] == 50.0 for r in recs if r["suite"] == "eqbench3")        # 10/20 x 5
+    sage = [r for r in recs if r["suite"] == "sage"]
+    assert len(sage) == 4 and all(r["emotions"] == [40, 50, 60] for r in sage)       # +15 clipped to +10
+    for f in only_run(tmp_path / "ok").rglob("*"):
+        assert "sk-test-secret-42" not in f.read_bytes().decode(errors="ignore"), f
+    assert "sk-test-secret-42" not in p.stdout + p.stderr
+
+    with socket.socket() as s:                    # a port on which nothing listens
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    q = run_script("05_eval.py", *flags, "--api-base", f"http://127.0.0.1:{port}/v1", "--api-retries", "0",
+                   "--api-timeout", "2", "--out-dir", tmp_path / "down")
+    assert q.returncode == 2, q.stderr[-2000:]
+    assert "eqbench3 judge api:judge: no usable answer for any of 3 cases" in q.stderr
+    assert "continue with --resume" in q.stderr and "Traceback" not in q.stderr
+    assert (only_run(tmp_path / "down") / "results.md").exists()
