@@ -90,14 +90,16 @@ class FaultServer:
     a `rate` share of them, spread evenly and deterministically, which get the next fault of FAULTS
     in turn: HTTP 500, 429 with Retry-After: 1, a hang of `hang_s` seconds (past the client's
     timeout), a body cut mid-JSON, a non-JSON body, empty choices, and a reply without the expected
-    fields (no content, or judge JSON with its levels missing). `down=True` answers 500 to all."""
+    fields (no content, or judge JSON with its levels missing). `down=True` answers 500 to all.
+    `answers`: (marker, answer) pairs for other prompts (05's EQ-Bench and SAGE judges)."""
 
-    def __init__(self, rate=0.3, hang_s=2.5, judge_answer=JUDGE_OK, user_answer=USER_OK):
+    def __init__(self, rate=0.3, hang_s=2.5, judge_answer=JUDGE_OK, user_answer=USER_OK, answers=()):
         import http.server
         import threading
 
         self.rate, self.hang_s, self.down = rate, hang_s, False
         self.judge_answer, self.user_answer = judge_answer, user_answer
+        self.answers = list(answers)    # (marker, answer): a prompt holding the marker gets the answer
         self.requests, self.faults, self.auth = 0, {k: 0 for k in FAULTS}, set()
         self.lock = threading.Lock()
         server = self
@@ -130,7 +132,9 @@ class FaultServer:
                         fault = FAULTS[sum(server.faults.values()) % len(FAULTS)]
                     if fault:
                         server.faults[fault] += 1
-                answer = server.judge_answer if judge else server.user_answer
+                text = json.dumps(body["messages"], ensure_ascii=False)
+                answer = next((a for marker, a in server.answers if marker in text),
+                              server.judge_answer if judge else server.user_answer)
                 good = json.dumps({"choices": [{"message": {"role": "assistant", "content": answer}}]}).encode()
                 try:
                     if fault == "http_500":

@@ -84,6 +84,23 @@ def test_training_completes_through_faults_and_logs_the_counts(tiny_model, tmp_p
     assert_no_secret(run, p)
 
 
+def test_eval_completes_through_30_percent_faults(tiny_model, tmp_path, fault_server):
+    ev = __import__("importlib").import_module("05_eval")
+    eq = json.dumps({c: 12 for c in ev.ROLEPLAY_CRITERIA + ev.ANALYSIS_CRITERIA})
+    server = fault_server(rate=0.3, hang_s=1.6, answers=[("EQ-Bench 3 task", eq),
+                                                         ("SAGE protocol", '{"analysis": "ok", "change": 5}')])
+    p = run_script("05_eval.py", "--model", tiny_model, "--suite", "empa,eqbench3,sage", "--max-turns", "2",
+                   "--min-turns", "1", "--sage-turns", "2", "--max-new-tokens", "6", "--max-cases", "3",
+                   "--no-progress", *api_flags(server), "--out-dir", tmp_path, env_extra={"OPENAI_API_KEY": KEY})
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert sum(server.faults.values()) >= 7 and all(server.faults[f] >= 1 for f in FAULTS), server.faults
+    recs = lines(only_run(tmp_path) / "cases.jsonl")
+    assert {r["suite"] for r in recs} == {"empa", "eqbench3", "sage"} and len(recs) == 9
+    assert sum(not r.get("failed") for r in recs) >= 7                   # retries carried nearly all
+    assert all(r["score"] == 60.0 for r in recs if r["suite"] == "eqbench3" and not r.get("failed"))
+    assert_no_secret(only_run(tmp_path), p)
+
+
 def test_endpoint_going_down_mid_run_stops_after_saving(tiny_model, tmp_path, fault_server):
     server = fault_server(rate=0.0)
     cmd = ["--model", tiny_model, "--steps", "4", "--scenarios-per-step", "1", "--k", "2", "--save-every", "10",
