@@ -363,6 +363,8 @@ def parse_args(argv=None):
     g.add_argument("--run-name", default="rubric-rl", help="prefix of the run folder")
     g.add_argument("--report-limit", type=int, default=0, help="use the first N held-out pairs / turns (0 = all)")
     g.add_argument("--skip-report", action="store_true", help="no before/after report (quick runs)")
+    g.add_argument("--report-only", action="store_true",
+                   help="no training: write the held-out report of --model (+ --adapter) and stop")
     g.add_argument("--save-every", type=int, default=10, help="checkpoint every N steps")
     g.add_argument("--keep-checkpoints", type=int, default=2, help="how many checkpoints to keep")
     g.add_argument("--resume", default=None, help="a run folder: continue from its last checkpoint")
@@ -370,6 +372,7 @@ def parse_args(argv=None):
     g.add_argument("--no-progress", dest="progress", action="store_false", help="hide progress bars")
     args = p.parse_args(argv)
     c = common.check
+    c(not (args.report_only and args.skip_report), "--report-only and --skip-report exclude each other")
     c(args.g >= 2, f"--g must be >= 2 (advantages are normalised within the group), got {args.g}")
     c(args.steps >= 1 and args.contexts_per_step >= 1, "--steps and --contexts-per-step must be >= 1")
     c(args.lr > 0, f"--lr must be > 0, got {args.lr}")
@@ -421,6 +424,9 @@ def main(argv=None):
     if before:
         print(f"before RL: held-out preference-recovery accuracy {before['recovery_acc']:.3f}, "
               f"parse-valid {before['parse_valid']:.3f}")
+    if args.report_only:
+        print(write_report(run_dir, before, before))
+        return
     logger = common.MetricsLogger(run_dir, args.track, common.public_args(args))
     print(f"run folder {run_dir} | {len(train)} train / {len(test)} test pairs | "
           f"trainable parameters {sum(p.numel() for p in params):,}")

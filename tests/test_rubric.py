@@ -232,3 +232,13 @@ def test_bad_preference_pair_names_the_line(tmp_path):
         {"prompt": [{"role": "user", "content": "hi"}], "chosen": [{"role": "user", "content": "a"}], "rejected": "b"}])
     p = run_script("02_rubric_pref_rl.py", "--train", data, "--out-dir", tmp_path / "runs")
     assert p.returncode == 2 and "p.jsonl:2: field 'chosen' must be" in p.stderr, p.stderr[-2000:]
+
+
+def test_pref_rl_report_only(tiny_model, tmp_path):
+    p = run_script("02_rubric_pref_rl.py", "--model", tiny_model, "--report-only", "--report-limit", "2",
+                   "--max-new-tokens", "10", "--out-dir", tmp_path, "--no-progress")
+    assert p.returncode == 0, p.stderr[-3000:]
+    run = next(Path(tmp_path).iterdir())
+    rep = json.loads((run / "report.json").read_text())
+    assert rep["before"] == rep["after"] and rep["before"]["weight_turns"] == 2
+    assert not (run / "adapter").exists() and not (run / "metrics.jsonl").exists()

@@ -1,0 +1,89 @@
+"""experiments/care.py: does each CARE stage improve the rubric generator on held-out preference pairs?
+
+Three generators, compared on data/rubric_pref_test.jsonl by preference-recovery accuracy (the greedy
+rubric ranks the preferred reply higher: S(chosen) > S(rejected)) and parse-valid rate:
+  untrained   the base model (greedy decoding: one number, the same for every seed)
+  SFT         01_rubric_sft.py, per seed
+  RL          02_rubric_pref_rl.py from that seed's SFT adapter
+Every number comes from the scripts' own report.json, run as a user runs them. Prints a markdown table
+and writes it to <out>/care.md.
+
+CPU:  python experiments/care.py                         (3 seeds; hours on 2 cores)
+Quick look:  python experiments/care.py --seeds 0 --sft-steps 20 --rl-steps 4 --report-limit 8
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run(cmd):
+    print("$", " ".join(map(str, cmd)), flush=True)
+    p = subprocess.run([sys.executable, *map(str, cmd)], cwd=ROOT, capture_output=True, text=True,
+                       env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    if p.returncode != 0:
+        print(f"FAILED ({p.returncode}):\n{p.stderr[-3000:]}", flush=True)
+        raise SystemExit(p.returncode)
+    return p.stdout
+
+
+def newest(out: Path, prefix: str) -> Path:
+    return max(out.glob(prefix + "-*"), key=lambda p: p.stat().st_mtime)
+
+
+def spread(xs):
+    return f"{statistics.mean(xs):.3f} ± {statistics.stdev(xs):.3f}" if len(xs) > 1 else f"{xs[0]:.3f}"
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--seeds", default="0,1,2", help="comma-separated seeds")
+    p.add_argument("--sft-steps", type=int, default=150, help="01_rubric_sft.py --steps")
+    p.add_argument("--rl-steps", type=int, default=30, help="02_rubric_pref_rl.py --steps")
+    p.add_argument("--report-limit", type=int, default=0, help="held-out pairs / turns used (0 = all)")
+    p.add_argument("--extra-sft", default="", help="extra flags for 01, quoted")
+    p.add_argument("--extra-rl", default="", help="extra flags for 02, quoted")
+    p.add_argument("--out-dir", default=str(ROOT / "runs" / "care"), help="where runs and the table go")
+    args = p.parse_args()
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    limit = ["--report-limit", args.report_limit] if args.report_limit else []
+    # 1. the untrained generator (greedy: seed-independent)
+    run([ROOT / "02_rubric_pref_rl.py", "--report-only", "--out-dir", out, "--run-name", "untrained", *limit,
+         "--no-progress"])
+    untrained = json.loads((newest(out, "untrained") / "report.json").read_text())["before"]
+    rows = []
+    for seed in [int(s) for s in args.seeds.split(",")]:
+        # 2. SFT, then 3. RL from the SFT adapter (02 reports before = SFT and after = RL)
+        run([ROOT / "01_rubric_sft.py", "--seed", seed, "--steps", args.sft_steps, "--out-dir", out,
+             "--run-name", f"sft-s{seed}", "--no-progress", *args.extra_sft.split()])
+        sft_dir = newest(out, f"sft-s{seed}")
+        run([ROOT / "02_rubric_pref_rl.py", "--seed", seed, "--steps", args.rl_steps, "--adapter",
+             sft_dir / "adapter", "--out-dir", out, "--run-name", f"rl-s{seed}", *limit, "--no-progress",
+             *args.extra_rl.split()])
+        rep = json.loads((newest(out, f"rl-s{seed}") / "report.json").read_text())
+        rows.append({"seed": seed, "sft": rep["before"], "rl": rep["after"]})
+        print(f"seed {seed}: untrained {untrained['recovery_acc']:.3f}  SFT {rep['before']['recovery_acc']:.3f}  "
+              f"RL {rep['after']['recovery_acc']:.3f}", flush=True)
+    table = ["| generator | preference-recovery accuracy | parse-valid rate |", "|---|---|---|",
+             f"| untrained | {untrained['recovery_acc']:.3f} | {untrained['parse_valid']:.3f} |"]
+    for name in ("sft", "rl"):
+        table.append(f"| {name.upper()} (mean ± sd over {len(rows)} seeds) | "
+                     f"{spread([r[name]['recovery_acc'] for r in rows])} | "
+                     f"{spread([r[name]['parse_valid'] for r in rows])} |")
+    table += ["", "| seed | SFT | RL |", "|---|---|---|"]
+    table += [f"| {r['seed']} | {r['sft']['recovery_acc']:.3f} | {r['rl']['recovery_acc']:.3f} |" for r in rows]
+    text = "\n".join(table) + f"\n\n({(time.time() - t0) / 60:.0f} min; `python {' '.join(sys.argv)}`)\n"
+    (out / "care.md").write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
