@@ -12,7 +12,6 @@ Quick look:                    python experiments/learning.py --seeds 0 --steps 
 import argparse
 import json
 import os
-import math
 import statistics
 import subprocess
 import sys
