@@ -37,7 +37,8 @@ Departures from the paper (and why)
   5. REINFORCE++ discounts per turn (rewards sit on turn ends) and whitens per turn, not per token.
   6. Old log-probs: with one optimizer step per rollout (the default) the policy that sampled is the
      policy being updated, so old log-probs are the current ones detached (ratio = 1) and no extra
-     forward pass is spent; with more PPO epochs or minibatches they are computed once per rollout.
+     forward pass is spent; with more PPO epochs or minibatches they are computed once per rollout
+     (not for the first minibatch of the first epoch, which the unchanged policy updates).
 
 CPU:  python 04_mica_train.py                          (SmolLM2, embed judge, scripted user, ~80 s/step)
 GPU:  python 04_mica_train.py --model Qwen2.5-7B-Instruct --judge api:Qwen2.5-72B-Instruct \\
@@ -202,11 +203,9 @@ def collate(trajs, pad_id, device):
 
 def token_advantages(tr, A) -> torch.Tensor:
     """Every token of turn t gets A[t] (flat, in the order token_logprobs returns them)."""
-    out = []
-    for (s, e), failed, a in zip(tr.spans, tr.judge_failed, A):
-        if not failed:
-            out.extend([a] * (e - s))
-    return torch.tensor(out, dtype=torch.float32)
+    turns = [(e - s, a) for (s, e), failed, a in zip(tr.spans, tr.judge_failed, A) if not failed]
+    return torch.repeat_interleave(torch.tensor([a for _, a in turns], dtype=torch.float32),
+                                   torch.tensor([n for n, _ in turns], dtype=torch.long))
 
 
 def n_scored(tr) -> int:
@@ -215,41 +214,46 @@ def n_scored(tr) -> int:
 
 def ppo_update(model, tokenizer, optimizer, scheduler, trajs, advs, args, log_kl: bool) -> dict:
     """PPO epochs over minibatches of trajectories (sorted by length to cut padding), gradient
-    accumulation over micro-batches, token-mean loss over each minibatch, grad clipping."""
+    accumulation over micro-batches, token-mean loss over each minibatch, grad clipping.
+    The statistics stay on the device until one copy at the end (no sync per micro-batch)."""
     device = next(model.parameters()).device
     pad = tokenizer.pad_token_id
     keep = [i for i, tr in enumerate(trajs) if n_scored(tr) > 0]   # nothing to learn from the rest
     order = sorted(keep, key=lambda i: len(trajs[i].ids))
     minibatches = [order[j:j + args.minibatch_size] for j in range(0, len(order), args.minibatch_size)]
-    stats = {"loss": [], "clip_frac": [], "kl": [], "grad_norm": [], "tokens": 0}
     if not order:
         return {"loss": float("nan"), "clip_frac": float("nan"), "kl": float("nan"),
                 "grad_norm": float("nan"), "train_tokens": 0, "skipped_updates": 1}
-    A_tok = {i: token_advantages(trajs[i], advs[i]).to(device) for i in order}
+    A_tok = {i: token_advantages(trajs[i], advs[i]) for i in order}
 
     def micro_batches(mb):
         return [mb[j:j + args.micro_batch_size] for j in range(0, len(mb), args.micro_batch_size)]
 
-    # old log-probs: only needed when the policy changes between sampling and a later minibatch
-    one_step = args.ppo_epochs == 1 and len(minibatches) == 1
+    # old log-probs pi_old: needed only where the policy has moved since sampling. In the first
+    # minibatch of the first epoch it has not (ratio = 1), so the current log-probs, detached, serve;
+    # with one epoch and one minibatch (the default) no extra forward pass is spent at all.
+    old_from = 1 if args.ppo_epochs == 1 else 0           # the first minibatch that needs pi_old
     old, ref = {}, {}
     need_ref = args.kl_coef > 0 or log_kl
-    if not one_step or need_ref:
+    if len(minibatches) > old_from or need_ref:
         model.eval()
         with torch.no_grad():
-            for mb in minibatches:
+            for n, mb in enumerate(minibatches):
+                if n < old_from and not need_ref:
+                    continue
                 for micro in micro_batches(mb):
                     ids, attn, mask = collate([trajs[i] for i in micro], pad, device)
                     sizes = [n_scored(trajs[i]) for i in micro]
-                    if not one_step:
-                        for i, x in zip(micro, token_logprobs(model, ids, attn, mask, args.temperature).split(sizes)):
-                            old[i] = x
-                    if need_ref:
+                    if n >= old_from:
+                        old.update(zip(micro, token_logprobs(model, ids, attn, mask, args.temperature).split(sizes)))
+                    if need_ref:  # the reference: the base model, adapter off; once per rollout
                         with model.disable_adapter():
                             lp = token_logprobs(model, ids, attn, mask, args.temperature)
-                        for i, x in zip(micro, lp.split(sizes)):
-                            ref[i] = x
+                        ref.update(zip(micro, lp.split(sizes)))
     model.train()
+    zero = lambda: torch.zeros((), dtype=torch.float64, device=device)  # noqa: E731
+    loss_total, clipped, kl_total = zero(), zero(), zero()   # summed on the device, copied once
+    grad_norms, tokens, nonfinite_grad = [], 0, 0
     for _ in range(args.ppo_epochs):
         for mb in minibatches:
             N = sum(n_scored(trajs[i]) for i in mb)                 # token-mean over the minibatch
@@ -257,33 +261,33 @@ def ppo_update(model, tokenizer, optimizer, scheduler, trajs, advs, args, log_kl
             for micro in micro_batches(mb):
                 ids, attn, mask = collate([trajs[i] for i in micro], pad, device)
                 logp = token_logprobs(model, ids, attn, mask, args.temperature)
-                A = torch.cat([A_tok[i] for i in micro])
-                logp_old = torch.cat([old[i] for i in micro]) if old else logp.detach()
+                A = torch.cat([A_tok[i] for i in micro]).to(device)
+                logp_old = torch.cat([old[i] for i in micro]) if micro[0] in old else logp.detach()
                 pg, was_clipped = clipped_surrogate(logp, logp_old, A, args.clip_low, args.clip_high)
                 loss_sum = pg.sum()
                 if ref:
                     kl = k3_kl(logp, torch.cat([ref[i] for i in micro]))
-                    stats["kl"].append(kl.detach().mean().item())
+                    kl_total += kl.detach().sum()
                     if args.kl_coef > 0:
                         loss_sum = loss_sum + args.kl_coef * kl.sum()
                 (loss_sum / N).backward()
-                stats["loss"].append(loss_sum.item() / N)
-                stats["clip_frac"].append(was_clipped.mean().item())
-                stats["tokens"] += int(mask.sum())
+                loss_total += loss_sum.detach().double() / N
+                clipped += was_clipped.sum()
+                tokens += len(A)
             gn = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad],
                                                 args.max_grad_norm)
-            stats["grad_norm"].append(float(gn))
-            if math.isfinite(float(gn)):
+            grad_norms.append(float(gn))                          # one sync per optimizer step
+            if math.isfinite(grad_norms[-1]):
                 optimizer.step()
             else:
                 optimizer.zero_grad(set_to_none=True)
-                stats["nonfinite_grad"] = stats.get("nonfinite_grad", 0) + 1
+                nonfinite_grad += 1
     scheduler.step()
-    avg = lambda xs: sum(xs) / len(xs) if xs else float("nan")  # noqa: E731
+    loss_total, clipped, kl_total = torch.stack([loss_total, clipped, kl_total]).tolist()
     n_updates = args.ppo_epochs * len(minibatches)        # the micro losses add up to one minibatch's loss
-    return {"loss": sum(stats["loss"]) / n_updates, "clip_frac": avg(stats["clip_frac"]),
-            "kl": avg(stats["kl"]), "grad_norm": avg(stats["grad_norm"]), "train_tokens": stats["tokens"],
-            "skipped_updates": stats.get("nonfinite_grad", 0)}
+    return {"loss": loss_total / n_updates, "clip_frac": clipped / tokens,
+            "kl": kl_total / tokens if ref else float("nan"), "grad_norm": sum(grad_norms) / len(grad_norms),
+            "train_tokens": tokens, "skipped_updates": nonfinite_grad}
 
 
 def cosine_with_warmup(step, total, warmup):

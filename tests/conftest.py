@@ -30,11 +30,17 @@ def _corpus():
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> str:
     """Path of a saved tiny random Qwen2ForCausalLM (2 layers, hidden 32) + its tokenizer."""
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_qwen2"))
+
+
+def build_tiny_model(out) -> str:
+    """Save the tiny random model and its tokenizer into folder `out` (scripts import this too:
+    `sys.path.insert(0, "tests"); from conftest import build_tiny_model`)."""
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-    out = tmp_path_factory.mktemp("tiny_qwen2")
+    Path(out).mkdir(parents=True, exist_ok=True)
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     tok = Tokenizer(models.BPE(unk_token=None))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
