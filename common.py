@@ -153,7 +153,10 @@ def resolve_model(name: str) -> str:
 
 
 def pick_device() -> torch.device:
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    """cuda (the process's own GPU under `accelerate launch` / torchrun: LOCAL_RANK), else cpu."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
 
 
 def load_tokenizer(path: str):
