@@ -96,15 +96,17 @@ class FaultServer:
     a `rate` share of them, spread evenly and deterministically, which get the next fault of FAULTS
     in turn: HTTP 500, 429 with Retry-After: 1, a hang of `hang_s` seconds (past the client's
     timeout), a body cut mid-JSON, a non-JSON body, empty choices, and a reply without the expected
-    fields (no content, or judge JSON with its levels missing). `down=True` answers 500 to all."""
+    fields (no content, or judge JSON with its levels missing). `down=True` answers 500 to all.
+    Every answer waits `delay_s` first; `max_active` is the most judge / user requests in flight at once."""
 
-    def __init__(self, rate=0.3, hang_s=2.5, judge_answer=JUDGE_OK, user_answer=USER_OK):
+    def __init__(self, rate=0.3, hang_s=2.5, judge_answer=JUDGE_OK, user_answer=USER_OK, delay_s=0.0):
         import http.server
         import threading
 
         self.rate, self.hang_s, self.down = rate, hang_s, False
         self.judge_answer, self.user_answer = judge_answer, user_answer
         self.requests, self.faults, self.auth = 0, {k: 0 for k in FAULTS}, set()
+        self.delay_s, self.active, self.max_active = delay_s, {"judge": 0, "user": 0}, {"judge": 0, "user": 0}
         self.lock = threading.Lock()
         server = self
 
@@ -125,7 +127,13 @@ class FaultServer:
 
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 judge = "MDEP-PR" in json.dumps(body["messages"])
+                kind = "judge" if judge else "user"
                 with server.lock:
+                    server.active[kind] += 1
+                    server.max_active[kind] = max(server.max_active[kind], server.active[kind])
+                _time.sleep(server.delay_s)
+                with server.lock:            # counted down before answering: the client can't overlap it
+                    server.active[kind] -= 1
                     server.requests += 1
                     n = server.requests
                     server.auth.add(self.headers.get("Authorization"))
