@@ -567,12 +567,21 @@ def save_checkpoint(ckpt_root: Path, step: int, model, optimizer, scheduler, ext
             with open(f, "rb+") as fh:
                 os.fsync(fh.fileno())
     if final.exists():
-        shutil.rmtree(final)
+        _remove_checkpoint(final)
     os.replace(tmp, final)
     _fsync_dir(ckpt_root)
     for old in sorted(ckpt_root.glob("step_*"))[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+        _remove_checkpoint(old)
     return final
+
+
+def _remove_checkpoint(path: Path):
+    """Hide the folder first (one rename), then delete it: a kill mid-delete leaves a hidden
+    temporary folder (cleared by the next save), never a visible half-deleted checkpoint."""
+    hidden = path.with_name(f".{path.name}.tmp-del-{os.getpid()}")
+    os.replace(path, hidden)
+    _fsync_dir(path.parent)
+    shutil.rmtree(hidden, ignore_errors=True)
 
 
 def _jsonable(x):
