@@ -61,6 +61,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.utils.checkpoint import checkpoint
 from tqdm import tqdm
 
 import common
@@ -234,19 +235,35 @@ def adapter_sha256(model) -> str:
 # ---------------------------------------------------------------------------------------------
 # Log-probabilities and the clipped surrogate
 # ---------------------------------------------------------------------------------------------
+LOGIT_CHUNK = 2**27   # logits per chunk of the LM head (0.5 GB in fp32); see token_logprobs
+
+
 def token_logprobs(model, input_ids, attention_mask, loss_mask, temperature=1.0):
     """log pi(token) for every position where loss_mask is 1, flat [N] in row-major order.
 
-    Memory-light: the LM head runs only on the N scored positions, not on all B x L."""
+    Memory-light: the LM head runs only on the N scored positions, not on all B x L, and in chunks of
+    at most LOGIT_CHUNK logits whose values are recomputed in the backward pass instead of kept (with a
+    152k vocabulary, 7680 scored tokens would otherwise hold ~12 GB of logits and their gradient)."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     hidden = base.get_decoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
     pick = loss_mask[:, 1:].bool()                              # position j predicts token j + 1
     h = hidden[:, :-1][pick]                                    # [N, H]
-    logits = base.get_output_embeddings()(h).float()            # [N, V]
-    if temperature > 0 and temperature != 1.0:
-        logits = logits / temperature                           # the distribution that sampled
     targets = input_ids[:, 1:][pick]                            # [N]
-    return logits.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    head = base.get_output_embeddings()
+
+    def logp(h, targets):
+        logits = head(h).float()                                # [n, V]
+        if temperature > 0 and temperature != 1.0:
+            logits = logits / temperature                       # the distribution that sampled
+        # log softmax at the sampled token: logit - logsumexp(logits)
+        return logits.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+
+    rows = max(1, LOGIT_CHUNK // head.weight.shape[0])
+    if len(h) <= rows:
+        return logp(h, targets)                                 # the usual case for short dialogues
+    chunk = (lambda *x: checkpoint(logp, *x, use_reentrant=False)) \
+        if torch.is_grad_enabled() else logp
+    return torch.cat([chunk(h[j:j + rows], targets[j:j + rows]) for j in range(0, len(h), rows)])
 
 
 def clipped_surrogate(logp, logp_old, A, clip_low, clip_high):

@@ -309,7 +309,7 @@ def bench_memory(a, out_dir):
             "note": f"{' '.join(cmd[1:])} ({time.time() - t0:.0f} s)"}
 
 
-def qlora_estimate(r=16, micro_tokens=8192, scored_tokens=7680, kv_tokens=64 * 4096, logit_chunk=None):
+def qlora_estimate(r=16, micro_tokens=8192, scored_tokens=7680, kv_tokens=64 * 4096):
     """Memory of QLoRA training of Qwen2.5-7B-Instruct on one GPU, per component, in GB (1e9 bytes).
 
     Shapes from its config: hidden h 3584, intermediate i 18944, 28 layers, 28 query / 4 KV heads of
@@ -322,20 +322,25 @@ def qlora_estimate(r=16, micro_tokens=8192, scored_tokens=7680, kv_tokens=64 * 4
     n_linear = L * sum(fi * fo for fi, fo in linear.values())                  # 6.53e9, quantised
     n_lora = L * sum(r * (fi + fo) for fi, fo in linear.values())              # A: r x in, B: out x r
     nf4 = 0.5 + 1 / 64 + 4 / (64 * 256)       # 4 bits + 8-bit absmax per 64 + fp32 per 256 absmax
-    chunk = scored_tokens if logit_chunk is None else min(logit_chunk, scored_tokens)
+    chunk = min(scored_tokens, trainer.LOGIT_CHUNK // V)   # 04 computes the LM head in chunks of rows
+    # (component, formula, bytes, when it is held: always, in the update, in the rollout)
     rows = [
-        ("base weights, NF4 linear layers", f"{n_linear / 1e9:.2f}e9 x {nf4:.4f} bytes", n_linear * nf4),
-        ("base weights, bf16 embeddings + LM head", "2 x V x h x 2 bytes", 2 * V * h * 2),
-        ("LoRA weights + gradients (fp32)", f"{n_lora / 1e6:.1f}e6 x (4 + 4) bytes", n_lora * 8),
+        ("base weights, NF4 linear layers", f"{n_linear / 1e9:.2f}e9 x {nf4:.4f} bytes", n_linear * nf4, "always"),
+        ("base weights, bf16 embeddings + LM head", "2 x V x h x 2 bytes", 2 * V * h * 2, "always"),
+        ("LoRA weights + gradients (fp32)", f"{n_lora / 1e6:.1f}e6 x (4 + 4) bytes", n_lora * 8, "always"),
         ("AdamW moments m, v (fp32; the fp32 LoRA weights are their own master copy)",
-         f"{n_lora / 1e6:.1f}e6 x 8 bytes", n_lora * 8),
+         f"{n_lora / 1e6:.1f}e6 x 8 bytes", n_lora * 8, "always"),
         ("activations, gradient checkpointing: one bf16 hidden state per layer boundary",
-         f"{micro_tokens} tokens x L x h x 2 bytes", micro_tokens * L * h * 2),
+         f"{micro_tokens} tokens x L x h x 2 bytes", micro_tokens * L * h * 2, "update"),
         ("activations: the one layer recomputed in backward", f"{micro_tokens} tokens x (12h + 4 kv_dim + 4i) x 2 bytes",
-         micro_tokens * (12 * h + 4 * kv + 4 * i) * 2),
-        ("log-probs: fp32 logits of the scored tokens + their gradient, + bf16 logits",
-         f"{chunk} tokens x V x (4 + 4 + 2) bytes", chunk * V * 10),
-        ("KV cache of the rollout (bf16)", f"{kv_tokens} tokens x 2 x L x 4 x 128 x 2 bytes", kv_tokens * 2 * L * kv * 2),
+         micro_tokens * (12 * h + 4 * kv + 4 * i) * 2, "update"),
+        (f"log-probs: one chunk of fp32 logits + their gradient + bf16 logits (all {scored_tokens} scored "
+         f"tokens at once: {scored_tokens * V * 10 / 1e9:.1f} GB)", f"{chunk} rows x V x (4 + 4 + 2) bytes",
+         chunk * V * 10, "update"),
+        ("KV cache of the rollout (bf16)", f"{kv_tokens} tokens x 2 x L x kv_dim x 2 bytes",
+         kv_tokens * 2 * L * kv * 2, "rollout"),
+        ("rollout prefill: one layer's MLP intermediates (gate, up, product) for every context token",
+         f"{kv_tokens} tokens x 3i x 2 bytes", kv_tokens * 3 * i * 2, "rollout"),
     ]
     return rows, n_lora
 
@@ -390,18 +395,19 @@ def main(argv=None):
         del model, trajs
         rows.append(bench_memory(a, out_dir))
     est, n_lora = qlora_estimate(r=16)
-    est_total = sum(b for _, _, b in est)
+    phase = {w: sum(b for _, _, b, when in est if when == w) / 1e9 for w in ("always", "update", "rollout")}
     text = (f"# Benchmark\n\n{machine()}\n\nCommand: `{command}` ({time.time() - t_start:.0f} s); model "
             f"{a.model}\n\n{table(rows)}\n\n" + "\n".join(f"- {r['figure'].split(':')[0]}: {r['note']}" for r in rows)
             + f"\n\n## QLoRA estimate: Qwen2.5-7B-Instruct, LoRA r=16 on all 7 linear layers ({n_lora:,} "
-              f"parameters), one GPU\n\n| component | formula | GB |\n|---|---|---|\n"
-            + "\n".join(f"| {name} | {formula} | {b / 1e9:.2f} |" for name, formula, b in est)
-            + f"\n| total | | {est_total / 1e9:.1f} |\n")
+              f"parameters), one GPU\n\n| component | formula | GB | held |\n|---|---|---|---|\n"
+            + "\n".join(f"| {name} | {formula} | {b / 1e9:.2f} | {when} |" for name, formula, b, when in est)
+            + f"\n| peak: always + max(update, rollout) | {phase['always']:.1f} + max({phase['update']:.1f}, "
+              f"{phase['rollout']:.1f}) | {phase['always'] + max(phase['update'], phase['rollout']):.1f} | |\n")
     print("\n" + text)
     (out_dir / "benchmark.md").write_text(text)
     (out_dir / "benchmark.json").write_text(json.dumps(
         {"machine": machine(), "command": command, "model": a.model, "rows": rows,
-         "qlora_estimate_gb": {name: b / 1e9 for name, _, b in est}}, indent=2, default=str))
+         "qlora_estimate_gb": {name: b / 1e9 for name, _, b, _ in est}}, indent=2, default=str))
     print(f"written: {out_dir / 'benchmark.md'}, {out_dir / 'benchmark.json'}")
 
 
