@@ -44,6 +44,9 @@ CPU:  python 04_mica_train.py                          (SmolLM2, embed judge, sc
 GPU:  python 04_mica_train.py --model Qwen2.5-7B-Instruct --judge api:Qwen2.5-72B-Instruct \\
           --user api:Qwen2.5-72B-Instruct --api-base http://localhost:8000/v1 --max-turns 15 \\
           --scenarios-per-step 16 --max-new-tokens 256 --lr 1e-5
+N GPUs: accelerate launch --num_processes N 04_mica_train.py ... (data-parallel: each process rolls out
+        its share of the step's scenarios, gradients and token counts are summed over the processes,
+        process 0 writes everything; see the README's "Performance and scale")
 """
 from __future__ import annotations
 
@@ -427,14 +430,14 @@ def parse_args(argv=None):
                    help="when --kl-coef is 0, measure the KL to the base every N steps (one no-grad forward)")
     g = p.add_argument_group("optimisation")
     g.add_argument("--steps", type=int, default=20, help="training steps (rollout + update)")
-    g.add_argument("--scenarios-per-step", type=int, default=4, help="scenarios per step (each gets K rollouts)")
+    g.add_argument("--scenarios-per-step", type=int, default=4, help="scenarios per step (each gets K rollouts; data-parallel: in all, shared out)")
     g.add_argument("--lr", type=float, default=1e-4, help="peak learning rate (AdamW)")
     g.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay")
     g.add_argument("--warmup-ratio", type=float, default=0.05, help="share of steps with linear warmup")
     g.add_argument("--ppo-epochs", type=int, default=1, help="passes over each rollout batch")
-    g.add_argument("--minibatch-size", type=int, default=64, help="trajectories per optimizer step")
+    g.add_argument("--minibatch-size", type=int, default=64, help="trajectories per optimizer step (data-parallel: in all)")
     g.add_argument("--micro-batch-size", type=int, default=2,
-                   help="trajectories per forward/backward (gradient accumulation up to a minibatch); "
+                   help="trajectories per forward/backward, per process (gradient accumulation up to a minibatch); "
                         "activations cost ~2.4 MB per token for SmolLM2-135M in fp32")
     g.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping")
     g = p.add_argument_group("run")

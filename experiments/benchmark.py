@@ -21,7 +21,7 @@ scenarios, seeds and token budgets on both sides, one untimed warm-up run of eac
 Prints a markdown table (figure, ours, reference, ratio, goal, met?) with the machine, versions, date
 and command, and writes it to <out>/benchmark.md and <out>/benchmark.json.
 
-CPU, the packaged SmolLM2 (about 25 minutes on 2 idle cores):  python experiments/benchmark.py
+CPU, the packaged SmolLM2 (roughly 15-20 minutes on 2 idle cores):  python experiments/benchmark.py
 Smoke run on a tiny model (seconds):  python experiments/benchmark.py --model PATH --quick
 The base weights are loaded unquantised on both sides (--load-in-4bit off), so that TRL and 04 run
 the same model.
