@@ -502,13 +502,13 @@ def state_band(trend: str, d: float, d0: float) -> str:
 def make_judge(args):
     if args.judge == "embed":
         return EmbedJudge(args.judge_prototypes, device=str(common.pick_device()))
-    return LLMJudge(common.make_chat_backend(args.judge, args), retries=args.judge_retries)
+    return LLMJudge(common.make_chat_backend(args.judge, args, args.judge_concurrency), retries=args.judge_retries)
 
 
 def make_user(args):
     if args.user == "scripted":
         return ScriptedUser(args.seed)
-    return LLMUser(common.make_chat_backend(args.user, args))
+    return LLMUser(common.make_chat_backend(args.user, args, args.user_concurrency))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -37,19 +37,25 @@ Departures from the paper (and why)
   5. REINFORCE++ discounts per turn (rewards sit on turn ends) and whitens per turn, not per token.
   6. Old log-probs: with one optimizer step per rollout (the default) the policy that sampled is the
      policy being updated, so old log-probs are the current ones detached (ratio = 1) and no extra
-     forward pass is spent; with more PPO epochs or minibatches they are computed once per rollout.
+     forward pass is spent; with more PPO epochs or minibatches they are computed once per rollout
+     (not for the first minibatch of the first epoch, which the unchanged policy updates).
 
 CPU:  python 04_mica_train.py                          (SmolLM2, embed judge, scripted user, ~80 s/step)
 GPU:  python 04_mica_train.py --model Qwen2.5-7B-Instruct --judge api:Qwen2.5-72B-Instruct \\
           --user api:Qwen2.5-72B-Instruct --api-base http://localhost:8000/v1 --max-turns 15 \\
           --scenarios-per-step 16 --max-new-tokens 256 --lr 1e-5
+N GPUs: accelerate launch --num_processes N 04_mica_train.py ... (data-parallel: each process rolls out
+        its share of the step's scenarios, gradients and token counts are summed over the processes,
+        process 0 writes everything; see the README's "Performance and scale")
 """
 from __future__ import annotations
 
 import argparse
+import hashlib
 import importlib
 import json
 import math
+import os
 import random
 import resource
 import sys
@@ -57,6 +63,8 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+from torch.utils.checkpoint import checkpoint
 from tqdm import tqdm
 
 import common
@@ -131,13 +139,17 @@ def grpo_advantages(rewards) -> list[list[float]]:
 
 
 def reinforce_pp_advantages(batch_rewards, gamma) -> list[list[list[float]]]:
-    """batch_rewards[s][k][t] for the whole batch -> A[s][k][t]: returns whitened over the batch."""
+    """batch_rewards[s][k][t] for the whole batch -> A[s][k][t]: returns whitened over the batch
+    (in data-parallel training over every rank's batch: the sums below are summed over the ranks)."""
     # G_t per trajectory, then A = (G - mean) / (std + 1e-6) over every turn in the batch (no grouping)
     G = [[discounted_returns(r, gamma) for r in group] for group in batch_rewards]
     flat = [x for group in G for g in group for x in g]
-    if len(flat) < 2:
+    n, total = all_reduce([len(flat), sum(flat)])
+    if n < 2:
         return [[[0.0] * len(g) for g in group] for group in G]
-    mean, std = _mean_std(flat)
+    mean = total / n
+    # sample std (ddof = 1): sqrt( sum (G - mean)^2 / (n - 1) )
+    std = math.sqrt(all_reduce([sum((x - mean) ** 2 for x in flat)])[0] / (n - 1))
     return [[[(x - mean) / (std + 1e-6) for x in g] for g in group] for group in G]
 
 
@@ -153,21 +165,108 @@ def turn_rewards(tr, args) -> list[float]:
 
 
 # ---------------------------------------------------------------------------------------------
+# Data-parallel training (`accelerate launch --num_processes N`, or torchrun): a few collectives
+# over torch.distributed, each a no-op in a single process
+# ---------------------------------------------------------------------------------------------
+def init_distributed():
+    """Join the process group when a launcher started N > 1 processes (it sets WORLD_SIZE, RANK,
+    MASTER_ADDR): NCCL with GPUs (one per process, LOCAL_RANK), gloo on CPUs."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+        if torch.cuda.is_available():
+            torch.cuda.set_device(common.pick_device())
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+
+
+def world() -> tuple[int, int]:
+    """(rank, number of processes): (0, 1) when not launched data-parallel."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _dist_device():
+    return common.pick_device() if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
+def all_reduce(values, op="sum") -> list[float]:
+    """A few numbers summed (or max) over the ranks; unchanged in a single process."""
+    if world()[1] == 1:
+        return list(values)
+    t = torch.tensor(values, dtype=torch.float64, device=_dist_device())
+    dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def all_reduce_grads(params):
+    """Sum the gradients over the ranks: one flat buffer, one call (a rank with nothing to learn
+    from in this minibatch adds zeros)."""
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat)
+    for p, g in zip(params, flat.split([p.numel() for p in params])):
+        p.grad = g.view_as(p)
+
+
+def gather(obj) -> list:
+    """Every rank's obj (picklable), in rank order; [obj] in a single process."""
+    if world()[1] == 1:
+        return [obj]
+    out = [None] * world()[1]
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def from_rank0(obj):
+    """Rank 0's obj on every rank (e.g. the run folder it created)."""
+    if world()[1] == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def adapter_sha256(model) -> str:
+    """A fingerprint of the trainable (LoRA) weights: equal on every rank when they stay in step."""
+    h = hashlib.sha256()
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            h.update(name.encode())
+            h.update(p.detach().float().cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
+# ---------------------------------------------------------------------------------------------
 # Log-probabilities and the clipped surrogate
 # ---------------------------------------------------------------------------------------------
+LOGIT_CHUNK = 2**27   # logits per chunk of the LM head (0.5 GB in fp32); see token_logprobs
+
+
 def token_logprobs(model, input_ids, attention_mask, loss_mask, temperature=1.0):
     """log pi(token) for every position where loss_mask is 1, flat [N] in row-major order.
 
-    Memory-light: the LM head runs only on the N scored positions, not on all B x L."""
+    Memory-light: the LM head runs only on the N scored positions, not on all B x L, and in chunks of
+    at most LOGIT_CHUNK logits whose values are recomputed in the backward pass instead of kept (with a
+    152k vocabulary, 7680 scored tokens would otherwise hold ~12 GB of logits and their gradient)."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     hidden = base.get_decoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
     pick = loss_mask[:, 1:].bool()                              # position j predicts token j + 1
     h = hidden[:, :-1][pick]                                    # [N, H]
-    logits = base.get_output_embeddings()(h).float()            # [N, V]
-    if temperature > 0 and temperature != 1.0:
-        logits = logits / temperature                           # the distribution that sampled
     targets = input_ids[:, 1:][pick]                            # [N]
-    return logits.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    head = base.get_output_embeddings()
+
+    def logp(h, targets):
+        logits = head(h).float()                                # [n, V]
+        if temperature > 0 and temperature != 1.0:
+            logits = logits / temperature                       # the distribution that sampled
+        # log softmax at the sampled token: logit - logsumexp(logits)
+        return logits.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+
+    rows = max(1, LOGIT_CHUNK // head.weight.shape[0])
+    if len(h) <= rows:
+        return logp(h, targets)                                 # the usual case for short dialogues
+    chunk = (lambda *x: checkpoint(logp, *x, use_reentrant=False)) \
+        if torch.is_grad_enabled() else logp
+    return torch.cat([chunk(h[j:j + rows], targets[j:j + rows]) for j in range(0, len(h), rows)])
 
 
 def clipped_surrogate(logp, logp_old, A, clip_low, clip_high):
@@ -202,11 +301,9 @@ def collate(trajs, pad_id, device):
 
 def token_advantages(tr, A) -> torch.Tensor:
     """Every token of turn t gets A[t] (flat, in the order token_logprobs returns them)."""
-    out = []
-    for (s, e), failed, a in zip(tr.spans, tr.judge_failed, A):
-        if not failed:
-            out.extend([a] * (e - s))
-    return torch.tensor(out, dtype=torch.float32)
+    turns = [(e - s, a) for (s, e), failed, a in zip(tr.spans, tr.judge_failed, A) if not failed]
+    return torch.repeat_interleave(torch.tensor([a for _, a in turns], dtype=torch.float32),
+                                   torch.tensor([n for n, _ in turns], dtype=torch.long))
 
 
 def n_scored(tr) -> int:
@@ -215,75 +312,91 @@ def n_scored(tr) -> int:
 
 def ppo_update(model, tokenizer, optimizer, scheduler, trajs, advs, args, log_kl: bool) -> dict:
     """PPO epochs over minibatches of trajectories (sorted by length to cut padding), gradient
-    accumulation over micro-batches, token-mean loss over each minibatch, grad clipping."""
+    accumulation over micro-batches, token-mean loss over each minibatch, grad clipping.
+    The statistics stay on the device until one copy at the end (no sync per micro-batch).
+
+    Data-parallel: each rank holds its own trajectories and takes 1/world of every minibatch; the
+    token count N of a minibatch and the gradients are summed over the ranks before the step, so every
+    rank takes the same step, the one a single process would take on all the trajectories."""
     device = next(model.parameters()).device
     pad = tokenizer.pad_token_id
+    params = [p for p in model.parameters() if p.requires_grad]
+    n_ranks = world()[1]
     keep = [i for i, tr in enumerate(trajs) if n_scored(tr) > 0]   # nothing to learn from the rest
     order = sorted(keep, key=lambda i: len(trajs[i].ids))
-    minibatches = [order[j:j + args.minibatch_size] for j in range(0, len(order), args.minibatch_size)]
-    stats = {"loss": [], "clip_frac": [], "kl": [], "grad_norm": [], "tokens": 0}
-    if not order:
+    size = math.ceil(args.minibatch_size / n_ranks)               # this rank's share of a minibatch
+    minibatches = [order[j:j + size] for j in range(0, len(order), size)]
+    n_mb = int(all_reduce([len(minibatches)], op="max")[0])         # every rank steps as often
+    minibatches += [[] for _ in range(n_mb - len(minibatches))]
+    if n_mb == 0:
         return {"loss": float("nan"), "clip_frac": float("nan"), "kl": float("nan"),
                 "grad_norm": float("nan"), "train_tokens": 0, "skipped_updates": 1}
-    A_tok = {i: token_advantages(trajs[i], advs[i]).to(device) for i in order}
+    A_tok = {i: token_advantages(trajs[i], advs[i]) for i in order}
 
     def micro_batches(mb):
         return [mb[j:j + args.micro_batch_size] for j in range(0, len(mb), args.micro_batch_size)]
 
-    # old log-probs: only needed when the policy changes between sampling and a later minibatch
-    one_step = args.ppo_epochs == 1 and len(minibatches) == 1
+    # old log-probs pi_old: needed only where the policy has moved since sampling. In the first
+    # minibatch of the first epoch it has not (ratio = 1), so the current log-probs, detached, serve;
+    # with one epoch and one minibatch (the default) no extra forward pass is spent at all.
+    old_from = 1 if args.ppo_epochs == 1 else 0           # the first minibatch that needs pi_old
     old, ref = {}, {}
     need_ref = args.kl_coef > 0 or log_kl
-    if not one_step or need_ref:
+    if len(minibatches) > old_from or need_ref:
         model.eval()
         with torch.no_grad():
-            for mb in minibatches:
+            for n, mb in enumerate(minibatches):
+                if n < old_from and not need_ref:
+                    continue
                 for micro in micro_batches(mb):
                     ids, attn, mask = collate([trajs[i] for i in micro], pad, device)
                     sizes = [n_scored(trajs[i]) for i in micro]
-                    if not one_step:
-                        for i, x in zip(micro, token_logprobs(model, ids, attn, mask, args.temperature).split(sizes)):
-                            old[i] = x
-                    if need_ref:
+                    if n >= old_from:
+                        old.update(zip(micro, token_logprobs(model, ids, attn, mask, args.temperature).split(sizes)))
+                    if need_ref:  # the reference: the base model, adapter off; once per rollout
                         with model.disable_adapter():
                             lp = token_logprobs(model, ids, attn, mask, args.temperature)
-                        for i, x in zip(micro, lp.split(sizes)):
-                            ref[i] = x
+                        ref.update(zip(micro, lp.split(sizes)))
     model.train()
+    zero = lambda: torch.zeros((), dtype=torch.float64, device=device)  # noqa: E731
+    loss_total, clipped, kl_total = zero(), zero(), zero()   # summed on the device, copied once
+    grad_norms, tokens, nonfinite_grad = [], 0, 0
     for _ in range(args.ppo_epochs):
         for mb in minibatches:
-            N = sum(n_scored(trajs[i]) for i in mb)                 # token-mean over the minibatch
+            N = all_reduce([sum(n_scored(trajs[i]) for i in mb)])[0]  # token-mean over the minibatch
             optimizer.zero_grad(set_to_none=True)
             for micro in micro_batches(mb):
                 ids, attn, mask = collate([trajs[i] for i in micro], pad, device)
                 logp = token_logprobs(model, ids, attn, mask, args.temperature)
-                A = torch.cat([A_tok[i] for i in micro])
-                logp_old = torch.cat([old[i] for i in micro]) if old else logp.detach()
+                A = torch.cat([A_tok[i] for i in micro]).to(device)
+                logp_old = torch.cat([old[i] for i in micro]) if micro[0] in old else logp.detach()
                 pg, was_clipped = clipped_surrogate(logp, logp_old, A, args.clip_low, args.clip_high)
                 loss_sum = pg.sum()
                 if ref:
                     kl = k3_kl(logp, torch.cat([ref[i] for i in micro]))
-                    stats["kl"].append(kl.detach().mean().item())
+                    kl_total += kl.detach().sum()
                     if args.kl_coef > 0:
                         loss_sum = loss_sum + args.kl_coef * kl.sum()
                 (loss_sum / N).backward()
-                stats["loss"].append(loss_sum.item() / N)
-                stats["clip_frac"].append(was_clipped.mean().item())
-                stats["tokens"] += int(mask.sum())
-            gn = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad],
-                                                args.max_grad_norm)
-            stats["grad_norm"].append(float(gn))
-            if math.isfinite(float(gn)):
+                loss_total += loss_sum.detach().double() / N
+                clipped += was_clipped.sum()
+                tokens += len(A)
+            if n_ranks > 1:
+                all_reduce_grads(params)                          # sum over ranks: the minibatch's gradient
+            gn = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
+            grad_norms.append(float(gn))                          # one sync per optimizer step
+            if math.isfinite(grad_norms[-1]):
                 optimizer.step()
             else:
                 optimizer.zero_grad(set_to_none=True)
-                stats["nonfinite_grad"] = stats.get("nonfinite_grad", 0) + 1
+                nonfinite_grad += 1
     scheduler.step()
-    avg = lambda xs: sum(xs) / len(xs) if xs else float("nan")  # noqa: E731
-    n_updates = args.ppo_epochs * len(minibatches)        # the micro losses add up to one minibatch's loss
-    return {"loss": sum(stats["loss"]) / n_updates, "clip_frac": avg(stats["clip_frac"]),
-            "kl": avg(stats["kl"]), "grad_norm": avg(stats["grad_norm"]), "train_tokens": stats["tokens"],
-            "skipped_updates": stats.get("nonfinite_grad", 0)}
+    loss_total, clipped, kl_total, tokens = all_reduce(torch.stack([loss_total, clipped, kl_total]).tolist()
+                                                       + [tokens])          # one copy, one collective
+    n_updates = args.ppo_epochs * n_mb                    # the micro losses add up to one minibatch's loss
+    return {"loss": loss_total / n_updates, "clip_frac": clipped / tokens,
+            "kl": kl_total / tokens if need_ref else float("nan"), "grad_norm": sum(grad_norms) / len(grad_norms),
+            "train_tokens": int(tokens), "skipped_updates": nonfinite_grad}
 
 
 def cosine_with_warmup(step, total, warmup):
@@ -317,14 +430,14 @@ def parse_args(argv=None):
                    help="when --kl-coef is 0, measure the KL to the base every N steps (one no-grad forward)")
     g = p.add_argument_group("optimisation")
     g.add_argument("--steps", type=int, default=20, help="training steps (rollout + update)")
-    g.add_argument("--scenarios-per-step", type=int, default=4, help="scenarios per step (each gets K rollouts)")
+    g.add_argument("--scenarios-per-step", type=int, default=4, help="scenarios per step (each gets K rollouts; data-parallel: in all, shared out)")
     g.add_argument("--lr", type=float, default=1e-4, help="peak learning rate (AdamW)")
     g.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay")
     g.add_argument("--warmup-ratio", type=float, default=0.05, help="share of steps with linear warmup")
     g.add_argument("--ppo-epochs", type=int, default=1, help="passes over each rollout batch")
-    g.add_argument("--minibatch-size", type=int, default=64, help="trajectories per optimizer step")
+    g.add_argument("--minibatch-size", type=int, default=64, help="trajectories per optimizer step (data-parallel: in all)")
     g.add_argument("--micro-batch-size", type=int, default=2,
-                   help="trajectories per forward/backward (gradient accumulation up to a minibatch); "
+                   help="trajectories per forward/backward, per process (gradient accumulation up to a minibatch); "
                         "activations cost ~2.4 MB per token for SmolLM2-135M in fp32")
     g.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping")
     g = p.add_argument_group("run")
@@ -364,6 +477,11 @@ def main(argv=None):
     common.set_seed(args.seed)
     scenarios = env.load_scenarios(args.scenarios)  # validate inputs before creating anything
     common.check_model_args(args)
+    init_distributed()                              # N processes under accelerate launch; else nothing
+    rank, n_ranks = world()
+    common.check(min(args.scenarios_per_step, len(scenarios)) >= n_ranks,
+                 f"--scenarios-per-step must be >= the number of processes ({n_ranks}): each takes its own")
+    args.progress = args.progress and rank == 0     # one progress bar, one log: rank 0's
     if args.resume:
         run_dir = Path(args.resume)
         common.check((run_dir / "args.json").exists(), f"--resume {run_dir}: not a run folder (no args.json)")
@@ -371,12 +489,16 @@ def main(argv=None):
         changed = {k: (saved.get(k), v) for k, v in now.items()
                    if k not in ("resume", "out_dir", "run_name") and json.dumps(saved.get(k)) != json.dumps(v)}
         for k, (old, new) in changed.items():
-            print(f"warning: --resume with {k} = {new!r}; the run started with {old!r}", file=sys.stderr)
+            if rank == 0:
+                print(f"warning: --resume with {k} = {new!r}; the run started with {old!r}", file=sys.stderr)
         for name in ("metrics.jsonl", "rollouts.jsonl"):   # a kill mid-append may leave a torn line
-            common.repair_jsonl_tail(run_dir / name)
+            if rank == 0:
+                common.repair_jsonl_tail(run_dir / name)
     else:
-        run_dir = common.make_run_dir(args.out_dir, args.run_name)
-        common.save_args(run_dir, args)
+        run_dir = common.make_run_dir(args.out_dir, args.run_name) if rank == 0 else None
+        if rank == 0:
+            common.save_args(run_dir, args)
+        run_dir = Path(from_rank0(str(run_dir) if run_dir else None))
     model, tokenizer = common.load_policy(args, trainable=True)
     judge, user = env.make_judge(args), env.make_user(args)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -386,28 +508,44 @@ def main(argv=None):
     start = 1
     if args.resume:
         ckpt = common.latest_checkpoint(run_dir / "checkpoints")
-        if ckpt is not None:
+        if ckpt is not None:                        # every rank loads the same checkpoint
             start = common.load_checkpoint(ckpt, model, optimizer, scheduler)["step"] + 1
-            print(f"resumed from {ckpt} at step {start}")
-    logger = common.MetricsLogger(run_dir, args.track, common.public_args(args))
+            if rank == 0:
+                print(f"resumed from {ckpt} at step {start}")
+    if n_ranks > 1:                                 # every rank starts from rank 0's adapter weights
+        for p in params:
+            dist.broadcast(p.data, src=0)
+    logger = common.MetricsLogger(run_dir, args.track, common.public_args(args)) if rank == 0 else None
     n_trainable = sum(p.numel() for p in params)
-    print(f"run folder {run_dir} | trainable parameters {n_trainable:,} | device {common.pick_device()}")
+    if rank == 0:
+        print(f"run folder {run_dir} | trainable parameters {n_trainable:,} | device {common.pick_device()}"
+              + (f" | data-parallel over {n_ranks} processes" if n_ranks > 1 else ""))
 
     try:
         train_loop(args, run_dir, scenarios, model, tokenizer, judge, user, optimizer, scheduler, logger, start)
     except common.UserError:
         # e.g. the judge's endpoint went down: keep what was learned, then stop with the one message
-        done = logger.last_step
+        done = logger.last_step if logger else None
         if done is not None and done >= start:
             common.save_checkpoint(run_dir / "checkpoints", done, model, optimizer, scheduler,
                                    keep=args.keep_checkpoints)
             print(f"saved checkpoint step {done} before stopping; continue with --resume {run_dir}",
                   file=sys.stderr)
         raise
-    model.save_pretrained(run_dir / "adapter", safe_serialization=True)
-    tokenizer.save_pretrained(run_dir / "adapter")
-    logger.close()
-    print(f"final adapter: {run_dir / 'adapter'}  (PeftModel.from_pretrained loads it)")
+    if n_ranks > 1:   # the ranks must hold the same adapter: check it, and write the fingerprints down
+        hashes = gather(adapter_sha256(model))
+        if rank == 0:
+            (run_dir / "data_parallel.json").write_text(json.dumps(
+                {"world_size": n_ranks, "adapter_sha256": hashes}, indent=2))
+            common.check(len(set(hashes)) == 1, f"the {n_ranks} processes ended with different adapters: "
+                                                f"{hashes} (see {run_dir / 'data_parallel.json'})")
+    if rank == 0:
+        model.save_pretrained(run_dir / "adapter", safe_serialization=True)
+        tokenizer.save_pretrained(run_dir / "adapter")
+        logger.close()
+        print(f"final adapter: {run_dir / 'adapter'}  (PeftModel.from_pretrained loads it)")
+    if n_ranks > 1:
+        dist.destroy_process_group()
 
 
 def api_counts(judge, user, before: dict | None = None) -> dict:
@@ -423,15 +561,17 @@ def api_counts(judge, user, before: dict | None = None) -> dict:
 
 
 def train_loop(args, run_dir, scenarios, model, tokenizer, judge, user, optimizer, scheduler, logger, start):
+    rank, n_ranks = world()
     for step in tqdm(range(start, args.steps + 1), desc="train", initial=start - 1, total=args.steps,
                      disable=not args.progress):
         t0 = time.time()
         before = api_counts(judge, user)
         step_seed = args.seed * 100_003 + step          # every step's randomness depends on (seed, step)
-        torch.manual_seed(step_seed)
+        torch.manual_seed(step_seed * n_ranks + rank)   # (and on the rank: each samples its own)
         if isinstance(user, env.ScriptedUser):
             user.seed = step_seed
         batch = random.Random(step_seed).sample(scenarios, min(args.scenarios_per_step, len(scenarios)))
+        batch = batch[rank::n_ranks]                    # data-parallel: this rank's share of the scenarios
         # 1. rollout: K dialogues per scenario, batched over all live dialogues each turn
         trajs = env.rollout(model, tokenizer, batch, judge, user, args, desc=f"step {step} rollout")
         t_roll = time.time() - t0
@@ -458,37 +598,44 @@ def train_loop(args, run_dir, scenarios, model, tokenizer, judge, user, optimize
         log_kl = args.kl_coef == 0 and args.log_kl_every > 0 and step % args.log_kl_every == 0
         upd = ppo_update(model, tokenizer, optimizer, scheduler, flat_trajs, flat_advs, args, log_kl)
         t_upd = time.time() - t1
-        # 5. log, keep the rollouts, checkpoint
-        flat_r = [x for group in rewards for r in group for x in r]
+        # 5. log, keep the rollouts, checkpoint (data-parallel: rank 0 gathers every rank's and writes)
         records = []
         for tr, r, a in zip(flat_trajs, [r for g in rewards for r in g], flat_advs):
             rec = env.trajectory_record(tr, args, rewards=[round(x, 4) for x in r], step=step)
             for turn, adv in zip(rec["turns"], a):
                 turn["advantage"] = round(adv, 4)
             records.append(rec)
+        parts = gather({"records": records, "rewards": [x for group in rewards for r in group for x in r],
+                        "counts": {"degenerate_groups": degenerate, "nonfinite_advantages": nonfinite,
+                                   **api_counts(judge, user, before)},
+                        "t_roll": t_roll, "t_upd": t_upd,
+                        "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20})
+        if rank != 0:
+            continue                                     # the other ranks go on to the next step
+        records = [rec for part in parts for rec in part["records"]]
+        flat_r = [x for part in parts for x in part["rewards"]]
+        turns = [turn for rec in records for turn in rec["turns"]]
         common.append_jsonl(run_dir / "rollouts.jsonl", records)
-        gen_tokens = sum(e - s for tr in flat_trajs for s, e in tr.spans)
-        n_turns = sum(tr.T for tr in flat_trajs)
         metrics = {
             "reward_mean": sum(flat_r) / len(flat_r),
             "return_mean": sum(rec["return"] for rec in records) / len(records),
-            "success_rate": sum(tr.outcome == "success" for tr in flat_trajs) / len(flat_trajs),
+            "success_rate": sum(rec["outcome"] == "success" for rec in records) / len(records),
             "final_distance": sum(rec["final_distance"] for rec in records) / len(records),
             # sum of the pure IDR over a trajectory telescopes to d(P0) - d(P_T): the held-out measure
             "distance_drop": sum(rec["initial_distance"] - rec["final_distance"] for rec in records) / len(records),
-            "turns_mean": n_turns / len(flat_trajs),
-            "truncated_frac": sum(sum(tr.truncated) for tr in flat_trajs) / max(1, n_turns),
-            "judge_failures": sum(sum(tr.judge_failed) for tr in flat_trajs),
-            "user_failures": sum(tr.outcome == "user_failed" for tr in flat_trajs),
-            "degenerate_groups": degenerate,
-            "nonfinite_advantages": nonfinite,
-            **api_counts(judge, user, before),
+            "trajectories": len(records),
+            "turns_mean": len(turns) / len(records),
+            "truncated_frac": sum(turn["truncated"] for turn in turns) / max(1, len(turns)),
+            "judge_failures": sum(turn["judge_failed"] for turn in turns),
+            "user_failures": sum(rec["outcome"] == "user_failed" for rec in records),
+            **{k: sum(part["counts"][k] for part in parts) for k in parts[0]["counts"]},
             **{k: v for k, v in upd.items()},
             "lr": lr,
-            "gen_tokens_per_s": gen_tokens / max(t_roll, 1e-9),
-            "train_tokens_per_s": upd["train_tokens"] / max(t_upd, 1e-9),
+            # the ranks run side by side: all their tokens over the slowest rank's time
+            "gen_tokens_per_s": sum(turn["reply_tokens"] for turn in turns) / max(max(x["t_roll"] for x in parts), 1e-9),
+            "train_tokens_per_s": upd["train_tokens"] / max(max(x["t_upd"] for x in parts), 1e-9),
             "step_seconds": time.time() - t0,
-            "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+            "peak_rss_gb": max(x["rss"] for x in parts),     # of the largest process
         }
         logger.log(step, metrics)
         if step % args.save_every == 0 or step == args.steps:

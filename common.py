@@ -153,7 +153,10 @@ def resolve_model(name: str) -> str:
 
 
 def pick_device() -> torch.device:
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    """cuda (the process's own GPU under `accelerate launch` / torchrun: LOCAL_RANK), else cpu."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
 
 
 def load_tokenizer(path: str):
@@ -362,7 +365,13 @@ def add_backend_args(p: argparse.ArgumentParser):
     g.add_argument("--api-retries", type=int, default=3, help="retries per request, exponential backoff")
     g.add_argument("--api-backoff", type=float, default=1.0,
                    help="seconds before the first retry; doubles each retry (a 429's Retry-After wins)")
-    g.add_argument("--api-concurrency", type=int, default=8, help="concurrent requests per backend")
+    g.add_argument("--api-concurrency", type=int, default=8,
+                   help="concurrent requests per backend (the default of the two flags below)")
+    g.add_argument("--judge-concurrency", type=int, default=None,
+                   help="concurrent requests to the judge's endpoint, a bounded pool (default: --api-concurrency); "
+                        "match it to what the server batches, e.g. vLLM --max-num-seqs")
+    g.add_argument("--user-concurrency", type=int, default=None,
+                   help="concurrent requests to the simulated user's endpoint (default: --api-concurrency)")
 
 
 def check_backend_args(args):
@@ -370,11 +379,16 @@ def check_backend_args(args):
     check(args.api_retries >= 0, f"--api-retries must be >= 0, got {args.api_retries}")
     check(args.api_backoff >= 0, f"--api-backoff must be >= 0 seconds, got {args.api_backoff}")
     check(args.api_concurrency >= 1, f"--api-concurrency must be >= 1, got {args.api_concurrency}")
+    for flag in ("judge_concurrency", "user_concurrency"):
+        value = getattr(args, flag)
+        check(value is None or value >= 1, f"--{flag.replace('_', '-')} must be >= 1, got {value}")
 
 
-def make_chat_backend(spec: str, args) -> ChatBackend:
+def make_chat_backend(spec: str, args, concurrency: int | None = None) -> ChatBackend:
+    """The backend for --judge or --user; `concurrency` (their own flag) overrides --api-concurrency."""
     return ChatBackend(spec, api_base=args.api_base, api_key=args.api_key, timeout=args.api_timeout,
-                       retries=args.api_retries, concurrency=args.api_concurrency, backoff=args.api_backoff)
+                       retries=args.api_retries, concurrency=concurrency or args.api_concurrency,
+                       backoff=args.api_backoff)
 
 
 class EmbedBackend:
@@ -553,12 +567,21 @@ def save_checkpoint(ckpt_root: Path, step: int, model, optimizer, scheduler, ext
             with open(f, "rb+") as fh:
                 os.fsync(fh.fileno())
     if final.exists():
-        shutil.rmtree(final)
+        _remove_checkpoint(final)
     os.replace(tmp, final)
     _fsync_dir(ckpt_root)
     for old in sorted(ckpt_root.glob("step_*"))[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+        _remove_checkpoint(old)
     return final
+
+
+def _remove_checkpoint(path: Path):
+    """Hide the folder first (one rename), then delete it: a kill mid-delete leaves a hidden
+    temporary folder (cleared by the next save), never a visible half-deleted checkpoint."""
+    hidden = path.with_name(f".{path.name}.tmp-del-{os.getpid()}")
+    os.replace(path, hidden)
+    _fsync_dir(path.parent)
+    shutil.rmtree(hidden, ignore_errors=True)
 
 
 def _jsonable(x):

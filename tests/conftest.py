@@ -30,11 +30,17 @@ def _corpus():
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> str:
     """Path of a saved tiny random Qwen2ForCausalLM (2 layers, hidden 32) + its tokenizer."""
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_qwen2"))
+
+
+def build_tiny_model(out) -> str:
+    """Save the tiny random model and its tokenizer into folder `out` (scripts import this too:
+    `sys.path.insert(0, "tests"); from conftest import build_tiny_model`)."""
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-    out = tmp_path_factory.mktemp("tiny_qwen2")
+    Path(out).mkdir(parents=True, exist_ok=True)
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     tok = Tokenizer(models.BPE(unk_token=None))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -91,9 +97,10 @@ class FaultServer:
     in turn: HTTP 500, 429 with Retry-After: 1, a hang of `hang_s` seconds (past the client's
     timeout), a body cut mid-JSON, a non-JSON body, empty choices, and a reply without the expected
     fields (no content, or judge JSON with its levels missing). `down=True` answers 500 to all.
-    `answers`: (marker, answer) pairs for other prompts (05's EQ-Bench and SAGE judges)."""
+    `answers`: (marker, answer) pairs for other prompts (05's EQ-Bench and SAGE judges).
+    Every answer waits `delay_s` first; `max_active` is the most judge / user requests in flight at once."""
 
-    def __init__(self, rate=0.3, hang_s=2.5, judge_answer=JUDGE_OK, user_answer=USER_OK, answers=()):
+    def __init__(self, rate=0.3, hang_s=2.5, judge_answer=JUDGE_OK, user_answer=USER_OK, answers=(), delay_s=0.0):
         import http.server
         import threading
 
@@ -101,6 +108,7 @@ class FaultServer:
         self.judge_answer, self.user_answer = judge_answer, user_answer
         self.answers = list(answers)    # (marker, answer): a prompt holding the marker gets the answer
         self.requests, self.faults, self.auth = 0, {k: 0 for k in FAULTS}, set()
+        self.delay_s, self.active, self.max_active = delay_s, {"judge": 0, "user": 0}, {"judge": 0, "user": 0}
         self.lock = threading.Lock()
         server = self
 
@@ -121,7 +129,13 @@ class FaultServer:
 
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 judge = "MDEP-PR" in json.dumps(body["messages"])
+                kind = "judge" if judge else "user"
                 with server.lock:
+                    server.active[kind] += 1
+                    server.max_active[kind] = max(server.max_active[kind], server.active[kind])
+                _time.sleep(server.delay_s)
+                with server.lock:            # counted down before answering: the client can't overlap it
+                    server.active[kind] -= 1
                     server.requests += 1
                     n = server.requests
                     server.auth.add(self.headers.get("Authorization"))

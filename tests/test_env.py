@@ -179,3 +179,20 @@ def test_llm_user_sees_the_band_not_the_numbers(env):
     assert "13.37" not in conv[0]["content"] and "27.9" not in conv[0]["content"] and "0.4" not in conv[0]["content"]
     assert env.state_band("worse", 19.0, 20.0).startswith("you still feel very low")
     assert env.state_band("better", 2.0, 20.0).startswith("you feel much better")
+
+
+def test_judge_and_user_concurrency_flags_bound_the_requests_in_flight(env, fault_server):
+    """A served judge / user (vLLM, SGLang): --judge-concurrency 3 and --user-concurrency 2 keep at most
+    3 and 2 requests in flight, and use all of them when more are queued (the server counts)."""
+    server = fault_server(rate=0.0, delay_s=0.3)
+    args = env.parse_args(["--judge", "api:judge", "--user", "api:user", "--api-base", server.base,
+                           "--judge-concurrency", "3", "--user-concurrency", "2"])
+    judge, user = env.make_judge(args), env.make_user(args)
+    s = {"id": "s", "persona": "Ana, 30", "situation": "lost her job"}
+    hist = [{"role": "user", "content": "I lost my job."}]
+    verdicts = judge.judge([{"scenario": s, "history": hist, "reply": f"reply {i}"} for i in range(9)])
+    assert all(v is not None for v in verdicts)
+    answers = user.reply([{"scenario": s, "k": i, "history": hist, "band": "low"} for i in range(7)])
+    assert all(answers)
+    assert server.requests == 16 and server.max_active == {"judge": 3, "user": 2}
+    assert env.parse_args(["--user", "api:u"]).user_concurrency is None        # default: --api-concurrency

@@ -130,6 +130,28 @@ def test_token_logprobs_match_full_forward(trainer, tiny, env):
     assert lp.shape == ref.shape and torch.allclose(lp, ref, atol=1e-5)
 
 
+def test_token_logprobs_in_chunks_equal_in_one_piece(trainer, tiny, env, monkeypatch):
+    """A long micro-batch's logits are computed (and recomputed in backward) in chunks: same values,
+    same gradients as in one piece."""
+    model, tok = tiny
+    args = env_args(env, k=2, max_turns=2, min_turns=12, max_new_tokens=5)
+    trajs = env.rollout(model, tok, [SCEN], StubJudge([{"C": (1, 0), "A": (1, 0), "P": (1, 0)}]),
+                        env.ScriptedUser(0), args)
+    ids, attn, mask = trainer.collate(trajs, tok.pad_token_id, "cpu")
+    out = []
+    for chunk in (trainer.LOGIT_CHUNK, 3 * model.config.vocab_size):       # one piece; 3 rows a chunk
+        monkeypatch.setattr(trainer, "LOGIT_CHUNK", chunk)
+        model.zero_grad()
+        lp = trainer.token_logprobs(model, ids, attn, mask, temperature=0.7)
+        (lp * torch.linspace(-1, 1, len(lp))).sum().backward()
+        out.append((lp.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]))
+    assert len(out[0][0]) > 3 and torch.allclose(out[0][0], out[1][0], atol=1e-6)
+    assert len(out[0][1]) == len(out[1][1]) > 0
+    for g1, g2 in zip(out[0][1], out[1][1]):
+        assert torch.allclose(g1, g2, atol=1e-6)
+    model.zero_grad()
+
+
 def test_next_user_ids_after_an_empty_reply(env, tiny):
     _, tok = tiny
     msgs = [{"role": "system", "content": "be kind"}, {"role": "user", "content": "hello there"}]

@@ -1,0 +1,120 @@
+"""Data-parallel training: 04 under `accelerate launch` with 2 CPU processes (gloo).
+
+1. A 2-step run: both ranks end with the same adapter (04 writes each rank's fingerprint), the
+   fingerprint is the saved adapter's, and the metrics count every rank's trajectories.
+2. One update split over 2 processes equals the same update in one process (token-mean over all
+   ranks' tokens, summed gradients): this file run by torchrun is the 2-process side.
+"""
+import argparse
+import importlib
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+TINY = ["--max-new-tokens", "6", "--max-turns", "2", "--no-progress"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(args, timeout=300):
+    """`accelerate launch` N=2 processes on this machine's CPUs. (--multi_gpu only picks accelerate's
+    torchrun launcher; without CUDA each process runs on the CPU and joins a gloo group.)"""
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+           "--main_process_port", str(free_port()), *map(str, args)]
+    e = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS="1",
+             TOKENIZERS_PARALLELISM="false")
+    return subprocess.run(cmd, cwd=ROOT, env=e, capture_output=True, text=True, timeout=timeout)
+
+
+def test_two_processes_keep_one_adapter_and_log_every_trajectory(tiny_model, tmp_path, trainer):
+    p = launch([ROOT / "04_mica_train.py", "--model", tiny_model, "--steps", "2", "--scenarios-per-step", "2",
+                "--k", "2", "--save-every", "1", "--lr", "1e-2", "--out-dir", tmp_path, *TINY])
+    assert p.returncode == 0, p.stderr[-3000:]
+    runs = [d for d in tmp_path.iterdir() if d.is_dir()]
+    assert len(runs) == 1, runs                                   # one run folder: rank 0's
+    run = runs[0]
+    dp = json.loads((run / "data_parallel.json").read_text())
+    assert dp["world_size"] == 2 and len(set(dp["adapter_sha256"])) == 1
+    # the fingerprint is that of the adapter rank 0 saved
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_model)
+    saved = PeftModel.from_pretrained(base, str(run / "adapter"), is_trainable=True)
+    assert trainer.adapter_sha256(saved) == dp["adapter_sha256"][0]
+    # metrics: each rank rolled out 1 scenario x K=2; the log counts all 4 trajectories of a step
+    metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    rollouts = [json.loads(x) for x in (run / "rollouts.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1, 2] and len(rollouts) == 8
+    for m in metrics:
+        mine = [r for r in rollouts if r["step"] == m["step"]]
+        assert m["trajectories"] == 4 and len({r["scenario_id"] for r in mine}) == 2
+        scored = sum(t["reply_tokens"] for r in mine for t in r["turns"] if not t["judge_failed"])
+        assert m["train_tokens"] == scored > 0
+        assert abs(m["return_mean"] - sum(r["return"] for r in mine) / 4) < 1e-9
+    assert sorted(d.name for d in (run / "checkpoints").iterdir()) == ["step_000001", "step_000002"]
+    assert p.stdout.count("step    1 |") == 1                     # one log line per step: rank 0's
+
+
+# ---------------------------------------------------------------------------------------------
+# One update, split over 2 processes vs in one process
+# ---------------------------------------------------------------------------------------------
+def fixed_update(trainer, model_path, share=(0, 1)):
+    """Four fixed trajectories of unequal lengths with fixed advantages; the process takes
+    trajectories share[0]::share[1], runs one ppo_update, and returns the LoRA weights."""
+    env = trainer.env
+    import common
+
+    args = argparse.Namespace(model=model_path, adapter=None, lora_r=4, lora_alpha=8, lora_dropout=0.0,
+                              lora_targets="q_proj,v_proj", load_in_4bit="off", gradient_checkpointing=False,
+                              attn_implementation="auto", trust_remote_code=False, minibatch_size=64,
+                              micro_batch_size=1, ppo_epochs=1, temperature=1.0, clip_low=0.2, clip_high=0.28,
+                              kl_coef=0.0, max_grad_norm=1.0)
+    torch.manual_seed(0)
+    model, tok = common.load_policy(args, trainable=True)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    trajs, advs = [], []
+    for n, (prompt_len, reply_len, adv) in enumerate([(5, 3, 1.0), (7, 9, -0.5), (4, 2, 0.3), (6, 12, -1.2)]):
+        ids = [(7 * n + j) % 500 + 3 for j in range(prompt_len + reply_len)]
+        trajs.append(env.Trajectory(scenario={}, k=n, ids=ids, messages=[], vs=[[0.0, 0.0, 0.0]],
+                                    spans=[(prompt_len, prompt_len + reply_len)]))
+        advs.append([adv])
+    r, w = share
+    out = trainer.ppo_update(model, tok, opt, sched, trajs[r::w], advs[r::w], args, log_kl=False)
+    weights = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    return weights, out
+
+
+def test_one_update_over_two_processes_equals_one_process(tiny_model, tmp_path, trainer):
+    single, out = fixed_update(trainer, tiny_model)
+    p = launch([Path(__file__), tiny_model, tmp_path / "rank0.pt"])
+    assert p.returncode == 0, p.stderr[-3000:]
+    both = torch.load(tmp_path / "rank0.pt", weights_only=True)
+    assert set(both["weights"]) == set(single)
+    for name, w in single.items():
+        torch.testing.assert_close(both["weights"][name], w, rtol=1e-5, atol=1e-6)
+    assert both["train_tokens"] == out["train_tokens"] == 3 + 9 + 2 + 12
+    assert abs(both["loss"] - out["loss"]) < 1e-6
+
+
+if __name__ == "__main__":      # the 2-process side of the test above, started by accelerate launch
+    trainer = importlib.import_module("04_mica_train")
+    trainer.init_distributed()
+    rank, n = trainer.world()
+    weights, out = fixed_update(trainer, sys.argv[1], share=(rank, n))
+    if rank == 0:
+        torch.save({"weights": weights, "train_tokens": out["train_tokens"], "loss": out["loss"]}, sys.argv[2])
+    torch.distributed.destroy_process_group()
