@@ -10,7 +10,8 @@ Reads   scenarios JSONL (data/scenarios_{train,test}.jsonl): id, kind, persona, 
         items (9 EMPA ratings 0-3) or p0 = [C, A, P], optional priorities, optional user_lines
         {better, stuck, worse}; the judge's prototypes (data/judge_prototypes.json).
 Writes  <run>/rollouts.jsonl: one record per trajectory with every turn's messages, state P_t, v_t,
-        judge levels, distance, reward (IDR), flags (truncated, judge_failed); <run>/args.json.
+        judge levels, distance, reward (IDR), the user's emotion e_t, flags (truncated, judge_failed);
+        <run>/args.json.
 
 Equations (EMPA, REFERENCE.md sections 1-3)
   initial deficit   C = -2(C1 + C2 + 1.5 C3),  A = -2(A1 + 2 A2 + 1.5 A3),  P = -2(P1 + 2 P2 + 1.5 P3)
@@ -23,6 +24,9 @@ Equations (EMPA, REFERENCE.md sections 1-3)
   success           t >= min_turns and E_total >= ||P0||
   failure           t >= min_turns and (last 5 dE all < 0  or  (std of last 5 ||P_t|| < 0.5 and
                     >= 6 of the last 8 dE < 0 with their sum < -1));   max_turns: stop (timeout)
+  user emotion      e_0 = --emotion-start, e_t = min(100, max(0, e_{t-1} + clip(2.5 sum_a v_t,a, -10, 10)))
+                    (SAGE / RLVER's scale, our mapping from the levels); with --emotion-ends the episode
+                    ends at e >= 100 (success) or e < 10 (failure) instead of by the rules above
 
 Judges and users (--judge, --user)
   embed      offline judge: all-MiniLM-L6-v2 embeddings say what a reply is about (relevant to the
@@ -174,6 +178,19 @@ def episode_status(P0, dEs, states, t, args) -> str | None:
 def levels_to_v(levels: dict) -> list[float]:
     # v_t,axis = progress points[level] + negative points[axis][level]
     return [PROGRESS_POINTS[levels[a][0]] + NEGATIVE_POINTS[a][levels[a][1]] for a in AXES]
+
+
+def emotion_change(levels: dict) -> float:
+    """The simulated user's emotion change (SAGE / RLVER, REFERENCE section 4) from the judged levels.
+    Our mapping, not the papers' (their simulator states the change itself): A+1 alone is +2.5, level 1
+    on every axis +7.5, an off-topic reply (C-1, A-1) -10."""
+    # change_t = clip(2.5 * sum_axis v_t,axis, -10, 10)
+    return max(-10.0, min(10.0, 2.5 * sum(levels_to_v(levels))))
+
+
+def emotion_status(e: float) -> str | None:
+    # RLVER / SAGE: the episode ends at e >= 100 (success) or e < 10 (failure)
+    return "success" if e >= 100 else "failure" if e < 10 else None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -527,6 +544,7 @@ class Trajectory:
     features: list[dict] = field(default_factory=list)
     dEs: list[float] = field(default_factory=list)
     truncated: list[bool] = field(default_factory=list)
+    emotions: list[float] = field(default_factory=list)       # e_0 .. e_T, the user's emotion (0-100)
     outcome: str | None = None                      # success | failure | timeout | context_limit | user_failed
 
     @property
@@ -604,7 +622,7 @@ def rollout(model, tokenizer, scenarios: list[dict], judge, user, args, desc="ro
         msgs, ids = opening_ids(tokenizer, s, args)
         for k in range(args.k):
             trajs.append(Trajectory(scenario=s, k=k, ids=list(ids), messages=[dict(m) for m in msgs],
-                                    states=[list(s["p0"])]))
+                                    states=[list(s["p0"])], emotions=[args.emotion_start]))
     was_training = model.training
     model.eval()
     bar = tqdm(total=args.max_turns, desc=desc, leave=False, disable=not args.progress)
@@ -631,13 +649,17 @@ def rollout(model, tokenizer, scenarios: list[dict], judge, user, args, desc="ro
                 tr.vs.append(None), tr.levels.append(None), tr.features.append({})
                 tr.states.append(list(P_prev))
                 tr.dEs.append(0.0)
+                tr.emotions.append(tr.emotions[-1])
             else:
                 v = levels_to_v(verdict["levels"])
                 tr.vs.append(v), tr.levels.append(verdict["levels"]), tr.features.append(verdict["features"])
                 tr.states.append([P_prev[i] + v[i] for i in range(3)])
                 tr.dEs.append(sum(v[i] * v_star[i] for i in range(3)))
-            # 3. does the episode end?
-            tr.outcome = episode_status(tr.scenario["p0"], tr.dEs, tr.states, t, args)
+                # e_t = min(100, max(0, e_{t-1} + change_t))
+                tr.emotions.append(min(100.0, max(0.0, tr.emotions[-1] + emotion_change(verdict["levels"]))))
+            # 3. does the episode end? (EMPA's rules, or with --emotion-ends RLVER's on the emotion)
+            tr.outcome = (emotion_status(tr.emotions[-1]) if args.emotion_ends else
+                          episode_status(tr.scenario["p0"], tr.dEs, tr.states, t, args))
             if tr.outcome is None and t == args.max_turns:
                 tr.outcome = "timeout"
         # 4. the simulated user answers the dialogues that go on
@@ -683,11 +705,12 @@ def trajectory_record(tr: Trajectory, args, rewards: list[float] | None = None, 
         turns.append({"t": t + 1, "user": tr.messages[i - 1]["content"], "assistant": tr.messages[i]["content"],
                       "v": tr.vs[t], "levels": tr.levels[t], "state": tr.states[t + 1],
                       "distance": round(d[t + 1], 4), "dE": round(tr.dEs[t], 4), "reward": rewards[t],
-                      "truncated": tr.truncated[t], "judge_failed": tr.vs[t] is None,
+                      "truncated": tr.truncated[t], "judge_failed": tr.vs[t] is None, "emotion": tr.emotions[t + 1],
                       "reply_tokens": tr.spans[t][1] - tr.spans[t][0], "judge_features": tr.features[t]})
     return {"scenario_id": tr.scenario["id"], "k": tr.k, "p0": tr.scenario["p0"], "outcome": tr.outcome,
             "turns": turns, "final_distance": round(d[-1], 4), "initial_distance": round(d[0], 4),
-            "E_total": round(sum(tr.dEs), 4), "return": round(sum(rewards), 4), **extra}
+            "E_total": round(sum(tr.dEs), 4), "final_emotion": tr.emotions[-1], "return": round(sum(rewards), 4),
+            **extra}
 
 
 def print_transcript(rec: dict):
@@ -723,6 +746,10 @@ def add_env_args(p: argparse.ArgumentParser, scenarios_default: str, k_default: 
     g.add_argument("--judge-retries", type=int, default=2, help="re-asks of an LLM judge on malformed JSON")
     g.add_argument("--user", default="scripted", help="scripted | hf:<model-or-path> | api:<model>")
     g.add_argument("--system-prompt", default=DEFAULT_SYSTEM, help="the policy's system message")
+    g.add_argument("--emotion-start", type=float, default=30.0,
+                   help="the simulated user's emotion e_0 (0-100; RLVER trains from 30, SAGE evaluates from 40)")
+    g.add_argument("--emotion-ends", action="store_true",
+                   help="end dialogues by RLVER's rule (emotion >= 100 success, < 10 failure) instead of EMPA's")
     g.add_argument("--max-new-tokens", type=int, default=48, help="token cap of one assistant reply")
     g.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (0 = greedy)")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling top-p")
@@ -749,6 +776,7 @@ def check_env_args(args):
                  f"--user must be scripted, hf:<model> or api:<model>, got '{args.user}'")
     common.check(args.max_context > args.max_new_tokens,
                  f"--max-context must be larger than --max-new-tokens, got {args.max_context}")
+    common.check(0 <= args.emotion_start <= 100, f"--emotion-start must be in [0, 100], got {args.emotion_start}")
     common.check(args.max_message_chars >= 1, f"--max-message-chars must be >= 1, got {args.max_message_chars}")
     common.check_backend_args(args)
 

@@ -14,7 +14,9 @@ Writes  runs/<name>-<time>/ : args.json, metrics.jsonl (one line per step), roll
 
 Equations (MICA, REFERENCE.md section 2; the code below writes each out as a loop)
   distance      d(P) = sqrt( sum_a w_a max(0, -eps - P_a)^2 )                       (03_rollout)
-  IDR           r_t = d(P_{t-1}) - d(P_t)
+  IDR           r_t = d(P_{t-1}) - d(P_t)                                   (--reward idr, the default)
+  RLVER         r_t = (e_t - e_{t-1}) / 100, e the simulated user's emotion (03)  (--reward rlver; with it
+                dialogues end at e >= 100 or e < 10); sums such as --reward idr+0.5*rlver
   return        G_t = sum_{j >= t} gamma^(j - t) r_j                       (within one trajectory)
   turn-level    A_turn[k][t] = (G[k][t] - mean_t) / (std_t + 1e-6)   over the k that reached turn t
   group-level   A_group[k][t] = (r[k][t] - mean) / (std + 1e-6)       over all sum_k T_k rewards
@@ -153,10 +155,40 @@ def reinforce_pp_advantages(batch_rewards, gamma) -> list[list[list[float]]]:
     return [[[(x - mean) / (std + 1e-6) for x in g] for g in group] for group in G]
 
 
+def rlver_emotion_rewards(emotions) -> list[float]:
+    """emotions = [e_0, ..., e_T] kept by the simulated user -> [r_1, ..., r_T]."""
+    # RLVER: r_t = (e_t - e_{t-1}) / 100. Its sum is (e_T - e_0)/100, so GRPO on this sum ranks a
+    # group exactly as RLVER's outcome reward e_T/100 does (e_0 is the same for every k).
+    return [(emotions[t] - emotions[t - 1]) / 100 for t in range(1, len(emotions))]
+
+
+REWARDS = ("idr", "rlver")  # the per-turn reward components --reward can combine
+
+
+def parse_reward_spec(spec: str) -> dict[str, float]:
+    """'idr', 'rlver', 'idr+0.5*rlver' -> {component: weight}."""
+    out = {}
+    for term in spec.replace(" ", "").split("+"):
+        weight, _, name = term.rpartition("*")
+        common.check(name in REWARDS, f"--reward: unknown component '{name}' in '{spec}'; "
+                                      f"choose from {', '.join(REWARDS)} (e.g. idr+0.5*rlver)")
+        try:
+            out[name] = out.get(name, 0.0) + (float(weight) if weight else 1.0)
+        except ValueError:
+            raise common.UserError(f"--reward: '{weight}' in '{term}' is not a number") from None
+    return out
+
+
 def turn_rewards(tr, args) -> list[float]:
-    """Per-turn training reward of one trajectory: IDR, minus the cut-off penalty; a turn the judge
-    failed on (or a non-finite value) gets the trajectory's mean valid reward."""
-    r = incremental_distance_rewards(tr.states, args.idr_weights, args.eps)
+    """Per-turn training reward of one trajectory: the --reward components, weighted and summed, minus
+    the cut-off penalty; a turn the judge failed on (or a non-finite value) gets the trajectory's mean
+    valid reward."""
+    # r_t = sum_c weight_c * r_c,t - truncation_penalty * 1[reply t was cut off]
+    parts = {"idr": lambda: incremental_distance_rewards(tr.states, args.idr_weights, args.eps),
+             "rlver": lambda: rlver_emotion_rewards(tr.emotions)}
+    r = [0.0] * tr.T
+    for name, weight in args.reward_weights.items():
+        r = [x + weight * y for x, y in zip(r, parts[name]())]
     valid = [not failed and math.isfinite(x) for failed, x in zip(tr.judge_failed, r)]
     r = [x - args.truncation_penalty * cut for x, cut in zip(r, tr.truncated)]
     fill = [x for x, ok in zip(r, valid) if ok]
@@ -420,6 +452,10 @@ def parse_args(argv=None):
                    help="credit assignment: MICA mixed turn/group, GRPO outcome, REINFORCE++ batch-whitened")
     g.add_argument("--alpha", type=float, default=0.4, help="MICA weight of the turn-level advantage")
     g.add_argument("--gamma", type=float, default=0.85, help="discount of the per-turn returns")
+    g.add_argument("--reward", default="idr",
+                   help="per-turn reward: idr (MICA's incremental distance), rlver (change of the simulated "
+                        "user's emotion / 100; also ends dialogues by RLVER's emotion rule), or a weighted "
+                        "sum such as idr+0.5*rlver")
     g.add_argument("--idr-weights", default="1,1,1", help="w = (w_C, w_A, w_P) of the hinge distance")
     g.add_argument("--truncation-penalty", type=float, default=1.0,
                    help="subtracted from the reward of a reply cut off at --max-new-tokens")
@@ -469,6 +505,8 @@ def parse_args(argv=None):
         raise common.UserError(f"--idr-weights must be 3 comma-separated numbers, got '{args.idr_weights}'") from None
     c(len(args.idr_weights) == 3 and min(args.idr_weights) >= 0,
       f"--idr-weights must be 3 non-negative numbers, got {args.idr_weights}")
+    args.reward_weights = parse_reward_spec(args.reward)
+    args.emotion_ends = args.emotion_ends or "rlver" in args.reward_weights
     return args
 
 
@@ -621,6 +659,7 @@ def train_loop(args, run_dir, scenarios, model, tokenizer, judge, user, optimize
             "return_mean": sum(rec["return"] for rec in records) / len(records),
             "success_rate": sum(rec["outcome"] == "success" for rec in records) / len(records),
             "final_distance": sum(rec["final_distance"] for rec in records) / len(records),
+            "final_emotion": sum(rec["final_emotion"] for rec in records) / len(records),
             # sum of the pure IDR over a trajectory telescopes to d(P0) - d(P_T): the held-out measure
             "distance_drop": sum(rec["initial_distance"] - rec["final_distance"] for rec in records) / len(records),
             "trajectories": len(records),

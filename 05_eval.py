@@ -506,8 +506,8 @@ def emotion_changes(dialogs, judge, args) -> list[float | None]:
                              "reply": d["messages"][-1]["content"]} for d in dialogs])
     out = []
     for v in verdicts:
-        # change_t = clip(2.5 * sum_axis v_t,axis, -10, 10)   (v_t from the MDEP-PR levels)
-        out.append(None if v is None else max(-10.0, min(10.0, 2.5 * sum(env.levels_to_v(v["levels"])))))
+        # change_t = clip(2.5 * sum_axis v_t,axis, -10, 10)   (03_rollout.emotion_change, from the levels)
+        out.append(None if v is None else env.emotion_change(v["levels"]))
     return out
 
 

@@ -283,7 +283,7 @@ def test_nothing_to_score_skips_the_update_without_nan(trainer, env, tiny_model)
     tr = env.Trajectory(scenario={}, k=0, ids=[], messages=[], spans=[(0, 1), (1, 2)],
                         states=[[-4.0, -4.0, -4.0], [float("-inf"), -4.0, -4.0], [-2.0, -2.0, -2.0]],
                         vs=[[0.0, 0.0, 0.0], [0.0, 0.0, 0.0]], truncated=[False, False])
-    targs = argparse.Namespace(idr_weights=(1, 1, 1), eps=1.0, truncation_penalty=0.0)
+    targs = argparse.Namespace(idr_weights=(1, 1, 1), eps=1.0, truncation_penalty=0.0, reward_weights={"idr": 1.0})
     r = trainer.turn_rewards(tr, targs)
     assert all(x == x and abs(x) < 1e9 for x in r)
     A = trainer.mica_advantages([r, [0.5, 0.1]], 0.4, 0.85)

@@ -1,5 +1,6 @@
 """The batched token-in/token-out rollout on a tiny random model, with a stub judge."""
 import argparse
+import re
 
 import pytest
 import torch
@@ -96,7 +97,7 @@ def test_failed_judgement_is_flagged_and_left_out(env, trainer, tiny):
     tr = trajs[0]
     assert tr.judge_failed == [False, True, False]
     assert tr.states[2] == tr.states[1]                         # the state does not move
-    targs = argparse.Namespace(idr_weights=(1, 1, 1), eps=1.0, truncation_penalty=0.0)
+    targs = argparse.Namespace(idr_weights=(1, 1, 1), eps=1.0, truncation_penalty=0.0, reward_weights={"idr": 1.0})
     r = trainer.turn_rewards(tr, targs)
     assert r[1] == pytest.approx((r[0] + r[2]) / 2)             # filled with the mean valid reward
     ids, attn, mask = trainer.collate(trajs, tok.pad_token_id, "cpu")
@@ -112,7 +113,7 @@ def test_truncation_penalty(env, trainer, tiny):
     trajs = env.rollout(model, tok, [SCEN], StubJudge([{"C": (0, 0), "A": (0, 0), "P": (0, 0)}]),
                         env.ScriptedUser(0), args)
     tr = trajs[0]
-    targs = argparse.Namespace(idr_weights=(1, 1, 1), eps=1.0, truncation_penalty=0.5)
+    targs = argparse.Namespace(idr_weights=(1, 1, 1), eps=1.0, truncation_penalty=0.5, reward_weights={"idr": 1.0})
     expected = [-0.5 if cut else 0.0 for cut in tr.truncated]
     assert trainer.turn_rewards(tr, targs) == pytest.approx(expected)
 
@@ -159,3 +160,56 @@ def test_next_user_ids_after_an_empty_reply(env, tiny):
     full = msgs + [{"role": "assistant", "content": ""}, {"role": "user", "content": "are you there?"}]
     ids += env.next_user_ids(tok, full, "", True)
     assert tok.decode(ids) == tok.apply_chat_template(full, tokenize=False, add_generation_prompt=True)
+
+
+def test_emotion_is_kept_and_rlver_rewards_and_end_rule(env, trainer, tiny):
+    model, tok = tiny
+    # levels of the worked example: v = (1,3,0), (-1,1,1), (3,-1,1) -> sum v = 4, 1, 3
+    # change = clip(2.5 * sum v, -10, 10) = 10, 2.5, 7.5;  e = 30 -> 40 -> 42.5 -> 50
+    script = [{"C": (1, 0), "A": (2, 0), "P": (0, 0)}, {"C": (1, 1), "A": (1, 0), "P": (1, 0)},
+              {"C": (2, 0), "A": (1, 1), "P": (1, 0)}]
+    args = env_args(env, k=2, max_turns=3, min_turns=12, max_new_tokens=4)
+    tr = env.rollout(model, tok, [SCEN], StubJudge(script), env.ScriptedUser(0), args)[0]
+    assert tr.emotions == [30.0, 40.0, 42.5, 50.0]
+    assert trainer.rlver_emotion_rewards(tr.emotions) == pytest.approx([0.1, 0.025, 0.075])
+    targs = argparse.Namespace(idr_weights=(1, 1, 1), eps=1.0, truncation_penalty=0.0,
+                               reward_weights={"idr": 1.0, "rlver": 0.5})
+    assert trainer.turn_rewards(tr, targs) == pytest.approx([2.828 + 0.05, 0.363 + 0.0125, 1.231 + 0.0375], abs=1e-3)
+    rec = env.trajectory_record(tr, args)
+    assert [t["emotion"] for t in rec["turns"]] == [40.0, 42.5, 50.0] and rec["final_emotion"] == 50.0
+    # RLVER's end rule: from 95, +10 reaches 100 at once -> success; from 12, an off-topic reply -> failure
+    hi = env.rollout(model, tok, [SCEN], StubJudge(script), env.ScriptedUser(0),
+                     env_args(env, k=2, max_turns=3, max_new_tokens=4, emotion_start=95.0, emotion_ends=True))
+    assert all(t.outcome == "success" and t.T == 1 and t.emotions == [95.0, 100.0] for t in hi)
+    off = [{"C": (0, 1), "A": (0, 1), "P": (0, 0)}]                 # sum v = -4 -> change -10
+    lo = env.rollout(model, tok, [SCEN], StubJudge(off), env.ScriptedUser(0),
+                     env_args(env, k=2, max_turns=3, max_new_tokens=4, emotion_start=12.0, emotion_ends=True))
+    assert all(t.outcome == "failure" and t.emotions == [12.0, 2.0] for t in lo)
+
+
+def test_reward_spec(trainer):
+    assert trainer.parse_reward_spec("idr") == {"idr": 1.0}
+    assert trainer.parse_reward_spec("idr + 0.5*rlver") == {"idr": 1.0, "rlver": 0.5}
+    for bad, msg in (("kardia", "unknown component 'kardia'"), ("x*rlver", "'x' in 'x*rlver' is not a number")):
+        with pytest.raises(common.UserError, match=re.escape(msg)):
+            trainer.parse_reward_spec(bad)
+
+
+@pytest.mark.parametrize("reward", ["idr", "rlver", "idr+0.5*rlver"])
+@pytest.mark.parametrize("advantage", ["mica", "grpo", "reinforce_pp"])
+def test_every_reward_with_every_estimator_one_step(trainer, tiny_model, tmp_path, reward, advantage):
+    import json
+
+    trainer.main(["--model", tiny_model, "--reward", reward, "--advantage", advantage, "--steps", "1",
+                  "--scenarios-per-step", "2", "--k", "2", "--max-turns", "2", "--max-new-tokens", "5",
+                  "--out-dir", str(tmp_path), "--no-progress", "--log-kl-every", "0"])
+    run = next(tmp_path.iterdir())
+    m = json.loads((run / "metrics.jsonl").read_text())
+    assert m["train_tokens"] > 0 and m["loss"] is not None and 0 <= m["final_emotion"] <= 100
+    recs = [json.loads(x) for x in (run / "rollouts.jsonl").read_text().splitlines()]
+    if reward == "rlver":      # the recorded rewards are the emotion changes / 100 (minus cut-off penalties)
+        for rec in recs:
+            e = [30.0] + [t["emotion"] for t in rec["turns"]]
+            want = [(e[i + 1] - e[i]) / 100 - 1.0 * t["truncated"] for i, t in enumerate(rec["turns"])
+                    if not t["judge_failed"]]
+            assert [t["reward"] for t in rec["turns"] if not t["judge_failed"]] == pytest.approx(want, abs=1e-4)
