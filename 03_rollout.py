@@ -545,6 +545,7 @@ class Trajectory:
     dEs: list[float] = field(default_factory=list)
     truncated: list[bool] = field(default_factory=list)
     emotions: list[float] = field(default_factory=list)       # e_0 .. e_T, the user's emotion (0-100)
+    extra: dict = field(default_factory=dict)       # per-turn lists a trainer adds (04: CARE's rubrics)
     outcome: str | None = None                      # success | failure | timeout | context_limit | user_failed
 
     @property

@@ -17,6 +17,10 @@ Equations (MICA, REFERENCE.md section 2; the code below writes each out as a loo
   IDR           r_t = d(P_{t-1}) - d(P_t)                                   (--reward idr, the default)
   RLVER         r_t = (e_t - e_{t-1}) / 100, e the simulated user's emotion (03)  (--reward rlver; with it
                 dialogues end at e >= 100 or e < 10); sums such as --reward idr+0.5*rlver
+  CARE          r_t = sum_d w_d,t s_d,t: the frozen generator (--rubric-model, 02) writes turn t's rubric,
+                the judge scores the reply on its criteria (02's criteria judge: embed, hf:, api:);
+                with idr+care the distance uses w_t = 3 (w_C,t, w_A,t, w_P,t) (uniform = MICA's 1,1,1);
+                --rubric adaptive | uniform | weights-only | criteria-only (Table-3 ablations)
   return        G_t = sum_{j >= t} gamma^(j - t) r_j                       (within one trajectory)
   turn-level    A_turn[k][t] = (G[k][t] - mean_t) / (std_t + 1e-6)   over the k that reached turn t
   group-level   A_group[k][t] = (r[k][t] - mean) / (std + 1e-6)       over all sum_k T_k rewards
@@ -162,7 +166,66 @@ def rlver_emotion_rewards(emotions) -> list[float]:
     return [(emotions[t] - emotions[t - 1]) / 100 for t in range(1, len(emotions))]
 
 
-REWARDS = ("idr", "rlver")  # the per-turn reward components --reward can combine
+REWARDS = ("idr", "rlver", "care")  # the per-turn reward components --reward can combine
+DIMS = ("cognitive", "affective", "proactive")
+# --rubric uniform (and the fixed half of weights-only / criteria-only): CARE's "fixed rubric" ablation
+UNIFORM_RUBRIC = {"weights": {d: 1 / 3 for d in DIMS},
+                  "criteria": {"cognitive": ["Shows it understands the person's situation and what they said"],
+                               "affective": ["Recognises and validates the person's feelings"],
+                               "proactive": ["Helps the person find a concrete, manageable next step"]}}
+
+
+def turn_rubrics(rubric_model, rubric_tok, trajs, args) -> tuple[list[list[dict]], int]:
+    """CARE: the rubric of every turn of every trajectory, written by the frozen generator (02's
+    adapter) for the context the policy answered; --rubric picks the Table-3 ablation. A generated
+    rubric that does not parse is replaced by the uniform one and counted."""
+    sft = importlib.import_module("01_rubric_sft")        # the rubric prompt, parser and generation
+    contexts, where = [], []
+    for i, tr in enumerate(trajs):
+        replies = [j for j, m in enumerate(tr.messages) if m["role"] == "assistant"]
+        for t, j in enumerate(replies[: tr.T]):
+            contexts.append([m for m in tr.messages[:j] if m["role"] != "system"])
+            where.append((i, t))
+    if args.rubric == "uniform":
+        generated = [UNIFORM_RUBRIC] * len(contexts)
+    else:
+        texts = sft.generate_rubrics(rubric_model, rubric_tok, contexts, args.rubric_max_new_tokens, 0.0, 16)
+        generated = [sft.parse_rubric(text)[0] for text, _, _ in texts]
+    invalid = sum(g is None for g in generated)
+    out = [[UNIFORM_RUBRIC] * tr.T for tr in trajs]
+    for (i, t), g in zip(where, generated):
+        g = g or UNIFORM_RUBRIC
+        out[i][t] = {"weights": g["weights"] if args.rubric in ("adaptive", "weights-only") else UNIFORM_RUBRIC["weights"],
+                     "criteria": g["criteria"] if args.rubric in ("adaptive", "criteria-only") else UNIFORM_RUBRIC["criteria"]}
+    return out, invalid
+
+
+def care_turn_rewards(crit_judge, trajs, rubrics) -> list[list[float]]:
+    """r_t for every turn: the judge scores the reply on each criterion of its turn's rubric."""
+    items, where = [], []
+    for i, tr in enumerate(trajs):
+        replies = [m["content"] for m in tr.messages if m["role"] == "assistant"]
+        for t in range(tr.T):
+            for d in DIMS:
+                items.append({"context": [m for m in tr.messages if m["role"] != "system"][: 2 * t + 1],
+                              "reply": replies[t], "criteria": rubrics[i][t]["criteria"][d]})
+                where.append((i, t, d))
+    scores = crit_judge.score(items)
+    s = [[{} for _ in range(tr.T)] for tr in trajs]
+    for (i, t, d), sc in zip(where, scores):
+        s[i][t][d] = sc
+    r = []
+    for i, tr in enumerate(trajs):
+        # CARE: r_t = sum_d w_d,t * s_d,t,  s_d,t = mean over dimension d's criteria of the judge's score
+        # (a turn the judge failed on is NaN here: turn_rewards then treats it as failed)
+        r_i = []
+        for t in range(tr.T):
+            if any(s[i][t][d] is None for d in DIMS):
+                r_i.append(float("nan"))
+                continue
+            r_i.append(sum(rubrics[i][t]["weights"][d] * sum(s[i][t][d]) / len(s[i][t][d]) for d in DIMS))
+        r.append(r_i)
+    return r
 
 
 def parse_reward_spec(spec: str) -> dict[str, float]:
@@ -179,16 +242,35 @@ def parse_reward_spec(spec: str) -> dict[str, float]:
     return out
 
 
+def reward_parts(tr, args) -> dict[str, list[float]]:
+    """Each --reward component's per-turn values for one trajectory (unweighted)."""
+    parts = {}
+    for name in args.reward_weights:
+        if name == "idr" and "rubrics" in tr.extra:
+            # with CARE the rubric's weights also weight the distance, scaled so that uniform weights
+            # give MICA's (1, 1, 1): w_t = 3 * (w_C,t, w_A,t, w_P,t)
+            parts["idr"] = []
+            for t, rb in enumerate(tr.extra["rubrics"]):
+                w_t = [3 * rb["weights"][d] for d in DIMS]
+                parts["idr"].append(env.hinge_distance(tr.states[t], w_t, args.eps)
+                                    - env.hinge_distance(tr.states[t + 1], w_t, args.eps))
+        elif name == "idr":
+            parts["idr"] = incremental_distance_rewards(tr.states, args.idr_weights, args.eps)
+        elif name == "rlver":
+            parts["rlver"] = rlver_emotion_rewards(tr.emotions)
+        else:
+            parts["care"] = tr.extra["care"]
+    return parts
+
+
 def turn_rewards(tr, args) -> list[float]:
     """Per-turn training reward of one trajectory: the --reward components, weighted and summed, minus
     the cut-off penalty; a turn the judge failed on (or a non-finite value) gets the trajectory's mean
     valid reward."""
     # r_t = sum_c weight_c * r_c,t - truncation_penalty * 1[reply t was cut off]
-    parts = {"idr": lambda: incremental_distance_rewards(tr.states, args.idr_weights, args.eps),
-             "rlver": lambda: rlver_emotion_rewards(tr.emotions)}
     r = [0.0] * tr.T
-    for name, weight in args.reward_weights.items():
-        r = [x + weight * y for x, y in zip(r, parts[name]())]
+    for name, part in reward_parts(tr, args).items():
+        r = [x + args.reward_weights[name] * y for x, y in zip(r, part)]
     valid = [not failed and math.isfinite(x) for failed, x in zip(tr.judge_failed, r)]
     r = [x - args.truncation_penalty * cut for x, cut in zip(r, tr.truncated)]
     fill = [x for x, ok in zip(r, valid) if ok]
@@ -454,8 +536,15 @@ def parse_args(argv=None):
     g.add_argument("--gamma", type=float, default=0.85, help="discount of the per-turn returns")
     g.add_argument("--reward", default="idr",
                    help="per-turn reward: idr (MICA's incremental distance), rlver (change of the simulated "
-                        "user's emotion / 100; also ends dialogues by RLVER's emotion rule), or a weighted "
-                        "sum such as idr+0.5*rlver")
+                        "user's emotion / 100; also ends dialogues by RLVER's emotion rule), care (CARE's "
+                        "adaptive rubric, judged per criterion), or a weighted sum such as idr+0.5*care")
+    g.add_argument("--rubric-model", default=None,
+                   help="--reward care: the frozen rubric generator, a 02_rubric_pref_rl.py adapter folder")
+    g.add_argument("--rubric-base", default=None, help="the generator's base model (default: --model)")
+    g.add_argument("--rubric", choices=["adaptive", "uniform", "weights-only", "criteria-only"], default="adaptive",
+                   help="CARE's Table-3 ablations: the generator's weights and criteria, or w = 1/3 and fixed "
+                        "generic criteria, or one of the two from the generator")
+    g.add_argument("--rubric-max-new-tokens", type=int, default=256, help="token cap of a generated rubric")
     g.add_argument("--idr-weights", default="1,1,1", help="w = (w_C, w_A, w_P) of the hinge distance")
     g.add_argument("--truncation-penalty", type=float, default=1.0,
                    help="subtracted from the reward of a reply cut off at --max-new-tokens")
@@ -506,6 +595,8 @@ def parse_args(argv=None):
     c(len(args.idr_weights) == 3 and min(args.idr_weights) >= 0,
       f"--idr-weights must be 3 non-negative numbers, got {args.idr_weights}")
     args.reward_weights = parse_reward_spec(args.reward)
+    c("care" not in args.reward_weights or args.rubric == "uniform" or args.rubric_model,
+      f"--reward {args.reward} with --rubric {args.rubric} needs --rubric-model (a 02_rubric_pref_rl.py adapter)")
     args.emotion_ends = args.emotion_ends or "rlver" in args.reward_weights
     return args
 
@@ -539,6 +630,15 @@ def main(argv=None):
         run_dir = Path(from_rank0(str(run_dir) if run_dir else None))
     model, tokenizer = common.load_policy(args, trainable=True)
     judge, user = env.make_judge(args), env.make_user(args)
+    care = None
+    if "care" in args.reward_weights:
+        # the frozen rubric generator (no gradient) and the criteria judge of 02 (embed, hf: or api:)
+        pref = importlib.import_module("02_rubric_pref_rl")
+        gen_args = argparse.Namespace(**{**vars(args), "model": args.rubric_base or args.model,
+                                         "adapter": args.rubric_model, "gradient_checkpointing": False})
+        rubric_model, rubric_tok = (common.load_policy(gen_args, trainable=False) if args.rubric_model
+                                    else (None, None))
+        care = (rubric_model, rubric_tok, pref.make_criteria_judge(args))
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
     warmup = max(1, round(args.warmup_ratio * args.steps))
@@ -560,7 +660,8 @@ def main(argv=None):
               + (f" | data-parallel over {n_ranks} processes" if n_ranks > 1 else ""))
 
     try:
-        train_loop(args, run_dir, scenarios, model, tokenizer, judge, user, optimizer, scheduler, logger, start)
+        train_loop(args, run_dir, scenarios, model, tokenizer, judge, user, optimizer, scheduler, logger, start,
+                   care)
     except common.UserError:
         # e.g. the judge's endpoint went down: keep what was learned, then stop with the one message
         done = logger.last_step if logger else None
@@ -598,7 +699,8 @@ def api_counts(judge, user, before: dict | None = None) -> dict:
     return {k: v - before.get(k, 0) for k, v in now.items()} if before is not None else now
 
 
-def train_loop(args, run_dir, scenarios, model, tokenizer, judge, user, optimizer, scheduler, logger, start):
+def train_loop(args, run_dir, scenarios, model, tokenizer, judge, user, optimizer, scheduler, logger, start,
+               care=None):
     rank, n_ranks = world()
     for step in tqdm(range(start, args.steps + 1), desc="train", initial=start - 1, total=args.steps,
                      disable=not args.progress):
@@ -613,7 +715,12 @@ def train_loop(args, run_dir, scenarios, model, tokenizer, judge, user, optimize
         # 1. rollout: K dialogues per scenario, batched over all live dialogues each turn
         trajs = env.rollout(model, tokenizer, batch, judge, user, args, desc=f"step {step} rollout")
         t_roll = time.time() - t0
-        # 2. rewards: IDR per turn (cut-off penalty, failed turns filled), grouped by scenario
+        # 2. rewards: the --reward components per turn (cut-off penalty, failed turns filled), by scenario
+        rubric_invalid = 0
+        if care is not None:      # CARE: each turn's rubric, then the judge per criterion
+            rubrics, rubric_invalid = turn_rubrics(care[0], care[1], trajs, args)
+            for tr, rb, r_care in zip(trajs, rubrics, care_turn_rewards(care[2], trajs, rubrics)):
+                tr.extra["rubrics"], tr.extra["care"] = rb, r_care
         groups = [[tr for tr in trajs if tr.scenario is s] for s in batch]
         rewards = [[turn_rewards(tr, args) for tr in g] for g in groups]
         # 3. advantages
@@ -640,11 +747,16 @@ def train_loop(args, run_dir, scenarios, model, tokenizer, judge, user, optimize
         records = []
         for tr, r, a in zip(flat_trajs, [r for g in rewards for r in g], flat_advs):
             rec = env.trajectory_record(tr, args, rewards=[round(x, 4) for x in r], step=step)
-            for turn, adv in zip(rec["turns"], a):
+            comp = reward_parts(tr, args)
+            for t, (turn, adv) in enumerate(zip(rec["turns"], a)):
                 turn["advantage"] = round(adv, 4)
+                turn["reward_parts"] = {k: round(v[t], 4) if math.isfinite(v[t]) else None for k, v in comp.items()}
+                if "rubrics" in tr.extra:
+                    turn["rubric"] = tr.extra["rubrics"][t]
             records.append(rec)
         parts = gather({"records": records, "rewards": [x for group in rewards for r in group for x in r],
                         "counts": {"degenerate_groups": degenerate, "nonfinite_advantages": nonfinite,
+                                   **({"rubric_invalid": rubric_invalid} if care is not None else {}),
                                    **api_counts(judge, user, before)},
                         "t_roll": t_roll, "t_upd": t_upd,
                         "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20})

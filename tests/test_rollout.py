@@ -195,21 +195,80 @@ def test_reward_spec(trainer):
             trainer.parse_reward_spec(bad)
 
 
-@pytest.mark.parametrize("reward", ["idr", "rlver", "idr+0.5*rlver"])
+@pytest.fixture(scope="module")
+def tiny_rubric_adapter(tiny_model, tmp_path_factory):
+    """A LoRA adapter on the tiny model standing in for 02's frozen generator (it writes no valid
+    rubric, so every turn falls back to the uniform one: the plumbing is what is tested)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path_factory.mktemp("rubric_adapter")
+    m = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model),
+                       LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj"], task_type="CAUSAL_LM"))
+    m.save_pretrained(out)
+    return str(out)
+
+
+def test_care_reward_turn_by_turn(trainer):
+    class Fake:   # 1.0 on every criterion that shares a word with the reply, else 0.0
+        def score(self, items):
+            return [[float(any(w in it["reply"].split() for w in c.split())) for c in it["criteria"]] for it in items]
+
+    import types
+
+    msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "u1"},
+            {"role": "assistant", "content": "feelings matter"}, {"role": "user", "content": "u2"},
+            {"role": "assistant", "content": "try one step"}]
+    tr = types.SimpleNamespace(T=2, messages=msgs)
+    rb = {"weights": {"cognitive": 0.2, "affective": 0.5, "proactive": 0.3},
+          "criteria": {"cognitive": ["situation"], "affective": ["feelings", "warmth"], "proactive": ["step"]}}
+    # turn 1: s = (0, (1 + 0)/2, 0) -> 0.5 * 0.5 = 0.25;  turn 2: s = (0, 0, 1) -> 0.3
+    assert trainer.care_turn_rewards(Fake(), [tr], [[rb, rb]]) == [pytest.approx([0.25, 0.3])]
+
+
+@pytest.mark.parametrize("reward", ["idr", "rlver", "idr+0.5*rlver", "care", "idr+care"])
 @pytest.mark.parametrize("advantage", ["mica", "grpo", "reinforce_pp"])
-def test_every_reward_with_every_estimator_one_step(trainer, tiny_model, tmp_path, reward, advantage):
+def test_every_reward_with_every_estimator_one_step(trainer, tiny_model, tiny_rubric_adapter, tmp_path, reward,
+                                                     advantage):
     import json
 
+    care = (["--rubric", "uniform"] if reward == "care" else
+            ["--rubric-model", tiny_rubric_adapter, "--rubric-max-new-tokens", "8"] if "care" in reward else [])
     trainer.main(["--model", tiny_model, "--reward", reward, "--advantage", advantage, "--steps", "1",
                   "--scenarios-per-step", "2", "--k", "2", "--max-turns", "2", "--max-new-tokens", "5",
-                  "--out-dir", str(tmp_path), "--no-progress", "--log-kl-every", "0"])
+                  "--out-dir", str(tmp_path), "--no-progress", "--log-kl-every", "0", *care])
     run = next(tmp_path.iterdir())
     m = json.loads((run / "metrics.jsonl").read_text())
     assert m["train_tokens"] > 0 and m["loss"] is not None and 0 <= m["final_emotion"] <= 100
     recs = [json.loads(x) for x in (run / "rollouts.jsonl").read_text().splitlines()]
+    names = set(trainer.parse_reward_spec(reward))
+    assert all(set(t["reward_parts"]) == names for r in recs for t in r["turns"])
+    if "care" in reward:        # every turn's rubric is recorded; the tiny generator's are all invalid
+        assert all(t["rubric"]["weights"]["affective"] == pytest.approx(1 / 3) for r in recs for t in r["turns"])
+        assert m["rubric_invalid"] == (0 if reward == "care" else sum(len(r["turns"]) for r in recs))
+        for r in recs:
+            for t in r["turns"]:
+                if not t["judge_failed"] and t["reward_parts"]["care"] is not None:
+                    assert 0 <= t["reward_parts"]["care"] <= 1
     if reward == "rlver":      # the recorded rewards are the emotion changes / 100 (minus cut-off penalties)
         for rec in recs:
             e = [30.0] + [t["emotion"] for t in rec["turns"]]
             want = [(e[i + 1] - e[i]) / 100 - 1.0 * t["truncated"] for i, t in enumerate(rec["turns"])
                     if not t["judge_failed"]]
             assert [t["reward"] for t in rec["turns"] if not t["judge_failed"]] == pytest.approx(want, abs=1e-4)
+
+
+def test_care_weights_the_distance_and_uniform_is_mica(trainer):
+    import types
+
+    states = [[-6, -9, -4], [-5, -6, -4], [-6, -5, -3], [-3, -6, -2]]
+    args = argparse.Namespace(idr_weights=(1, 1, 1), eps=1.0, reward_weights={"idr": 1.0})
+    uniform = {"weights": {d: 1 / 3 for d in trainer.DIMS}}
+    tr = types.SimpleNamespace(T=3, states=states, extra={"rubrics": [uniform] * 3})
+    assert trainer.reward_parts(tr, args)["idr"] == pytest.approx([2.828, 0.363, 1.231], abs=1e-3)
+    # affective-heavy rubric: w = 3 * (0.2, 0.6, 0.2) = (0.6, 1.8, 0.6); turn 1 moves A by +3
+    aff = {"weights": {"cognitive": 0.2, "affective": 0.6, "proactive": 0.2}}
+    tr.extra["rubrics"] = [aff] * 3
+    d = lambda P: (0.6 * max(0, -1 - P[0]) ** 2 + 1.8 * max(0, -1 - P[1]) ** 2 + 0.6 * max(0, -1 - P[2]) ** 2) ** 0.5  # noqa: E731
+    assert trainer.reward_parts(tr, args)["idr"] == pytest.approx([d(states[t]) - d(states[t + 1]) for t in range(3)])
+    assert trainer.reward_parts(tr, args)["idr"][0] > 2.828          # the affective move counts more
