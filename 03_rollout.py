@@ -27,6 +27,8 @@ Equations (EMPA, REFERENCE.md sections 1-3)
   user emotion      e_0 = --emotion-start, e_t = min(100, max(0, e_{t-1} + clip(2.5 sum_a v_t,a, -10, 10)))
                     (SAGE / RLVER's scale, our mapping from the levels); with --emotion-ends the episode
                     ends at e >= 100 (success) or e < 10 (failure) instead of by the rules above
+  --kardia-format   the policy is asked for <understanding>, <reasoning>, <emotion>, <response> sections;
+                    only the response reaches the user and the judge (Kardia-R1)
 
 Judges and users (--judge, --user)
   embed      offline judge: all-MiniLM-L6-v2 embeddings say what a reply is about (relevant to the
@@ -119,6 +121,8 @@ def load_scenarios(path) -> list[dict]:
                              f"{w}: field 'items.{name}' must be an integer 0-3")
             r["p0"] = initial_deficit(r["items"])
         common.check(norm(r["p0"]) > 0, f"{w}: the initial deficit is zero: nothing to support")
+        common.check(isinstance(r.get("profile", {}), dict),
+                     f"{w}: field 'profile' must be an object (e.g. MBTI, about, situation, emotion)")
         lines = r.get("user_lines", {})
         common.check(isinstance(lines, dict), f"{w}: field 'user_lines' must be an object")
         for trend in ("better", "stuck", "worse"):
@@ -545,6 +549,8 @@ class Trajectory:
     dEs: list[float] = field(default_factory=list)
     truncated: list[bool] = field(default_factory=list)
     emotions: list[float] = field(default_factory=list)       # e_0 .. e_T, the user's emotion (0-100)
+    shown: list[str] = field(default_factory=list)  # what the user and judge saw of each reply
+    formatted: list[bool] = field(default_factory=list)  # --kardia-format: the reply had the 4 sections
     extra: dict = field(default_factory=dict)       # per-turn lists a trainer adds (04: CARE's rubrics)
     outcome: str | None = None                      # success | failure | timeout | context_limit | user_failed
 
@@ -562,10 +568,37 @@ def render_ids(tokenizer, messages: list[dict]) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
+KARDIA_SYSTEM = (" First think in this format, then answer: <understanding>what the person is going through"
+                 "</understanding><reasoning>what would help now</reasoning><emotion>the emotion to meet"
+                 "</emotion><response>your reply to the person</response>. Only the response is shown to them.")
+
+
+def kardia_response(text: str) -> tuple[str, bool]:
+    """Kardia-R1's structured reply -> (the <response> part, True) when the four sections come in order
+    with a non-empty response; otherwise (the text with any of the tags removed, False)."""
+    m = re.fullmatch(r"\s*<understanding>.*?</understanding>\s*<reasoning>.*?</reasoning>\s*<emotion>.*?</emotion>"
+                     r"\s*<response>(.*?)</response>\s*", text, re.S)
+    if m and m.group(1).strip():
+        return m.group(1).strip(), True
+    return re.sub(r"</?(understanding|reasoning|emotion|response)>", " ", text).strip(), False
+
+
+def seen_history(tr) -> list[dict]:
+    """The dialogue as the user and the judge see it: each reply's shown part (its <response> with
+    --kardia-format, else the whole reply)."""
+    out, t = [], 0
+    for m in tr.messages:
+        if m["role"] == "assistant":
+            m, t = {"role": "assistant", "content": tr.shown[t]}, t + 1
+        out.append(m)
+    return out
+
+
 def opening_ids(tokenizer, s: dict, args) -> tuple[list[dict], list[int]]:
     """The first context: system prompt + the scenario's opening. An opening too long for
     --max-context is cut (its end kept, where the person's request usually is), with a warning."""
-    msgs = [{"role": "system", "content": args.system_prompt}, {"role": "user", "content": s["opening"]}]
+    system = args.system_prompt + (KARDIA_SYSTEM if args.kardia_format else "")
+    msgs = [{"role": "system", "content": system}, {"role": "user", "content": s["opening"]}]
     ids = render_ids(tokenizer, msgs)
     over = len(ids) + args.max_new_tokens - args.max_context
     if over > 0:
@@ -639,7 +672,9 @@ def rollout(model, tokenizer, scenarios: list[dict], judge, user, args, desc="ro
             tr.spans.append((len(tr.ids), len(tr.ids) + len(reply_ids)))
             tr.ids.extend(reply_ids)
             tr.truncated.append(not ended)
-            cases.append({"scenario": tr.scenario, "history": list(tr.messages), "reply": text})
+            shown, ok = kardia_response(text) if args.kardia_format else (text, True)
+            tr.shown.append(shown), tr.formatted.append(ok)
+            cases.append({"scenario": tr.scenario, "history": seen_history(tr), "reply": shown})
             tr.messages.append({"role": "assistant", "content": text})
         # 2. the judge: v_t at the EMPA levels; P_t = P_{t-1} + v_t
         verdicts = judge.judge(cases)
@@ -670,7 +705,7 @@ def rollout(model, tokenizer, scenarios: list[dict], judge, user, args, desc="ro
             dE = tr.dEs[-1]
             trend = "better" if dE > 0.5 else "worse" if dE < -0.5 else "stuck"
             d0 = hinge_distance(tr.states[0], eps=args.eps)
-            asks.append({"scenario": tr.scenario, "k": tr.k, "history": tr.messages, "trend": trend,
+            asks.append({"scenario": tr.scenario, "k": tr.k, "history": seen_history(tr), "trend": trend,
                          "band": state_band(trend, hinge_distance(tr.states[-1], eps=args.eps), d0)})
         answers = user.reply(asks)
         for tr, answer in zip(going, answers):
@@ -707,6 +742,7 @@ def trajectory_record(tr: Trajectory, args, rewards: list[float] | None = None, 
                       "v": tr.vs[t], "levels": tr.levels[t], "state": tr.states[t + 1],
                       "distance": round(d[t + 1], 4), "dE": round(tr.dEs[t], 4), "reward": rewards[t],
                       "truncated": tr.truncated[t], "judge_failed": tr.vs[t] is None, "emotion": tr.emotions[t + 1],
+                      **({"shown": tr.shown[t], "formatted": tr.formatted[t]} if args.kardia_format else {}),
                       "reply_tokens": tr.spans[t][1] - tr.spans[t][0], "judge_features": tr.features[t]})
     return {"scenario_id": tr.scenario["id"], "k": tr.k, "p0": tr.scenario["p0"], "outcome": tr.outcome,
             "turns": turns, "final_distance": round(d[-1], 4), "initial_distance": round(d[0], 4),
@@ -751,6 +787,9 @@ def add_env_args(p: argparse.ArgumentParser, scenarios_default: str, k_default: 
                    help="the simulated user's emotion e_0 (0-100; RLVER trains from 30, SAGE evaluates from 40)")
     g.add_argument("--emotion-ends", action="store_true",
                    help="end dialogues by RLVER's rule (emotion >= 100 success, < 10 failure) instead of EMPA's")
+    g.add_argument("--kardia-format", action="store_true",
+                   help="Kardia-R1's format: the policy writes <understanding>, <reasoning>, <emotion> and "
+                        "<response> sections; only the response reaches the user and the judge")
     g.add_argument("--max-new-tokens", type=int, default=48, help="token cap of one assistant reply")
     g.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (0 = greedy)")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling top-p")

@@ -21,6 +21,9 @@ Equations (MICA, REFERENCE.md section 2; the code below writes each out as a loo
                 the judge scores the reply on its criteria (02's criteria judge: embed, hf:, api:);
                 with idr+care the distance uses w_t = 3 (w_C,t, w_A,t, w_P,t) (uniform = MICA's 1,1,1);
                 --rubric adaptive | uniform | weights-only | criteria-only (Table-3 ablations)
+  Kardia-R1     r_t = (1/5) sum_c s_c,t over relevance, empathy, persona consistency, safety, fluency,
+                + r_fmt (0 with the <understanding><reasoning><emotion><response> format, -1 without;
+                with --kardia-format, where only <response> reaches the user and the judge)
   return        G_t = sum_{j >= t} gamma^(j - t) r_j                       (within one trajectory)
   turn-level    A_turn[k][t] = (G[k][t] - mean_t) / (std_t + 1e-6)   over the k that reached turn t
   group-level   A_group[k][t] = (r[k][t] - mean) / (std + 1e-6)       over all sum_k T_k rewards
@@ -166,7 +169,7 @@ def rlver_emotion_rewards(emotions) -> list[float]:
     return [(emotions[t] - emotions[t - 1]) / 100 for t in range(1, len(emotions))]
 
 
-REWARDS = ("idr", "rlver", "care")  # the per-turn reward components --reward can combine
+REWARDS = ("idr", "rlver", "care", "kardia")  # the per-turn reward components --reward can combine
 DIMS = ("cognitive", "affective", "proactive")
 # --rubric uniform (and the fixed half of weights-only / criteria-only): CARE's "fixed rubric" ablation
 UNIFORM_RUBRIC = {"weights": {d: 1 / 3 for d in DIMS},
@@ -200,15 +203,48 @@ def turn_rubrics(rubric_model, rubric_tok, trajs, args) -> tuple[list[list[dict]
     return out, invalid
 
 
+def kardia_criteria(scenario: dict) -> list[str]:
+    """Kardia-R1's fixed rubric; persona consistency is judged against the scenario's profile (MBTI,
+    about, situation, emotion) when it has one, else its persona line."""
+    prof = scenario.get("profile")
+    who = "; ".join(f"{k}: {v}" for k, v in prof.items()) if isinstance(prof, dict) else scenario.get("persona", "")
+    return ["Relevance: responds directly to what the person just said",
+            "Empathy: recognises the person's feelings and responds to them warmly",
+            f"Persona consistency: fits who this person is ({who})",
+            "Safety: nothing harmful, dismissive, judgemental or unsafe",
+            "Fluency: clear, natural, well-formed language"]
+
+
+def kardia_turn_rewards(crit_judge, trajs, use_format: bool) -> list[list[float]]:
+    """Kardia-R1 (Rubric-as-Judge): the judge scores each shown reply on the fixed rubric."""
+    items = []
+    for tr in trajs:
+        hist = [m for m in env.seen_history(tr) if m["role"] != "system"]
+        for t in range(tr.T):
+            items.append({"context": hist[: 2 * t + 1], "reply": tr.shown[t], "criteria": kardia_criteria(tr.scenario)})
+    scores = iter(crit_judge.score(items))
+    r = []
+    for tr in trajs:
+        # r_t = (1/5) sum_c s_c,t  +  r_fmt,t   (r_fmt = 0 for the 4-section format, -1 without it;
+        # only with --kardia-format);  a turn the judge failed on is NaN: left out as failed
+        r_i = []
+        for t in range(tr.T):
+            s = next(scores)
+            fmt = (0.0 if tr.formatted[t] else -1.0) if use_format else 0.0
+            r_i.append(float("nan") if s is None else sum(s) / len(s) + fmt)
+        r.append(r_i)
+    return r
+
+
 def care_turn_rewards(crit_judge, trajs, rubrics) -> list[list[float]]:
     """r_t for every turn: the judge scores the reply on each criterion of its turn's rubric."""
     items, where = [], []
     for i, tr in enumerate(trajs):
-        replies = [m["content"] for m in tr.messages if m["role"] == "assistant"]
+        hist = [m for m in env.seen_history(tr) if m["role"] != "system"]
         for t in range(tr.T):
             for d in DIMS:
-                items.append({"context": [m for m in tr.messages if m["role"] != "system"][: 2 * t + 1],
-                              "reply": replies[t], "criteria": rubrics[i][t]["criteria"][d]})
+                items.append({"context": hist[: 2 * t + 1], "reply": tr.shown[t],
+                              "criteria": rubrics[i][t]["criteria"][d]})
                 where.append((i, t, d))
     scores = crit_judge.score(items)
     s = [[{} for _ in range(tr.T)] for tr in trajs]
@@ -259,7 +295,7 @@ def reward_parts(tr, args) -> dict[str, list[float]]:
         elif name == "rlver":
             parts["rlver"] = rlver_emotion_rewards(tr.emotions)
         else:
-            parts["care"] = tr.extra["care"]
+            parts[name] = tr.extra[name]        # care / kardia: judged per criterion in the train loop
     return parts
 
 
@@ -537,7 +573,8 @@ def parse_args(argv=None):
     g.add_argument("--reward", default="idr",
                    help="per-turn reward: idr (MICA's incremental distance), rlver (change of the simulated "
                         "user's emotion / 100; also ends dialogues by RLVER's emotion rule), care (CARE's "
-                        "adaptive rubric, judged per criterion), or a weighted sum such as idr+0.5*care")
+                        "adaptive rubric, judged per criterion), kardia (Kardia-R1's fixed rubric, plus its "
+                        "format term with --kardia-format), or a weighted sum such as idr+0.5*care")
     g.add_argument("--rubric-model", default=None,
                    help="--reward care: the frozen rubric generator, a 02_rubric_pref_rl.py adapter folder")
     g.add_argument("--rubric-base", default=None, help="the generator's base model (default: --model)")
@@ -631,13 +668,13 @@ def main(argv=None):
     model, tokenizer = common.load_policy(args, trainable=True)
     judge, user = env.make_judge(args), env.make_user(args)
     care = None
-    if "care" in args.reward_weights:
-        # the frozen rubric generator (no gradient) and the criteria judge of 02 (embed, hf: or api:)
+    if {"care", "kardia"} & set(args.reward_weights):
+        # the criteria judge of 02 (embed, hf: or api:) and, for CARE, the frozen rubric generator
         pref = importlib.import_module("02_rubric_pref_rl")
         gen_args = argparse.Namespace(**{**vars(args), "model": args.rubric_base or args.model,
                                          "adapter": args.rubric_model, "gradient_checkpointing": False})
-        rubric_model, rubric_tok = (common.load_policy(gen_args, trainable=False) if args.rubric_model
-                                    else (None, None))
+        rubric_model, rubric_tok = (common.load_policy(gen_args, trainable=False)
+                                    if args.rubric_model and "care" in args.reward_weights else (None, None))
         care = (rubric_model, rubric_tok, pref.make_criteria_judge(args))
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
@@ -717,10 +754,13 @@ def train_loop(args, run_dir, scenarios, model, tokenizer, judge, user, optimize
         t_roll = time.time() - t0
         # 2. rewards: the --reward components per turn (cut-off penalty, failed turns filled), by scenario
         rubric_invalid = 0
-        if care is not None:      # CARE: each turn's rubric, then the judge per criterion
+        if "care" in args.reward_weights:      # CARE: each turn's rubric, then the judge per criterion
             rubrics, rubric_invalid = turn_rubrics(care[0], care[1], trajs, args)
             for tr, rb, r_care in zip(trajs, rubrics, care_turn_rewards(care[2], trajs, rubrics)):
                 tr.extra["rubrics"], tr.extra["care"] = rb, r_care
+        if "kardia" in args.reward_weights:    # Kardia-R1: the fixed rubric (+ the format term)
+            for tr, r_k in zip(trajs, kardia_turn_rewards(care[2], trajs, args.kardia_format)):
+                tr.extra["kardia"] = r_k
         groups = [[tr for tr in trajs if tr.scenario is s] for s in batch]
         rewards = [[turn_rewards(tr, args) for tr in g] for g in groups]
         # 3. advantages
@@ -756,7 +796,9 @@ def train_loop(args, run_dir, scenarios, model, tokenizer, judge, user, optimize
             records.append(rec)
         parts = gather({"records": records, "rewards": [x for group in rewards for r in group for x in r],
                         "counts": {"degenerate_groups": degenerate, "nonfinite_advantages": nonfinite,
-                                   **({"rubric_invalid": rubric_invalid} if care is not None else {}),
+                                   **({"rubric_invalid": rubric_invalid} if "care" in args.reward_weights else {}),
+                                   **({"format_ok": sum(sum(tr.formatted) for tr in flat_trajs)}
+                                      if args.kardia_format else {}),
                                    **api_counts(judge, user, before)},
                         "t_roll": t_roll, "t_upd": t_upd,
                         "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20})

@@ -190,7 +190,7 @@ def test_emotion_is_kept_and_rlver_rewards_and_end_rule(env, trainer, tiny):
 def test_reward_spec(trainer):
     assert trainer.parse_reward_spec("idr") == {"idr": 1.0}
     assert trainer.parse_reward_spec("idr + 0.5*rlver") == {"idr": 1.0, "rlver": 0.5}
-    for bad, msg in (("kardia", "unknown component 'kardia'"), ("x*rlver", "'x' in 'x*rlver' is not a number")):
+    for bad, msg in (("empathy", "unknown component 'empathy'"), ("x*rlver", "'x' in 'x*rlver' is not a number")):
         with pytest.raises(common.UserError, match=re.escape(msg)):
             trainer.parse_reward_spec(bad)
 
@@ -219,21 +219,49 @@ def test_care_reward_turn_by_turn(trainer):
     msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "u1"},
             {"role": "assistant", "content": "feelings matter"}, {"role": "user", "content": "u2"},
             {"role": "assistant", "content": "try one step"}]
-    tr = types.SimpleNamespace(T=2, messages=msgs)
+    tr = types.SimpleNamespace(T=2, messages=msgs, shown=["feelings matter", "try one step"])
     rb = {"weights": {"cognitive": 0.2, "affective": 0.5, "proactive": 0.3},
           "criteria": {"cognitive": ["situation"], "affective": ["feelings", "warmth"], "proactive": ["step"]}}
     # turn 1: s = (0, (1 + 0)/2, 0) -> 0.5 * 0.5 = 0.25;  turn 2: s = (0, 0, 1) -> 0.3
     assert trainer.care_turn_rewards(Fake(), [tr], [[rb, rb]]) == [pytest.approx([0.25, 0.3])]
 
 
-@pytest.mark.parametrize("reward", ["idr", "rlver", "idr+0.5*rlver", "care", "idr+care"])
+def test_kardia_format_and_reward(env, trainer):
+    good = ("<understanding>She lost her job.</understanding> <reasoning>Validate first.</reasoning>"
+            "<emotion>fear</emotion><response>That sounds frightening. What worries you most?</response>")
+    assert env.kardia_response(good) == ("That sounds frightening. What worries you most?", True)
+    assert env.kardia_response("<response>Only this.</response>") == ("Only this.", False)   # sections missing
+    assert env.kardia_response(good.replace("What worries you most?", "").replace("That sounds frightening.", ""))[1] \
+        is False                                                                          # empty response
+    assert env.kardia_response("plain reply") == ("plain reply", False)
+
+    class Fake:   # criterion scores 1, 0.5, 0.5, 1, 0 -> mean 0.6
+        def score(self, items):
+            assert [c.split(":")[0] for c in items[0]["criteria"]] == \
+                ["Relevance", "Empathy", "Persona consistency", "Safety", "Fluency"]
+            return [[1.0, 0.5, 0.5, 1.0, 0.0] for _ in items]
+
+    import types
+
+    tr = types.SimpleNamespace(T=2, scenario={"persona": "a nurse", "profile": {"MBTI": "INFJ"}},
+                               messages=[{"role": "user", "content": "u"}, {"role": "assistant", "content": good},
+                                         {"role": "user", "content": "u2"}, {"role": "assistant", "content": "x"}],
+                               shown=["That sounds frightening.", "x"], formatted=[True, False])
+    assert "MBTI: INFJ" in trainer.kardia_criteria(tr.scenario)[2]
+    assert trainer.kardia_turn_rewards(Fake(), [tr], use_format=True) == [pytest.approx([0.6, -0.4])]
+    assert trainer.kardia_turn_rewards(Fake(), [tr], use_format=False) == [pytest.approx([0.6, 0.6])]
+    assert env.seen_history(tr)[1]["content"] == "That sounds frightening."   # the user never sees the rest
+
+
+@pytest.mark.parametrize("reward", ["idr", "rlver", "idr+0.5*rlver", "care", "idr+care", "kardia"])
 @pytest.mark.parametrize("advantage", ["mica", "grpo", "reinforce_pp"])
 def test_every_reward_with_every_estimator_one_step(trainer, tiny_model, tiny_rubric_adapter, tmp_path, reward,
                                                      advantage):
     import json
 
     care = (["--rubric", "uniform"] if reward == "care" else
-            ["--rubric-model", tiny_rubric_adapter, "--rubric-max-new-tokens", "8"] if "care" in reward else [])
+            ["--rubric-model", tiny_rubric_adapter, "--rubric-max-new-tokens", "8"] if "care" in reward else
+            ["--kardia-format"] if reward == "kardia" else [])
     trainer.main(["--model", tiny_model, "--reward", reward, "--advantage", advantage, "--steps", "1",
                   "--scenarios-per-step", "2", "--k", "2", "--max-turns", "2", "--max-new-tokens", "5",
                   "--out-dir", str(tmp_path), "--no-progress", "--log-kl-every", "0", *care])
@@ -243,6 +271,10 @@ def test_every_reward_with_every_estimator_one_step(trainer, tiny_model, tiny_ru
     recs = [json.loads(x) for x in (run / "rollouts.jsonl").read_text().splitlines()]
     names = set(trainer.parse_reward_spec(reward))
     assert all(set(t["reward_parts"]) == names for r in recs for t in r["turns"])
+    if reward == "kardia":      # the tiny model never writes the 4 sections: every turn pays the format term
+        assert m["format_ok"] == 0
+        assert all(t["formatted"] is False and (t["reward_parts"]["kardia"] is None or t["reward_parts"]["kardia"] <= 0)
+                   for r in recs for t in r["turns"])
     if "care" in reward:        # every turn's rubric is recorded; the tiny generator's are all invalid
         assert all(t["rubric"]["weights"]["affective"] == pytest.approx(1 / 3) for r in recs for t in r["turns"])
         assert m["rubric_invalid"] == (0 if reward == "care" else sum(len(r["turns"]) for r in recs))
