@@ -405,14 +405,7 @@ def main(argv=None):
     val = load_sft(args.val, args.weight_tolerance)
     val = val[: args.eval_limit] if args.eval_limit else val
     common.check_model_args(args)
-    if args.resume:
-        run_dir = Path(args.resume)
-        common.check((run_dir / "args.json").exists(), f"--resume {run_dir}: not a run folder (no args.json)")
-        for name in ("metrics.jsonl", "eval_samples.jsonl"):
-            common.repair_jsonl_tail(run_dir / name)
-    else:
-        run_dir = common.make_run_dir(args.out_dir, args.run_name)
-        common.save_args(run_dir, args)
+    run_dir = common.open_run(args, ("metrics.jsonl", "eval_samples.jsonl"))
     model, tokenizer = common.load_policy(args, trainable=True)
     device = next(model.parameters()).device
     examples = [encode(tokenizer, r, args.max_len) for r in train]

@@ -400,14 +400,7 @@ def main(argv=None):
     common.check_model_args(args)
     if not args.adapter:
         print("warning: no --adapter: starting from the base model, not from 01's SFT generator", file=sys.stderr)
-    if args.resume:
-        run_dir = Path(args.resume)
-        common.check((run_dir / "args.json").exists(), f"--resume {run_dir}: not a run folder (no args.json)")
-        for name in ("metrics.jsonl", "rollouts.jsonl"):
-            common.repair_jsonl_tail(run_dir / name)
-    else:
-        run_dir = common.make_run_dir(args.out_dir, args.run_name)
-        common.save_args(run_dir, args)
+    run_dir = common.open_run(args, ("metrics.jsonl", "rollouts.jsonl"))
     model, tokenizer = common.load_policy(args, trainable=True)
     judge = make_criteria_judge(args)
     params = [p for p in model.parameters() if p.requires_grad]

@@ -650,22 +650,8 @@ def main(argv=None):
     common.check(min(args.scenarios_per_step, len(scenarios)) >= n_ranks,
                  f"--scenarios-per-step must be >= the number of processes ({n_ranks}): each takes its own")
     args.progress = args.progress and rank == 0     # one progress bar, one log: rank 0's
-    if args.resume:
-        run_dir = Path(args.resume)
-        common.check((run_dir / "args.json").exists(), f"--resume {run_dir}: not a run folder (no args.json)")
-        saved, now = json.loads((run_dir / "args.json").read_text()), common.public_args(args)
-        changed = {k: (saved.get(k), v) for k, v in now.items()
-                   if k not in ("resume", "out_dir", "run_name") and json.dumps(saved.get(k)) != json.dumps(v)}
-        for k, (old, new) in changed.items():
-            if rank == 0:
-                print(f"warning: --resume with {k} = {new!r}; the run started with {old!r}", file=sys.stderr)
-        for name in ("metrics.jsonl", "rollouts.jsonl"):   # a kill mid-append may leave a torn line
-            if rank == 0:
-                common.repair_jsonl_tail(run_dir / name)
-    else:
-        run_dir = common.make_run_dir(args.out_dir, args.run_name) if rank == 0 else None
-        if rank == 0:
-            common.save_args(run_dir, args)
+    run_dir = common.open_run(args, ("metrics.jsonl", "rollouts.jsonl"), write=rank == 0)
+    if not args.resume:
         run_dir = Path(from_rank0(str(run_dir) if run_dir else None))
     model, tokenizer = common.load_policy(args, trainable=True)
     judge, user = env.make_judge(args), env.make_user(args)

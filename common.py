@@ -516,6 +516,29 @@ def make_run_dir(out_dir: str, name: str) -> Path:
     raise UserError(f"could not create a run folder under {out_dir}")
 
 
+def open_run(args, logs: tuple[str, ...], write: bool = True) -> Path | None:
+    """A new run folder (<out_dir>/<run_name>-<time>, args.json saved), or with --resume the given
+    one: checked, flags that changed since it started warned about, and a torn last line of each of
+    its append-only `logs` cut. write=False (a data-parallel rank other than 0) only checks: it returns
+    the --resume folder, or None for a new run."""
+    if not args.resume:
+        if not write:
+            return None
+        run_dir = make_run_dir(args.out_dir, args.run_name)
+        save_args(run_dir, args)
+        return run_dir
+    run_dir = Path(args.resume)
+    check((run_dir / "args.json").exists(), f"--resume {run_dir}: not a run folder (no args.json)")
+    if write:
+        saved, now = json.loads((run_dir / "args.json").read_text()), public_args(args)
+        for k, v in now.items():
+            if k not in ("resume", "out_dir", "run_name") and json.dumps(saved.get(k)) != json.dumps(v):
+                print(f"warning: --resume with {k} = {v!r}; the run started with {saved.get(k)!r}", file=sys.stderr)
+        for name in logs:                      # a kill mid-append may leave a torn last line
+            repair_jsonl_tail(run_dir / name)
+    return run_dir
+
+
 def public_args(args) -> dict:
     """The args as a dict with secrets redacted (what gets printed and saved)."""
     return {k: ("<redacted>" if k in SECRET_ARGS and v else v) for k, v in vars(args).items()}
