@@ -4,7 +4,9 @@ What it does
   A policy model talks to a simulated user about a scenario. After every assistant turn a judge
   turns (persona, history, reply) into a progress vector v_t on the three support axes, the hidden
   state moves, and the user answers. K trajectories per scenario; every live dialogue is answered in
-  one batched generate call per turn. Run alone, it samples a few dialogues and prints them.
+  one batched generate call per turn, which keeps each dialogue's KV cache for its next turn and so
+  prefills only the tokens that are new (the user's message); the K identical openings of a scenario
+  are prefilled once. Run alone, it samples a few dialogues and prints them.
 
 Reads   scenarios JSONL (data/scenarios_{train,test}.jsonl): id, kind, persona, situation, opening,
         items (9 EMPA ratings 0-3) or p0 = [C, A, P], optional priorities, optional user_lines
@@ -628,24 +630,93 @@ def next_user_ids(tokenizer, messages: list[dict], reply_text: str, ended_with_e
     return tokenizer(after, add_special_tokens=False)["input_ids"]
 
 
+class TurnCache:
+    """The KV cache a batched generate call leaves behind, kept for the dialogues' next turn.
+
+    Row b holds its dialogue's tokens so far, left-padded, with the sampled reply and then whatever the
+    batch generated after this row's eos (junk, masked out): `seq` and `mask` say which columns are real.
+    The next turn appends each row's new tokens (the user's message) after a hole of padding; positions
+    come from the mask's running count, so a row sees exactly its own tokens at their own positions,
+    as a fresh prefill would give them, and only the new tokens are prefilled (--no-kv-reuse: all)."""
+
+    def __init__(self):
+        self.cache, self.seq, self.mask = None, None, None
+
+    def keep_rows(self, rows: list[int]):
+        """Narrow to these rows of the last call, in this order (the dialogues that go on)."""
+        if self.cache is not None:
+            index = torch.tensor(rows, device=self.seq.device)
+            self.cache.batch_select_indices(index)
+            self.seq, self.mask = self.seq[index], self.mask[index]
+
+
+def left_pad(rows: list[list[int]], pad: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    L = max(len(r) for r in rows)
+    ids = torch.tensor([[pad] * (L - len(r)) + r for r in rows], device=device)
+    mask = torch.tensor([[0] * (L - len(r)) + [1] * len(r) for r in rows], device=device)
+    return ids, mask
+
+
 @torch.no_grad()
-def generate_replies(model, tokenizer, contexts: list[list[int]], args) -> list[tuple[list[int], bool]]:
+def prefill_distinct(model, input_ids, attn):
+    """A DynamicCache of every row but its last token, computing each distinct row once (the K
+    dialogues of a scenario, or the G samples of a prompt, open with the same tokens)."""
+    first, inverse = {}, []                   # distinct row -> the first row b holding it; b -> its distinct
+    for b, row in enumerate(map(tuple, input_ids.tolist())):
+        first.setdefault(row, b)
+        inverse.append(list(first).index(row))
+    rows = torch.tensor(list(first.values()), device=input_ids.device)
+    ids, mask = input_ids[rows, :-1], attn[rows, :-1]
+    position_ids = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)   # as generate computes them
+    cache = model(input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=True).past_key_values
+    cache.batch_select_indices(torch.tensor(inverse, device=input_ids.device))
+    return cache
+
+
+@torch.no_grad()
+def generate_replies(model, tokenizer, contexts: list[list[int]], args,
+                     kv: TurnCache | None = None) -> list[tuple[list[int], bool]]:
     """One batched, sampled generate over every live dialogue. Returns (reply ids, ended_with_eos);
-    the reply ids include the closing eos token when the model produced one."""
+    the reply ids include the closing eos token when the model produced one.
+
+    kv: the TurnCache of the last turn, narrowed to these dialogues in this order (keep_rows); when it
+    holds a cache, contexts[b] must extend row b's real tokens, and only the extension is prefilled.
+    It is updated in place for the next turn. Without a cache, identical contexts are prefilled once."""
     device = next(model.parameters()).device
-    L = max(len(c) for c in contexts)
     pad = tokenizer.pad_token_id
-    input_ids = torch.tensor([[pad] * (L - len(c)) + c for c in contexts], device=device)
-    attn = torch.tensor([[0] * (L - len(c)) + [1] * len(c) for c in contexts], device=device)
+    cache = None
+    if kv is not None and kv.cache is not None:
+        new = []
+        for b, c in enumerate(contexts):
+            real = kv.seq[b][kv.mask[b].bool()].tolist()
+            if c[:len(real)] != real:
+                raise RuntimeError("TurnCache: a context does not extend its cached row (rows out of order?)")
+            new.append(c[len(real):])
+        tail, tail_mask = left_pad(new, pad, device)
+        input_ids, attn = torch.cat([kv.seq, tail], 1), torch.cat([kv.mask, tail_mask], 1)
+        cache = kv.cache                                   # holds every column but the last of kv.seq
+    else:
+        input_ids, attn = left_pad(contexts, pad, device)
+        if len(set(map(tuple, contexts))) < len(contexts) and input_ids.shape[1] > 1:
+            cache = prefill_distinct(model, input_ids, attn)
+    L = input_ids.shape[1]
     eos = common.eos_token_ids(model, tokenizer)
-    out = model.generate(input_ids=input_ids, attention_mask=attn, do_sample=args.temperature > 0,
+    out = model.generate(input_ids=input_ids, attention_mask=attn, past_key_values=cache,
+                         do_sample=args.temperature > 0,
                          temperature=args.temperature if args.temperature > 0 else None,
                          top_p=args.top_p if args.temperature > 0 else None, top_k=None,
-                         max_new_tokens=args.max_new_tokens, pad_token_id=pad, eos_token_id=eos)
+                         max_new_tokens=args.max_new_tokens, pad_token_id=pad, eos_token_id=eos,
+                         return_dict_in_generate=kv is not None)
+    seq = out.sequences if kv is not None else out
     results = []
-    for row in out[:, L:].tolist():
+    for row in seq[:, L:].tolist():
         cut = next((j for j, tok in enumerate(row) if tok in eos), None)
         results.append((row[:cut + 1], True) if cut is not None else (row, False))
+    if kv is not None:
+        n_new = seq.shape[1] - L
+        reply_mask = torch.tensor([[1] * len(r) + [0] * (n_new - len(r)) for r, _ in results],
+                                  dtype=attn.dtype, device=device).reshape(len(results), n_new)
+        kv.cache, kv.seq, kv.mask = out.past_key_values, seq, torch.cat([attn, reply_mask], 1)
     return results
 
 
@@ -660,12 +731,16 @@ def rollout(model, tokenizer, scenarios: list[dict], judge, user, args, desc="ro
     was_training = model.training
     model.eval()
     bar = tqdm(total=args.max_turns, desc=desc, leave=False, disable=not args.progress)
+    kv, row_of = (TurnCache() if args.kv_reuse else None), {}   # the last turn's KV cache and its rows
     for t in range(1, args.max_turns + 1):
         live = [tr for tr in trajs if tr.outcome is None]
         if not live:
             break
-        # 1. the policy answers every live dialogue in one batched call
-        replies = generate_replies(model, tokenizer, [tr.ids for tr in live], args)
+        # 1. the policy answers every live dialogue in one batched call (prefilling only what is new)
+        if kv is not None and row_of:
+            kv.keep_rows([row_of[id(tr)] for tr in live])
+        row_of = {id(tr): b for b, tr in enumerate(live)}
+        replies = generate_replies(model, tokenizer, [tr.ids for tr in live], args, kv)
         cases = []
         for tr, (reply_ids, ended) in zip(live, replies):
             text = tokenizer.decode(reply_ids, skip_special_tokens=True).strip()
@@ -793,6 +868,9 @@ def add_env_args(p: argparse.ArgumentParser, scenarios_default: str, k_default: 
     g.add_argument("--max-new-tokens", type=int, default=48, help="token cap of one assistant reply")
     g.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (0 = greedy)")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling top-p")
+    g.add_argument("--no-kv-reuse", dest="kv_reuse", action="store_false",
+                   help="prefill each dialogue's whole context every turn instead of keeping its KV cache "
+                        "from the last turn (which holds that memory while the judge and user run)")
     g.add_argument("--max-context", type=int, default=2048,
                    help="stop a dialogue (outcome context_limit) before its context passes this many tokens")
     g.add_argument("--max-message-chars", type=int, default=2000,

@@ -206,8 +206,8 @@ def add_model_args(p: argparse.ArgumentParser, default_model: str = PACKAGED_SMO
     g.add_argument("--gradient-checkpointing", action="store_true",
                    help="recompute activations in the backward pass (less memory, ~30%% slower)")
     g.add_argument("--attn-implementation", default="auto",
-                   help="attention kernel: auto (eager on CPU, where it is faster with padding; sdpa on "
-                        "GPU), eager, sdpa, flash_attention_2")
+                   help="attention kernel: auto (sdpa: on CPU too it beats eager, padding included: 1.5x "
+                        "per batched decode step at 16 rows), eager, sdpa, flash_attention_2")
     g.add_argument("--trust-remote-code", action="store_true",
                    help="allow a hub model's own Python code to run (off by default)")
 
@@ -232,7 +232,7 @@ def load_policy(args, trainable: bool = True):
     use_4bit = args.load_in_4bit == "on" or (args.load_in_4bit == "auto" and device.type == "cuda")
     attn = args.attn_implementation
     if attn == "auto":
-        attn = "sdpa" if device.type == "cuda" else "eager"
+        attn = "sdpa"
     kwargs = dict(dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
                   trust_remote_code=args.trust_remote_code, attn_implementation=attn)
     if use_4bit:

@@ -304,3 +304,35 @@ def test_care_weights_the_distance_and_uniform_is_mica(trainer):
     d = lambda P: (0.6 * max(0, -1 - P[0]) ** 2 + 1.8 * max(0, -1 - P[1]) ** 2 + 0.6 * max(0, -1 - P[2]) ** 2) ** 0.5  # noqa: E731
     assert trainer.reward_parts(tr, args)["idr"] == pytest.approx([d(states[t]) - d(states[t + 1]) for t in range(3)])
     assert trainer.reward_parts(tr, args)["idr"][0] > 2.828          # the affective move counts more
+
+
+def test_kv_reuse_same_dialogues_fewer_tokens_prefilled(env, tiny):
+    """Keeping each dialogue's KV cache between turns (and prefilling the K identical openings once)
+    must not change a greedy rollout by a single token, and must feed the model fewer tokens."""
+    model, tok = tiny
+    scenarios = [SCEN, {**SCEN, "id": "s2", "opening": "My sister has not spoken to me since the wedding."}]
+    fed, runs = [], {}
+    hook = model.register_forward_pre_hook(lambda m, a, kw: fed.append(tuple(kw["input_ids"].shape)),
+                                           with_kwargs=True)
+    try:
+        for reuse in (False, True):
+            fed.clear()
+            args = env_args(env, k=3, max_turns=3, min_turns=12, max_new_tokens=6, temperature=0.0,
+                            kv_reuse=reuse, seed=0)
+            trajs = env.rollout(model, tok, scenarios, StubJudge([{"C": (1, 0), "A": (0, 0), "P": (0, 0)}]),
+                                env.ScriptedUser(0), args)
+            runs[reuse] = ([tr.ids for tr in trajs], [tr.spans for tr in trajs], list(fed))
+    finally:
+        hook.remove()
+    (ids0, spans0, fed0), (ids1, spans1, fed1) = runs[False], runs[True]
+    assert ids1 == ids0 and spans1 == spans0
+    assert all(tr_ids != ids0[0] for tr_ids in ids0[3:])          # two scenarios really differ
+    # turn 1, both: the 2 distinct openings are prefilled once (all but their last token), then 6 rows go on
+    L1 = fed0[0][1] + 1
+    assert fed0[:2] == fed1[:2] == [(2, L1 - 1), (6, 1)]
+    # turns 2 and 3: without reuse the whole dialogue again (greedy: the K copies are still identical,
+    # so once per scenario); with it, each row's new tokens (the user's message, the template) + 1
+    pre0, pre1 = [f for f in fed0[2:] if f[1] > 1], [f for f in fed1[2:] if f[1] > 1]
+    assert [b for b, _ in pre0] == [2, 2] and all(n > L1 for _, n in pre0)
+    assert [b for b, _ in pre1] == [6, 6] and all(n < 40 for _, n in pre1)
+    assert sum(b * n for b, n in pre1) < 0.5 * sum(b * n for b, n in pre0)
