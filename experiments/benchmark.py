@@ -5,12 +5,14 @@ scenarios, seeds and token budgets on both sides, one untimed warm-up run of eac
   1. rollout  03's batched turn loop (every live dialogue answered in one generate call per turn)
               vs the same dialogues one at a time, in assistant turns per second. Equal work: no
               dialogue ends early (--min-turns = --max-turns) and every reply is exactly
-              --max-new-tokens tokens (min_new_tokens: end-of-turn suppressed). Goal >= 4x at 16 live
-              dialogues (--scenarios x --k).
+              --max-new-tokens tokens (min_new_tokens: end-of-turn suppressed). Both loops are 03's
+              rollout (the sequential one with K = 1), so both keep each dialogue's KV cache between
+              turns; only the batched one can prefill a scenario's K identical openings once.
+              Goal >= 4x at 16 live dialogues (--scenarios x --k).
   2. update   one 04 optimisation step (ppo_update: log-probs, clipped surrogate, backward, gradient
               clipping, AdamW) on the rollout's trajectories vs the bare forward + backward of the same
               tokens in the same micro-batches (the model's own forward with labels: the compute that
-              cannot be avoided). Goal <= 1.3x.
+              cannot be avoided), timed alternately (ours, reference, ours, ...). Goal <= 1.3x.
   3. peer     a single-turn GRPO step of 04 (a one-turn rollout, IDR rewards from the same judge, GRPO
               advantages, the update) vs TRL's GRPOTrainer with the same model, LoRA, prompts, group
               size, completion length (forced, as in 1), micro-batch and judge reward; one optimisation
@@ -63,8 +65,9 @@ def parse_args(argv=None):
     p.add_argument("--max-new-tokens", type=int, default=48, help="tokens of every reply (forced, both sides)")
     p.add_argument("--peer-prompts", type=int, default=4, help="prompts of the single-turn GRPO step")
     p.add_argument("--peer-k", type=int, default=4, help="GRPO group size (TRL's num_generations)")
-    p.add_argument("--repeats", type=int, default=2,
-                   help="timed repeats of the update and peer steps after the warm-up (the median counts)")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="timed repeats of the update (alternating with the reference) and peer steps after "
+                        "the warm-up (the median counts)")
     p.add_argument("--memory-steps", type=int, default=2, help="steps of the demo run measured for peak RSS")
     p.add_argument("--no-trl", action="store_true", help="skip the TRL comparison (figure 3)")
     p.add_argument("--no-memory", action="store_true", help="skip the demo run (figure 4's peak RSS)")
@@ -105,6 +108,19 @@ def timed(fn, repeats: int) -> tuple[float, object]:
         out = fn()
         times.append(clock() - t0)
     return statistics.median(times), out
+
+
+def timed_pair(fn_a, fn_b, repeats: int) -> tuple[float, float]:
+    """Median seconds of fn_a and fn_b, run alternately (a b a b ...) after one warm-up of each, so
+    that load from elsewhere on the machine falls on both sides alike."""
+    fn_a(), fn_b()
+    times_a, times_b = [], []
+    for _ in range(repeats):
+        for fn, times in ((fn_a, times_a), (fn_b, times_b)):
+            t0 = clock()
+            fn()
+            times.append(clock() - t0)
+    return statistics.median(times_a), statistics.median(times_b)
 
 
 class SameK:
@@ -186,8 +202,8 @@ def bench_update(a, model, tok, trajs, args):
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    t_ours, _ = timed(lambda: trainer.ppo_update(model, tok, opt, sched, flat, advs, args, log_kl=False), a.repeats)
-    t_ref, _ = timed(lambda: bare_forward_backward(model, tok, flat, args), a.repeats)
+    t_ours, t_ref = timed_pair(lambda: trainer.ppo_update(model, tok, opt, sched, flat, advs, args, log_kl=False),
+                               lambda: bare_forward_backward(model, tok, flat, args), a.repeats)
     cells = [(len(m) * max(len(tr.ids) for tr in m), sum(len(tr.ids) for tr in m)) for m in micro_batches(flat, args)]
     padding = 1 - sum(real for _, real in cells) / sum(all_ for all_, _ in cells)
     scored = sum(trainer.n_scored(tr) for tr in flat)
@@ -247,7 +263,7 @@ def trl_grpo_seconds(a, prompts, judge, args, out_dir) -> tuple[float | None, st
     cuda = torch.cuda.is_available()
     model = AutoModelForCausalLM.from_pretrained(
         path, dtype=torch.bfloat16 if cuda else torch.float32,
-        attn_implementation="sdpa" if cuda else "eager")          # as common.load_policy picks
+        attn_implementation="sdpa")                                # as common.load_policy picks
     data = Dataset.from_list([{"prompt": [{"role": "system", "content": args.system_prompt},
                                           {"role": "user", "content": s["opening"]}], "scenario_id": s["id"]}
                               for s in prompts])
