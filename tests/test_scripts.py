@@ -158,3 +158,24 @@ def test_unreachable_judge_stops_with_one_message(tiny_model, tmp_path):
     assert p.returncode == 2, p.stderr[-2000:]
     assert "judge api:judge: no usable answer for any of 2 replies; the endpoint failed" in p.stderr
     assert "Traceback" not in p.stderr
+
+
+def test_rewards_experiment_table_and_resume(tiny_model, tmp_path):
+    """experiments/rewards.py trains and evaluates every (estimator, reward) cell, writes the table, and a
+    rerun skips the cells already in results.jsonl."""
+    flags = ["--model", tiny_model, "--seeds", "0", "--estimators", "mica,grpo", "--rewards", "rlver",
+             "--steps", "1", "--eval-k", "1", "--max-turns", "2", "--max-new-tokens", "4",
+             "--train-args", "--k 2 --scenarios-per-step 1", "--out-dir", tmp_path]
+    p = run_script("experiments/rewards.py", *flags, timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    rows = [json.loads(x) for x in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert [(r["estimator"], r["reward"]) for r in rows] == [("base", "-"), ("mica", "rlver"), ("grpo", "rlver")]
+    for r in rows:
+        assert r["n"] == 8 and 0 <= r["success"] <= 1 and 0 <= r["final_emotion"] <= 100 and r["final_distance"] > 0
+    table = (tmp_path / "rewards.md").read_text()
+    assert "| MICA | rlver |" in table and "| GRPO | rlver |" in table and "| base (untrained) | - |" in table
+    again = run_script("experiments/rewards.py", *flags, timeout=120)
+    assert again.returncode == 0 and "$ " not in again.stdout              # nothing rerun
+    assert len((tmp_path / "results.jsonl").read_text().splitlines()) == 3
+    bad = run_script("experiments/rewards.py", "--rewards", "idr+care", "--out-dir", tmp_path, timeout=60)
+    assert bad.returncode == 2 and "--rubric-model" in bad.stderr
