@@ -64,26 +64,28 @@ DIMS = ("cognitive", "affective", "proactive")
 # The rubric: format, parser, prompt
 # ---------------------------------------------------------------------------------------------
 def _first_json_object(text: str) -> str | None:
-    """The first balanced {...} in text (skipping braces inside strings), or None."""
+    """The first balanced {...} in text (skipping braces inside strings), or None. An object that
+    never closes (a rubric cut off, or missing its last brace) is None, not the first inner object
+    that does close: every later brace is inside it."""
     start = text.find("{")
-    while start >= 0:
-        depth, in_str, esc = 0, False, False
-        for i in range(start, len(text)):
-            ch = text[i]
-            if in_str:
-                esc = (ch == "\\") and not esc
-                if ch == '"' and not esc:
-                    in_str = False
-                continue
-            if ch == '"':
-                in_str = True
-            elif ch == "{":
-                depth += 1
-            elif ch == "}":
-                depth -= 1
-                if depth == 0:
-                    return text[start:i + 1]
-        start = text.find("{", start + 1)
+    if start < 0:
+        return None
+    depth, in_str, esc = 0, False, False
+    for i in range(start, len(text)):
+        ch = text[i]
+        if in_str:
+            esc = (ch == "\\") and not esc
+            if ch == '"' and not esc:
+                in_str = False
+            continue
+        if ch == '"':
+            in_str = True
+        elif ch == "{":
+            depth += 1
+        elif ch == "}":
+            depth -= 1
+            if depth == 0:
+                return text[start:i + 1]
     return None
 
 

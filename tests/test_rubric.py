@@ -34,6 +34,7 @@ def test_parse_rubric_accepts_valid_fenced_and_wrapped(text):
 @pytest.mark.parametrize("x, reason", [
     ("no rubric here", "no JSON object found"),
     (json.dumps(GOOD)[:60], "unbalanced or truncated JSON"),
+    (json.dumps(GOOD)[:-1], "unbalanced or truncated JSON"),        # not "missing 'weights'" (inner object)
     ("{'weights': 1}", "bad JSON"),
     ([1, 2], "rubric must be a JSON object, got list"),
     ({"criteria": GOOD["criteria"]}, "missing 'weights' object"),
