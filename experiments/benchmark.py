@@ -325,13 +325,15 @@ def bench_memory(a, out_dir):
             "note": f"{' '.join(cmd[1:])} ({time.time() - t0:.0f} s)"}
 
 
-def qlora_estimate(r=16, micro_tokens=8192, scored_tokens=7680, kv_tokens=64 * 4096):
+def qlora_estimate(r=16, micro_tokens=8192, scored_tokens=7680, kv_tokens=64 * 4096, prefill_tokens=8192):
     """Memory of QLoRA training of Qwen2.5-7B-Instruct on one GPU, per component, in GB (1e9 bytes).
 
     Shapes from its config: hidden h 3584, intermediate i 18944, 28 layers, 28 query / 4 KV heads of
     dim 128 (kv_dim 512), vocabulary V 152064, embeddings and LM head untied. Defaults: a micro-batch of
     2 dialogues of 4096 tokens, 7680 of them scored (15 turns x 256), and a rollout of 64 live
-    dialogues of 4096 tokens."""
+    dialogues of 4096 tokens, where one generate call prefills at most 8192 tokens: the KV cache is
+    kept between turns, so that is the first turn's 16 distinct openings of 512 tokens, or a later
+    turn's 64 new user messages of 128 (without it, the last turn would prefill all 64 x 4096)."""
     h, i, L, kv, V = 3584, 18944, 28, 4 * 128, 152064
     linear = {"q_proj": (h, h), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (h, h),
               "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}       # (in, out)
@@ -355,8 +357,8 @@ def qlora_estimate(r=16, micro_tokens=8192, scored_tokens=7680, kv_tokens=64 * 4
          chunk * V * 10, "update"),
         ("KV cache of the rollout (bf16)", f"{kv_tokens} tokens x 2 x L x kv_dim x 2 bytes",
          kv_tokens * 2 * L * kv * 2, "rollout"),
-        ("rollout prefill: one layer's MLP intermediates (gate, up, product) for every context token",
-         f"{kv_tokens} tokens x 3i x 2 bytes", kv_tokens * 3 * i * 2, "rollout"),
+        ("rollout prefill: one layer's MLP intermediates (gate, up, product) for the tokens one generate "
+         "call prefills", f"{prefill_tokens} tokens x 3i x 2 bytes", prefill_tokens * 3 * i * 2, "rollout"),
     ]
     return rows, n_lora
 
