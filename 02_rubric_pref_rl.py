@@ -145,23 +145,8 @@ class LLMCriteriaJudge:
             crit = "\n".join(f"{j + 1}. {c}" for j, c in enumerate(it["criteria"]))
             prompts.append([{"role": "user", "content": CRITERIA_PROMPT.format(
                 history=history, reply=it["reply"], criteria=crit)}])
-        results: list[list[float] | None] = [None] * len(items)
-        todo = list(range(len(items)))
-        down_before = self.backend.failures
-        for _ in range(self.retries + 1):
-            answers = self.backend.chat([prompts[i] for i in todo], max_tokens=200, temperature=0.0)
-            still = []
-            for i, text in zip(todo, answers):
-                results[i] = parse_scores(text, len(items[i]["criteria"]))
-                if results[i] is None:
-                    still.append(i)
-            todo = still
-            if not todo:
-                break
-        if items and all(r is None for r in results) and self.backend.failures > down_before:
-            raise common.UserError(f"judge {self.backend.spec}: no usable answer for any of {len(items)} "
-                                   f"replies; the endpoint failed after its retries (is it up?)")
-        return results
+        return common.ask_json(self.backend, prompts, lambda i, text: parse_scores(text, len(items[i]["criteria"])),
+                               self.retries, max_tokens=200)
 
 
 def parse_scores(text: str | None, n: int) -> list[float] | None:

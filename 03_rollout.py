@@ -441,26 +441,11 @@ class LLMJudge:
             prompts.append([{"role": "user", "content": JUDGE_PROMPT.format(
                 persona=c["scenario"]["persona"], situation=c["scenario"]["situation"],
                 history="\n".join(lines))}])
-        results: list[dict | None] = [None] * len(cases)
-        todo = list(range(len(cases)))
-        down_before = getattr(self.backend, "failures", 0)   # calls that failed after all transport retries
-        for _ in range(self.retries + 1):  # malformed output: ask again, then give up on that turn
-            answers = self.backend.chat([prompts[i] for i in todo], max_tokens=200, temperature=0.0)
-            still = []
-            for i, text in zip(todo, answers):
-                levels = parse_judge_json(text)
-                if levels is None:
-                    still.append(i)
-                else:
-                    results[i] = {"levels": levels, "features": {}}
-            todo = still
-            if not todo:
-                break
-        if cases and all(r is None for r in results) and getattr(self.backend, "failures", 0) > down_before:
-            # not one answer and the endpoint itself failed: stop rather than train on nothing
-            raise common.UserError(f"judge {self.backend.spec}: no usable answer for any of {len(cases)} "
-                                   f"replies; the endpoint failed after its retries (is it up?)")
-        return results
+        def parse(i, text):
+            levels = parse_judge_json(text)
+            return None if levels is None else {"levels": levels, "features": {}}
+        # malformed output: ask again, then give up on that turn (None: judge_failed)
+        return common.ask_json(self.backend, prompts, parse, self.retries, max_tokens=200)
 
 
 # ---------------------------------------------------------------------------------------------

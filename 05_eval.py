@@ -350,27 +350,6 @@ def parse_change(text) -> float | None:
     return max(-10.0, min(10.0, float(x)))
 
 
-def ask_json(backend, prompts, parse, retries, what, max_tokens=300) -> list:
-    """Ask every prompt, re-ask the unparsable ones up to `retries` times; None where it never parsed.
-    parse(i, text) -> the parsed answer to prompt i, or None."""
-    results, todo = [None] * len(prompts), list(range(len(prompts)))
-    before = backend.failures
-    for _ in range(retries + 1):
-        answers = backend.chat([prompts[i] for i in todo], max_tokens=max_tokens, temperature=0.0)
-        still = []
-        for i, text in zip(todo, answers):
-            results[i] = parse(i, text)
-            if results[i] is None:
-                still.append(i)
-        todo = still
-        if not todo:
-            break
-    if prompts and all(r is None for r in results) and backend.failures > before:
-        raise common.UserError(f"{what} judge {backend.spec}: no usable answer for any of {len(prompts)} "
-                               f"cases; the endpoint failed after its retries (is it up?)")
-    return results
-
-
 # ---------------------------------------------------------------------------------------------
 # The suites: each evaluates a batch of cases and returns their records
 # ---------------------------------------------------------------------------------------------
@@ -418,8 +397,8 @@ def eqbench3_cases(model, tok, tasks, judge, args) -> tuple[list[dict], list[dic
             kind=t["kind"], transcript="\n\n".join(f"[{m['role']}]\n{m['content']}" for m in c),
             criteria="\n".join(f"- {x}" for x in cr), shape=json.dumps({x: 0 for x in cr}))}]
             for t, c, cr in zip(tasks, convs, criteria)]
-        scores = ask_json(judge.backend, prompts, lambda i, text: parse_criteria(text, criteria[i]),
-                          args.judge_retries, "eqbench3")
+        scores = common.ask_json(judge.backend, prompts, lambda i, text: parse_criteria(text, criteria[i]),
+                                 args.judge_retries, who="eqbench3 judge", noun="cases")
     else:
         scores = eqbench3_proxy_scores(convs, criteria, judge)
     # 3. score = 5 * mean of the task's criterion scores
@@ -501,7 +480,8 @@ def emotion_changes(dialogs, judge, args) -> list[float | None]:
             task=d["scenario"]["profile"]["task"], emotion=d["emotions"][-1],
             history="\n".join(f"{'You' if m['role'] == 'user' else 'Supporter'}: {m['content']}"
                               for m in d["messages"] if m["role"] != "system"))}] for d in dialogs]
-        return ask_json(judge.backend, prompts, lambda i, text: parse_change(text), args.judge_retries, "sage")
+        return common.ask_json(judge.backend, prompts, lambda i, text: parse_change(text), args.judge_retries,
+                               who="sage judge", noun="cases")
     verdicts = judge.judge([{"scenario": d["scenario"], "history": d["messages"][:-1],
                              "reply": d["messages"][-1]["content"]} for d in dialogs])
     out = []

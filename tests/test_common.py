@@ -580,3 +580,29 @@ def test_embed_backend():
     fresh = common.EmbedBackend().encode([texts[2], "something else entirely"])
     assert torch.allclose(fresh[0], v[2], atol=1e-5)
     assert tuple(emb.encode([]).shape) == (0, 384)
+
+
+def test_ask_json_reasks_only_the_unparsable_and_stops_when_the_endpoint_is_down():
+    class Fake:
+        spec, failures = "api:m", 0
+
+        def __init__(self, answers):
+            self.answers, self.asked = answers, []
+
+        def chat(self, prompts, max_tokens, temperature):
+            self.asked.append(list(prompts))
+            return [self.answers.pop(0) for _ in prompts]
+
+    parse = lambda i, text: int(text) if text and text.isdigit() else None  # noqa: E731
+    b = Fake(["1", "x", "y", "2", "z"])            # round 1: 1, x, y; round 2 (x, y): 2, z; round 3 (y): -
+    assert common.ask_json(b, ["p0", "p1", "p2"], parse, retries=1) == [1, 2, None]
+    assert b.asked == [["p0", "p1", "p2"], ["p1", "p2"]]
+
+    class Down(Fake):
+        def chat(self, prompts, max_tokens, temperature):
+            self.failures += len(prompts)
+            return [None] * len(prompts)
+
+    with pytest.raises(common.UserError, match=r"sage judge api:m: no usable answer for any of 2 cases"):
+        common.ask_json(Down([]), ["a", "b"], parse, retries=2, who="sage judge", noun="cases")
+    assert common.ask_json(Fake(["x", "x"]), ["a", "b"], parse, retries=0) == [None, None]   # up, just unparsable
