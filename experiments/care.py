@@ -6,7 +6,8 @@ rubric ranks the preferred reply higher: S(chosen) > S(rejected)) and parse-vali
   SFT         01_rubric_sft.py, per seed
   RL          02_rubric_pref_rl.py from that seed's SFT adapter
 Every number comes from the scripts' own report.json, run as a user runs them. Prints a markdown table
-and writes it to <out>/care.md.
+and writes it to <out>/care.md. Stages already finished in --out-dir are reused (rerun to continue, or
+run seeds as separate processes into one folder, then once more with all the seeds for the table).
 
 CPU:  python experiments/care.py                         (3 seeds; hours on 2 cores)
 Quick look:  python experiments/care.py --seeds 0 --sft-steps 20 --rl-steps 4 --report-limit 8
@@ -37,6 +38,12 @@ def newest(out: Path, prefix: str) -> Path:
     return max(out.glob(prefix + "-*"), key=lambda p: p.stat().st_mtime)
 
 
+def finished(out: Path, prefix: str, file: str) -> Path | None:
+    """The newest run folder with this prefix that holds `file` (a finished stage), or None."""
+    done = [p for p in out.glob(prefix + "-*") if (p / file).exists()]
+    return max(done, key=lambda p: p.stat().st_mtime) if done else None
+
+
 def spread(xs):
     return f"{statistics.mean(xs):.3f} ± {statistics.stdev(xs):.3f}" if len(xs) > 1 else f"{xs[0]:.3f}"
 
@@ -55,20 +62,25 @@ def main():
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     limit = ["--report-limit", args.report_limit] if args.report_limit else []
+    # A stage whose output is already in --out-dir (a finished run folder) is reused, not rerun: an
+    # interrupted comparison continues, and seeds can run as separate processes into one folder.
     # 1. the untrained generator (greedy: seed-independent)
-    run([ROOT / "02_rubric_pref_rl.py", "--report-only", "--out-dir", out, "--run-name", "untrained", *limit,
-         "--no-progress"])
-    untrained = json.loads((newest(out, "untrained") / "report.json").read_text())["before"]
+    if not finished(out, "untrained", "report.json"):
+        run([ROOT / "02_rubric_pref_rl.py", "--report-only", "--out-dir", out, "--run-name", "untrained", *limit,
+             "--no-progress"])
+    untrained = json.loads((finished(out, "untrained", "report.json") / "report.json").read_text())["before"]
     rows = []
     for seed in [int(s) for s in args.seeds.split(",")]:
         # 2. SFT, then 3. RL from the SFT adapter (02 reports before = SFT and after = RL)
-        run([ROOT / "01_rubric_sft.py", "--seed", seed, "--steps", args.sft_steps, "--out-dir", out,
-             "--run-name", f"sft-s{seed}", "--no-progress", *args.extra_sft.split()])
-        sft_dir = newest(out, f"sft-s{seed}")
-        run([ROOT / "02_rubric_pref_rl.py", "--seed", seed, "--steps", args.rl_steps, "--adapter",
-             sft_dir / "adapter", "--out-dir", out, "--run-name", f"rl-s{seed}", *limit, "--no-progress",
-             *args.extra_rl.split()])
-        rep = json.loads((newest(out, f"rl-s{seed}") / "report.json").read_text())
+        if not finished(out, f"sft-s{seed}", "adapter/adapter_config.json"):
+            run([ROOT / "01_rubric_sft.py", "--seed", seed, "--steps", args.sft_steps, "--out-dir", out,
+                 "--run-name", f"sft-s{seed}", "--no-progress", *args.extra_sft.split()])
+        sft_dir = finished(out, f"sft-s{seed}", "adapter/adapter_config.json")
+        if not finished(out, f"rl-s{seed}", "report.json"):
+            run([ROOT / "02_rubric_pref_rl.py", "--seed", seed, "--steps", args.rl_steps, "--adapter",
+                 sft_dir / "adapter", "--out-dir", out, "--run-name", f"rl-s{seed}", *limit, "--no-progress",
+                 *args.extra_rl.split()])
+        rep = json.loads((finished(out, f"rl-s{seed}", "report.json") / "report.json").read_text())
         rows.append({"seed": seed, "sft": rep["before"], "rl": rep["after"]})
         print(f"seed {seed}: untrained {untrained['recovery_acc']:.3f}  SFT {rep['before']['recovery_acc']:.3f}  "
               f"RL {rep['after']['recovery_acc']:.3f}", flush=True)
