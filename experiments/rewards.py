@@ -23,30 +23,15 @@ Quick look:  python experiments/rewards.py --seeds 0 --estimators mica --rewards
 """
 import argparse
 import json
-import os
 import statistics
-import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from learning import newest, run   # the same subprocess runner as experiments/learning.py
+
 ROOT = Path(__file__).resolve().parents[1]
 ESTIMATORS = {"mica": "MICA", "grpo": "GRPO", "reinforce_pp": "REINFORCE++"}
-
-
-def run(cmd, threads=None):
-    print("$", " ".join(map(str, cmd)), flush=True)
-    env = dict(os.environ, HF_HUB_OFFLINE="1", **({"OMP_NUM_THREADS": str(threads)} if threads else {}))
-    p = subprocess.run([sys.executable, *map(str, cmd)], cwd=ROOT, capture_output=True, text=True, env=env)
-    if p.returncode != 0:
-        print(f"FAILED ({p.returncode}): {' '.join(map(str, cmd))}\n{p.stderr[-3000:]}", flush=True)
-        raise RuntimeError(f"a run failed with exit code {p.returncode}")
-    return p.stdout
-
-
-def newest(out_dir: Path, prefix: str) -> Path:
-    return max(out_dir.glob(prefix + "-*"), key=lambda p: p.stat().st_mtime)
 
 
 def evaluate(args, out_dir, name, seed, adapter=None) -> dict:
