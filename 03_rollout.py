@@ -646,11 +646,13 @@ def left_pad(rows: list[list[int]], pad: int, device) -> tuple[torch.Tensor, tor
 def prefill_distinct(model, input_ids, attn):
     """A DynamicCache of every row but its last token, computing each distinct row once (the K
     dialogues of a scenario, or the G samples of a prompt, open with the same tokens)."""
-    first, inverse = {}, []                   # distinct row -> the first row b holding it; b -> its distinct
+    index, first, inverse = {}, [], []        # row -> its distinct number; each distinct's first b; b -> number
     for b, row in enumerate(map(tuple, input_ids.tolist())):
-        first.setdefault(row, b)
-        inverse.append(list(first).index(row))
-    rows = torch.tensor(list(first.values()), device=input_ids.device)
+        if row not in index:
+            index[row] = len(first)
+            first.append(b)
+        inverse.append(index[row])
+    rows = torch.tensor(first, device=input_ids.device)
     ids, mask = input_ids[rows, :-1], attn[rows, :-1]
     position_ids = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)   # as generate computes them
     cache = model(input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=True).past_key_values
