@@ -14,28 +14,14 @@ Quick look:  python experiments/care.py --seeds 0 --sft-steps 20 --rl-steps 4 --
 """
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
+from learning import run   # the same subprocess runner as experiments/learning.py
+
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def run(cmd):
-    print("$", " ".join(map(str, cmd)), flush=True)
-    p = subprocess.run([sys.executable, *map(str, cmd)], cwd=ROOT, capture_output=True, text=True,
-                       env=dict(os.environ, HF_HUB_OFFLINE="1"))
-    if p.returncode != 0:
-        print(f"FAILED ({p.returncode}):\n{p.stderr[-3000:]}", flush=True)
-        raise SystemExit(p.returncode)
-    return p.stdout
-
-
-def newest(out: Path, prefix: str) -> Path:
-    return max(out.glob(prefix + "-*"), key=lambda p: p.stat().st_mtime)
 
 
 def finished(out: Path, prefix: str, file: str) -> Path | None:
@@ -50,6 +36,7 @@ def spread(xs):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default=None, help="generator base model for 01 and 02 (default: theirs, SmolLM2)")
     p.add_argument("--seeds", default="0,1,2", help="comma-separated seeds")
     p.add_argument("--sft-steps", type=int, default=150, help="01_rubric_sft.py --steps")
     p.add_argument("--rl-steps", type=int, default=30, help="02_rubric_pref_rl.py --steps")
@@ -62,24 +49,25 @@ def main():
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     limit = ["--report-limit", args.report_limit] if args.report_limit else []
+    model = ["--model", args.model] if args.model else []
     # A stage whose output is already in --out-dir (a finished run folder) is reused, not rerun: an
     # interrupted comparison continues, and seeds can run as separate processes into one folder.
     # 1. the untrained generator (greedy: seed-independent)
     if not finished(out, "untrained", "report.json"):
         run([ROOT / "02_rubric_pref_rl.py", "--report-only", "--out-dir", out, "--run-name", "untrained", *limit,
-             "--no-progress"])
+             "--no-progress", *model, *args.extra_rl.split()])
     untrained = json.loads((finished(out, "untrained", "report.json") / "report.json").read_text())["before"]
     rows = []
     for seed in [int(s) for s in args.seeds.split(",")]:
         # 2. SFT, then 3. RL from the SFT adapter (02 reports before = SFT and after = RL)
         if not finished(out, f"sft-s{seed}", "adapter/adapter_config.json"):
             run([ROOT / "01_rubric_sft.py", "--seed", seed, "--steps", args.sft_steps, "--out-dir", out,
-                 "--run-name", f"sft-s{seed}", "--no-progress", *args.extra_sft.split()])
+                 "--run-name", f"sft-s{seed}", "--no-progress", *model, *args.extra_sft.split()])
         sft_dir = finished(out, f"sft-s{seed}", "adapter/adapter_config.json")
         if not finished(out, f"rl-s{seed}", "report.json"):
             run([ROOT / "02_rubric_pref_rl.py", "--seed", seed, "--steps", args.rl_steps, "--adapter",
                  sft_dir / "adapter", "--out-dir", out, "--run-name", f"rl-s{seed}", *limit, "--no-progress",
-                 *args.extra_rl.split()])
+                 *model, *args.extra_rl.split()])
         rep = json.loads((finished(out, f"rl-s{seed}", "report.json") / "report.json").read_text())
         rows.append({"seed": seed, "sft": rep["before"], "rl": rep["after"]})
         print(f"seed {seed}: untrained {untrained['recovery_acc']:.3f}  SFT {rep['before']['recovery_acc']:.3f}  "
@@ -98,4 +86,7 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except RuntimeError as e:       # a stage script failed: its stderr is printed above
+        sys.exit(f"error: {e}")

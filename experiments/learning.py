@@ -109,4 +109,7 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except RuntimeError as e:       # a stage script failed: its stderr is printed above
+        sys.exit(f"error: {e}")

@@ -24,6 +24,7 @@ Quick look:  python experiments/rewards.py --seeds 0 --estimators mica --rewards
 import argparse
 import json
 import statistics
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -134,4 +135,7 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except RuntimeError as e:       # a stage script failed: its stderr is printed above
+        sys.exit(f"error: {e}")

@@ -179,3 +179,29 @@ def test_rewards_experiment_table_and_resume(tiny_model, tmp_path):
     assert len((tmp_path / "results.jsonl").read_text().splitlines()) == 3
     bad = run_script("experiments/rewards.py", "--rewards", "idr+care", "--out-dir", tmp_path, timeout=60)
     assert bad.returncode == 2 and "--rubric-model" in bad.stderr
+
+
+def test_care_experiment_table_and_resume(tiny_model, tmp_path):
+    """experiments/care.py runs untrained, SFT and RL per seed through 01 and 02, tabulates their own
+    report.json numbers, and a rerun reuses every finished stage."""
+    flags = ["--model", tiny_model, "--seeds", "0,1", "--sft-steps", "1", "--rl-steps", "1", "--report-limit", "2",
+             "--extra-sft", "--batch-size 2 --micro-batch-size 2 --eval-every 100 --eval-limit 1 --max-new-tokens 8",
+             "--extra-rl", "--contexts-per-step 1 --g 2 --max-new-tokens 8", "--out-dir", tmp_path]
+    p = run_script("experiments/care.py", *flags, timeout=600)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    assert p.stdout.count("$ ") == 5                      # untrained once, then SFT and RL per seed
+    names = sorted(d.name.rsplit("-", 2)[0] for d in tmp_path.iterdir() if d.is_dir())
+    assert names == ["rl-s0", "rl-s1", "sft-s0", "sft-s1", "untrained"]
+    for d in tmp_path.glob("rl-s*"):
+        rep = json.loads((d / "report.json").read_text())
+        assert json.loads((d / "args.json").read_text())["max_new_tokens"] == 8
+        for side in ("before", "after"):
+            assert 0 <= rep[side]["recovery_acc"] <= 1 and 0 <= rep[side]["parse_valid"] <= 1
+    table = (tmp_path / "care.md").read_text()
+    assert "| untrained | " in table and "| SFT (mean ± sd over 2 seeds) | " in table
+    assert "| RL (mean ± sd over 2 seeds) | " in table and "| 1 | " in table
+    again = run_script("experiments/care.py", *flags, timeout=120)
+    assert again.returncode == 0 and "$ " not in again.stdout            # every stage reused
+    bad = run_script("experiments/care.py", "--model", tmp_path / "no-such-model", "--out-dir", tmp_path / "x", timeout=120)
+    assert bad.returncode == 1 and "FAILED (2)" in bad.stdout and "Traceback" not in bad.stderr
+    assert "error: a run failed with exit code 2" in bad.stderr
