@@ -252,16 +252,24 @@ def sft_loss(model, batch: list[dict], pad_id: int, device) -> tuple[torch.Tenso
 def generate_rubrics(model, tokenizer, contexts: list[list[dict]], max_new_tokens: int, temperature: float,
                      batch_size: int = 8) -> list[tuple[str, list[int], list[int]]]:
     """Batched generation: for each dialogue -> (text, prompt ids, generated ids). Prompts of similar
-    length share a batch (less padding); identical prompts in a batch are prefilled once."""
+    length share a batch (less padding); identical prompts in a batch are prefilled once, and with
+    greedy decoding (temperature 0) decoded once too: the same prompt gets the same rubric (04's K
+    rollouts of a scenario share their first turn's context)."""
     gen_args = types.SimpleNamespace(temperature=temperature, top_p=1.0, max_new_tokens=max_new_tokens)
     prompts = [tokenizer(tokenizer.apply_chat_template(rubric_prompt(c), tokenize=False, add_generation_prompt=True),
                          add_special_tokens=False)["input_ids"] for c in contexts]
-    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    first: dict = {}           # greedy: one decoding row per distinct prompt; sampled: every row
+    for i, p in enumerate(prompts):
+        first.setdefault(tuple(p) if temperature == 0 else i, i)
+    order = sorted(first.values(), key=lambda i: len(prompts[i]))
     out = [None] * len(prompts)
     for j in range(0, len(order), batch_size):
         batch = order[j:j + batch_size]
         for i, (y, _) in zip(batch, env.generate_replies(model, tokenizer, [prompts[i] for i in batch], gen_args)):
             out[i] = (tokenizer.decode(y, skip_special_tokens=True), prompts[i], y)
+    for i, p in enumerate(prompts):
+        if out[i] is None:
+            out[i] = out[first[tuple(p)]]
     return out
 
 

@@ -31,6 +31,28 @@ def test_parse_rubric_accepts_valid_fenced_and_wrapped(text):
     assert sft.dominant(rubric) == "affective"
 
 
+def test_generate_rubrics_greedy_decodes_each_distinct_prompt_once(tiny_model, monkeypatch):
+    """Greedy: repeated contexts get the rubric of their first copy, decoded once; sampled: every row."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    a = [{"role": "user", "content": "I failed the exam again."}]
+    b = [{"role": "user", "content": "My sister stopped calling me and I do not know why."}]
+    rows = []
+    real = sft.env.generate_replies
+    monkeypatch.setattr(sft.env, "generate_replies", lambda m, t, prompts, g: rows.append(len(prompts)) or real(m, t, prompts, g))
+    out = sft.generate_rubrics(model, tok, [a, b, a, a], 8, 0.0, batch_size=8)
+    assert rows == [2] and out[0] == out[2] == out[3] and out[0][1] != out[1][1]
+    alone = sft.generate_rubrics(model, tok, [a, b], 8, 0.0, batch_size=8)
+    assert [o[2] for o in alone] == [out[0][2], out[1][2]]            # the same tokens as decoded in a batch
+    rows.clear()
+    sampled = sft.generate_rubrics(model, tok, [a, b, a, a], 8, 1.0, batch_size=8)
+    assert rows == [4] and all(len(o[2]) > 0 for o in sampled)
+
+
 @pytest.mark.parametrize("x, reason", [
     ("no rubric here", "no JSON object found"),
     (json.dumps(GOOD)[:60], "unbalanced or truncated JSON"),
