@@ -237,8 +237,13 @@ def sft_loss(model, batch: list[dict], pad_id: int, device) -> tuple[torch.Tenso
         labels[i, :len(b["labels"])] = torch.tensor(b["labels"])
         attn[i, :len(b["ids"])] = 1
     ids, labels, attn = ids.to(device), labels.to(device), attn.to(device)
-    logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
-    target = labels[:, 1:]
+    # Only the last k positions can predict a rubric token (position j predicts token j + 1, and no
+    # row's rubric starts before the shortest prompt ends), so the LM head runs on those alone: the
+    # logits of a micro-batch shrink from B x L x V to B x k x V (k is the rubric plus the length
+    # spread, about a quarter of L on the shipped data).
+    k = min(L, L - min(len(b["prompt_ids"]) for b in batch) + 1)
+    logits = model(input_ids=ids, attention_mask=attn, logits_to_keep=k).logits[:, :-1].float()
+    target = labels[:, L - k + 1:]
     # L = -(1/N) sum_i log p(y_i | x, y_<i) over the N positions whose label is a rubric token
     loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1),
                                              ignore_index=-100, reduction="sum")

@@ -94,6 +94,39 @@ def test_encode_masks_the_prompt_and_ends_with_the_turn_end(tiny_model):
         sft.encode(tok, rec, max_len=n_target)
 
 
+def test_sft_loss_runs_the_head_on_the_rubric_end_only_and_matches_the_full_loss(tiny_model):
+    """sft_loss keeps the last k logits only; loss and gradient equal cross-entropy over all B x L logits."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import common
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    tok = common.load_tokenizer(tiny_model)
+    long_ctx = [{"role": "user", "content": "I missed the deadline."}, {"role": "assistant", "content": "Ouch."},
+                {"role": "user", "content": "My manager saw it and said nothing, which is worse somehow."}]
+    batch = [sft.encode(tok, {"messages": long_ctx, "rubric": GOOD}, 4096),
+             sft.encode(tok, {"messages": long_ctx[:1], "rubric": GOOD}, 4096)]
+    assert len(batch[0]["prompt_ids"]) > len(batch[1]["prompt_ids"]) + 10     # rows of different lengths
+    calls = []
+    model.register_forward_hook(lambda m, a, kw, out: calls.append(out.logits.shape[1]), with_kwargs=True)
+    loss, N = sft.sft_loss(model, batch, tok.pad_token_id, "cpu")
+    grad = torch.autograd.grad(loss, model.lm_head.weight)[0]
+
+    L = max(len(b["ids"]) for b in batch)
+    ids = torch.tensor([b["ids"] + [tok.pad_token_id] * (L - len(b["ids"])) for b in batch])
+    labels = torch.tensor([b["labels"] + [-100] * (L - len(b["labels"])) for b in batch])
+    attn = (torch.arange(L)[None] < torch.tensor([len(b["ids"]) for b in batch])[:, None]).long()
+    logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1]
+    ref = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1))
+    ref_grad = torch.autograd.grad(ref, model.lm_head.weight)[0]
+    assert N == sum(x != -100 for b in batch for x in b["labels"][1:])
+    assert calls[0] == L - len(batch[1]["prompt_ids"]) + 1 < L            # the head ran on k < L positions
+    assert loss.item() == pytest.approx(ref.item(), rel=1e-5)
+    assert torch.allclose(grad, ref_grad, rtol=1e-4, atol=1e-7)
+
+
 def test_length_grouped_batches_cover_everything_once():
     import random
 
