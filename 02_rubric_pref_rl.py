@@ -5,8 +5,8 @@ What it does
   reply people preferred, the one they did not), samples G rubrics per context, lets the judge score
   both replies on every criterion of each rubric, and rewards a rubric that ranks the preferred reply
   higher (preference recovery), by how much (margin), and that parses at all (format). Advantages are
-  normalised within each context's G rubrics; the update is 04's clipped policy gradient on the
-  rubric tokens. Before and after RL it reports, on held-out pairs, preference-recovery accuracy and
+  normalised within each context's G rubrics; the update is a clipped policy gradient on the
+  rubric tokens (ppo_update, written here as the reader's first RL update; 04 imports it). Before and after RL it reports, on held-out pairs, preference-recovery accuracy and
   the parse-valid rate, and on held-out supervision turns the mean weights by turn index and by the
   user's emotion (the paper's Figures 3-4) as a table and PNG plots. The final adapter is the frozen
   generator that 04 (--reward care) and 05 use.
@@ -19,7 +19,7 @@ Writes  runs/<name>-<time>/ : args.json, metrics.jsonl, rollouts.jsonl (every sa
         scores and reward), report.md + report.json (before / after), weights_by_turn.png,
         weights_by_emotion.png, checkpoints/, adapter/.
 
-Equations (CARE, REFERENCE.md section 5)
+Equations (CARE; docs/reference.md section 5)
   rubric score  S(y) = sum_d w_d * (1/|C_d|) sum_{c in C_d} s(y, c)      s in [0, 1], the judge's score
   recovery      r_rec = 1 if S(chosen) > S(rejected) else 0
   margin        r_margin = lambda * tanh((S(chosen) - S(rejected)) / tau)
@@ -27,8 +27,11 @@ Equations (CARE, REFERENCE.md section 5)
   reward        r = r_rec + r_margin + r_fmt      (Table-4 ablations: --no-margin, --no-format,
                                                    --recovery-only)
   advantage     A_g = (r_g - mean_G) / (std_G + 1e-6)     over the G rubrics of one context
-  update        04's clipped surrogate on the rubric tokens (token-mean, ratio clipped to
-                [1 - clip_low, 1 + clip_high]); old log-probs once per batch when the policy moves
+  update        ratio_i = exp(log pi(y_i) - log pi_old(y_i)) per rubric token i
+                L = (1/N) sum_i max(-ratio_i A_i, -clip(ratio_i, 1 - eps_low, 1 + eps_high) A_i)
+                    + beta (1/N) sum_i [exp(ref_i - logp_i) - (ref_i - logp_i) - 1]   (k3 KL to the base
+                    with the adapter off; beta = --kl-coef, 0 by default); token-mean over a minibatch;
+                    old log-probs once per rollout, where the policy has moved since sampling
   accuracy      share of held-out pairs whose greedy rubric gives S(chosen) > S(rejected)
                 (an invalid rubric counts as a miss)
 
@@ -56,9 +59,9 @@ import importlib
 import json
 import math
 import random
-import re
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -66,16 +69,294 @@ from tqdm import tqdm
 
 import common
 
-env = importlib.import_module("03_rollout")     # Trajectory: a prompt + one sampled continuation
 sft = importlib.import_module("01_rubric_sft")  # the rubric format, parser, prompt and generation
-mica = importlib.import_module("04_mica_train")  # the clipped policy-gradient update (ppo_update)
 HERE = Path(__file__).resolve().parent
 DIMS = sft.DIMS
 
 
 # ---------------------------------------------------------------------------------------------
-# Data: TRL preference format
+# The equations: rubric score, preference reward, group advantage, the clipped policy-gradient update
 # ---------------------------------------------------------------------------------------------
+def rubric_score(rubric: dict, s: dict) -> float:
+    """s[d] = the judge's scores of one reply on dimension d's criteria."""
+    # S(y) = sum_d w_d * (1/|C_d|) sum_{c in C_d} s(y, c)
+    S = 0.0
+    for d in DIMS:
+        S += rubric["weights"][d] * sum(s[d]) / len(s[d])
+    return S
+
+
+def preference_reward(S_chosen, S_rejected, valid: bool, margin_coef: float, margin_tau: float,
+                      use_margin: bool = True, use_format: bool = True) -> dict:
+    """r = r_rec + r_margin + r_fmt for one sampled rubric (all three returned for the log)."""
+    if not valid:
+        # r_fmt = -1 for a rubric that does not parse (0 without the format term); nothing else counts
+        return {"r_rec": 0.0, "r_margin": 0.0, "r_fmt": -1.0 if use_format else 0.0}
+    # r_rec = 1[S(chosen) > S(rejected)];  r_margin = lambda * tanh((S(chosen) - S(rejected)) / tau)
+    r_rec = 1.0 if S_chosen > S_rejected else 0.0
+    r_margin = margin_coef * math.tanh((S_chosen - S_rejected) / margin_tau) if use_margin else 0.0
+    return {"r_rec": r_rec, "r_margin": r_margin, "r_fmt": 0.0}
+
+
+def group_advantages(r: list[float]) -> list[float]:
+    # A_g = (r_g - mean_G) / (std_G + 1e-6) over one context's G rubrics (sample std; 0 when G < 2)
+    G = len(r)
+    if G < 2:
+        return [0.0] * G
+    mean, std = common.mean_std(r, ddof=1)
+    return [(x - mean) / (std + 1e-6) for x in r]
+
+
+def clipped_surrogate(logp, logp_old, A, clip_low, clip_high):
+    """Per-token loss -min(ratio A, clip(ratio, 1 - clip_low, 1 + clip_high) A) and a clipped flag."""
+    # ratio_i = exp(log pi(y_i) - log pi_old(y_i))
+    ratio = torch.exp(logp - logp_old)
+    unclipped = -ratio * A
+    clipped = -torch.clamp(ratio, 1 - clip_low, 1 + clip_high) * A
+    return torch.maximum(unclipped, clipped), (clipped > unclipped).float()
+
+
+def k3_kl(logp, logp_ref):
+    # KL(pi || ref) per token, k3 estimator: exp(ref - logp) - (ref - logp) - 1  (>= 0)
+    d = logp_ref - logp
+    return torch.exp(d) - d - 1
+
+
+@dataclass
+class Sample:
+    """One sampled sequence for the update: its token ids, the [start, end) span of each sampled part
+    (02: one rubric; 04: each reply of a dialogue) and that part's advantage (None: left out)."""
+    ids: list[int]
+    spans: list[tuple[int, int]]
+    A: list[float | None]
+
+
+def ppo_update(model, tokenizer, optimizer, scheduler, samples: list[Sample], args, log_kl: bool = False) -> dict:
+    """PPO epochs over minibatches of samples (sorted by length to cut padding), gradient accumulation
+    over micro-batches, token-mean loss over each minibatch, grad clipping; one scheduler step.
+
+    Data-parallel: each rank holds its own samples and takes 1/world of every minibatch; the token
+    count N of a minibatch and the gradients are summed over the ranks before the step, so every rank
+    takes the same step, the one a single process would take on all the samples."""
+    device = next(model.parameters()).device
+    params = [p for p in model.parameters() if p.requires_grad]
+    n_ranks = common.world()[1]
+    minibatches = split_minibatches(samples, args.minibatch_size, n_ranks)
+    if not minibatches:
+        return {"loss": float("nan"), "clip_frac": float("nan"), "kl": float("nan"),
+                "grad_norm": float("nan"), "train_tokens": 0, "skipped_updates": 1}
+    A_tok = {i: token_advantages(samples[i]) for mb in minibatches for i in mb}
+    need_ref = args.kl_coef > 0 or log_kl
+    old, ref = old_and_ref_logprobs(model, tokenizer, samples, minibatches, args, need_ref)
+    model.train()
+    zero = lambda: torch.zeros((), dtype=torch.float64, device=device)  # noqa: E731
+    loss_total, clipped, kl_total = zero(), zero(), zero()   # summed on the device, copied once
+    grad_norms, tokens, nonfinite_grad = [], 0, 0
+    for _ in range(args.ppo_epochs):
+        for mb in minibatches:
+            N = common.all_reduce([sum(n_scored(samples[i]) for i in mb)])[0]   # token-mean over the minibatch
+            optimizer.zero_grad(set_to_none=True)
+            for micro in micro_batches(mb, args.micro_batch_size):
+                ids, attn, mask = collate([samples[i] for i in micro], tokenizer.pad_token_id, device)
+                logp = common.token_logprobs(model, ids, attn, mask, args.temperature)
+                A = torch.cat([A_tok[i] for i in micro]).to(device)
+                logp_old = torch.cat([old[i] for i in micro]) if micro[0] in old else logp.detach()
+                # L = (1/N) sum_i max(-ratio_i A_i, -clip(ratio_i) A_i)  [+ beta (1/N) sum_i k3_i]
+                pg, was_clipped = clipped_surrogate(logp, logp_old, A, args.clip_low, args.clip_high)
+                loss_sum = pg.sum()
+                if ref:
+                    kl = k3_kl(logp, torch.cat([ref[i] for i in micro]))
+                    kl_total += kl.detach().sum()
+                    if args.kl_coef > 0:
+                        loss_sum = loss_sum + args.kl_coef * kl.sum()
+                (loss_sum / N).backward()
+                loss_total += loss_sum.detach().double() / N
+                clipped += was_clipped.sum()
+                tokens += len(A)
+            if n_ranks > 1:
+                common.all_reduce_grads(params)                   # sum over ranks: the minibatch's gradient
+            grad_norms.append(float(torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)))
+            if math.isfinite(grad_norms[-1]):
+                optimizer.step()
+            else:
+                optimizer.zero_grad(set_to_none=True)
+                nonfinite_grad += 1
+    scheduler.step()
+    loss_total, clipped, kl_total, tokens = common.all_reduce(
+        torch.stack([loss_total, clipped, kl_total]).tolist() + [tokens])   # one copy, one collective
+    n_updates = args.ppo_epochs * len(minibatches)        # the micro losses add up to one minibatch's loss
+    return {"loss": loss_total / n_updates, "clip_frac": clipped / tokens,
+            "kl": kl_total / tokens if need_ref else float("nan"), "grad_norm": sum(grad_norms) / len(grad_norms),
+            "train_tokens": int(tokens), "skipped_updates": nonfinite_grad}
+
+
+# ---------------------------------------------------------------------------------------------
+# The main loop
+# ---------------------------------------------------------------------------------------------
+def main(argv=None):
+    args = parse_args(argv)
+    common.set_seed(args.seed)
+    train, test = load_pairs(args.train), load_pairs(args.test)    # validate inputs before creating anything
+    weight_turns = sft.load_sft(args.weight_turns, args.weight_tolerance)
+    if args.report_limit:
+        test, weight_turns = test[: args.report_limit], weight_turns[: args.report_limit]
+    common.check_model_args(args)
+    if not args.adapter:
+        print("warning: no --adapter: starting from the base model, not from 01's SFT generator", file=sys.stderr)
+    run_dir = common.open_run(args, ("metrics.jsonl", "rollouts.jsonl"))
+    model, tokenizer = common.load_policy(args, trainable=True)
+    judge = make_criteria_judge(args)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer, scheduler = common.make_optimizer(params, args, args.steps)
+    start = 1
+    ckpt = common.latest_checkpoint(run_dir / "checkpoints") if args.resume else None
+    if ckpt is not None:
+        state = common.load_checkpoint(ckpt, model, optimizer, scheduler)
+        start, before = state["step"] + 1, state.get("report_before")
+    else:
+        before = None if args.skip_report else report(model, tokenizer, judge, test, weight_turns, args)
+    if before:
+        print(f"before RL: held-out preference-recovery accuracy {before['recovery_acc']:.3f}, "
+              f"parse-valid {before['parse_valid']:.3f}")
+    if args.report_only:
+        print(write_report(run_dir, before, before))
+        return
+    logger = common.MetricsLogger(run_dir, args.track, common.public_args(args))
+    print(f"run folder {run_dir} | {len(train)} train / {len(test)} test pairs | "
+          f"trainable parameters {sum(p.numel() for p in params):,}")
+    try:
+        for step in tqdm(range(start, args.steps + 1), desc="rubric rl", initial=start - 1, total=args.steps,
+                         disable=not args.progress):
+            train_step(step, args, run_dir, model, tokenizer, judge, train, optimizer, scheduler, logger)
+            if step % args.save_every == 0 or step == args.steps:
+                common.save_checkpoint(run_dir / "checkpoints", step, model, optimizer, scheduler,
+                                       extra={"report_before": before}, keep=args.keep_checkpoints)
+    except common.UserError:                  # keep the finished steps, then stop with the one message
+        common.checkpoint_on_error(run_dir, model, optimizer, scheduler, logger, start, args.keep_checkpoints,
+                                   extra={"report_before": before})
+        raise
+    model.save_pretrained(run_dir / "adapter", safe_serialization=True)
+    tokenizer.save_pretrained(run_dir / "adapter")
+    logger.close()
+    if not args.skip_report:
+        after = report(model, tokenizer, judge, test, weight_turns, args)
+        print(write_report(run_dir, before, after))
+    print(f"frozen rubric generator: {run_dir / 'adapter'}")
+
+
+def train_step(step, args, run_dir, model, tokenizer, judge, train, optimizer, scheduler, logger):
+    t0 = time.time()
+    step_seed = args.seed * 100_003 + step
+    torch.manual_seed(step_seed)
+    batch = random.Random(step_seed).sample(train, min(args.contexts_per_step, len(train)))
+    # 1. sample G rubrics per context
+    model.eval()
+    contexts = [p["context"] for p in batch for _ in range(args.g)]
+    gens = sft.generate_rubrics(model, tokenizer, contexts, args.max_new_tokens, args.temperature,
+                                args.gen_batch_size)
+    parsed = [sft.parse_rubric(text, args.weight_tolerance) for text, _, _ in gens]
+    # 2. judge chosen and rejected on every criterion; S(y); rewards r = r_rec + r_margin + r_fmt
+    pairs = [p for p in batch for _ in range(args.g)]
+    judged = judge_rubrics(judge, pairs, [rb for rb, _ in parsed])
+    rewards, parts = [], []
+    for (rb, _), j in zip(parsed, judged):
+        if rb is not None and j is None:        # the judge failed on a valid rubric: no signal
+            parts.append(None)
+            rewards.append(None)
+            continue
+        part = preference_reward(j["S_chosen"] if j else 0.0, j["S_rejected"] if j else 0.0, rb is not None,
+                                 args.margin_coef, args.margin_tau, args.use_margin, args.use_format)
+        parts.append(part)
+        rewards.append(part["r_rec"] + part["r_margin"] + part["r_fmt"])
+    # 3. advantages within each context's group (judge-failed samples are left out)
+    samples, degenerate = [], 0
+    for c in range(len(batch)):
+        idx = [c * args.g + i for i in range(args.g) if rewards[c * args.g + i] is not None]
+        A = group_advantages([rewards[i] for i in idx])
+        degenerate += all(abs(a) < 1e-9 for a in A)     # all G rewards equal: nothing to learn here
+        for i, a in zip(idx, A):
+            _, p_ids, y_ids = gens[i]
+            samples.append(Sample(ids=p_ids + y_ids, spans=[(len(p_ids), len(p_ids) + len(y_ids))], A=[a]))
+    # 4. update: the clipped surrogate on the rubric tokens
+    upd = ppo_update(model, tokenizer, optimizer, scheduler, samples, args)
+    # 5. log and keep the samples
+    common.append_jsonl(run_dir / "rollouts.jsonl", [
+        {"step": step, "pair": pairs[i].get("id"), "g": i % args.g, "text": text, "valid": rb is not None,
+         "reason": why, "S_chosen": j and round(j["S_chosen"], 4), "S_rejected": j and round(j["S_rejected"], 4),
+         "reward": r, **(part or {})}
+        for i, ((text, _, _), (rb, why), j, part, r) in enumerate(zip(gens, parsed, judged, parts, rewards))])
+    ok = [r for r in rewards if r is not None]
+    judged_ok = [j for j in judged if j is not None]
+    logger.log(step, {
+        "reward_mean": sum(ok) / len(ok) if ok else None,
+        "recovery_rate": sum(j["S_chosen"] > j["S_rejected"] for j in judged_ok) / max(1, len(judged_ok)),
+        "parse_valid": sum(rb is not None for rb, _ in parsed) / len(parsed),
+        "judge_failures": sum(r is None for r in rewards),
+        "degenerate_groups": degenerate,
+        **upd, "lr": optimizer.param_groups[0]["lr"], "step_seconds": time.time() - t0})
+
+
+# ---------------------------------------------------------------------------------------------
+# --- supporting pieces ---: the update's batching, data, the criteria judge, reports, CLI
+# ---------------------------------------------------------------------------------------------
+def n_scored(s: Sample) -> int:
+    return sum(e - b for (b, e), a in zip(s.spans, s.A) if a is not None)
+
+
+def split_minibatches(samples: list[Sample], minibatch_size: int, n_ranks: int) -> list[list[int]]:
+    """Indices of the samples with something to score, sorted by length, cut into this rank's share of
+    each minibatch; every rank gets as many minibatches (empty ones where it has run out)."""
+    order = sorted((i for i, s in enumerate(samples) if n_scored(s) > 0), key=lambda i: len(samples[i].ids))
+    size = math.ceil(minibatch_size / n_ranks)
+    minibatches = [order[j:j + size] for j in range(0, len(order), size)]
+    n_mb = int(common.all_reduce([len(minibatches)], op="max")[0])
+    return minibatches + [[] for _ in range(n_mb - len(minibatches))]
+
+
+def micro_batches(mb: list[int], size: int) -> list[list[int]]:
+    return [mb[j:j + size] for j in range(0, len(mb), size)]
+
+
+def collate(samples: list[Sample], pad_id, device):
+    """Right-padded ids, attention mask and the loss mask (the tokens of every span with an
+    advantage) for a list of samples."""
+    return common.right_pad([s.ids for s in samples], pad_id,
+                            [[span for span, a in zip(s.spans, s.A) if a is not None] for s in samples], device)
+
+
+def token_advantages(s: Sample) -> torch.Tensor:
+    """Every token of span t gets A[t] (flat, in the order token_logprobs returns them)."""
+    spans = [(e - b, a) for (b, e), a in zip(s.spans, s.A) if a is not None]
+    return torch.repeat_interleave(torch.tensor([a for _, a in spans], dtype=torch.float32),
+                                   torch.tensor([n for n, _ in spans], dtype=torch.long))
+
+
+@torch.no_grad()
+def old_and_ref_logprobs(model, tokenizer, samples, minibatches, args, need_ref: bool) -> tuple[dict, dict]:
+    """pi_old, needed only where the policy has moved since sampling: in the first minibatch of the first
+    epoch it has not (ratio = 1), so the current log-probs, detached, serve there; with one epoch and one
+    minibatch no extra forward pass is spent at all. And the reference (the base model, adapter off),
+    once per rollout when the KL is used or logged."""
+    device = next(model.parameters()).device
+    old_from = 1 if args.ppo_epochs == 1 else 0           # the first minibatch that needs pi_old
+    old, ref = {}, {}
+    if len(minibatches) <= old_from and not need_ref:
+        return old, ref
+    model.eval()
+    for n, mb in enumerate(minibatches):
+        if n < old_from and not need_ref:
+            continue
+        for micro in micro_batches(mb, args.micro_batch_size):
+            ids, attn, mask = collate([samples[i] for i in micro], tokenizer.pad_token_id, device)
+            sizes = [n_scored(samples[i]) for i in micro]
+            if n >= old_from:
+                old.update(zip(micro, common.token_logprobs(model, ids, attn, mask, args.temperature).split(sizes)))
+            if need_ref:
+                with model.disable_adapter():
+                    ref.update(zip(micro, common.token_logprobs(model, ids, attn, mask, args.temperature).split(sizes)))
+    return old, ref
+
+
 def _reply_text(x, where, field):
     if isinstance(x, str) and x.strip():
         return x.strip()
@@ -100,9 +381,7 @@ def load_pairs(path: str) -> list[dict]:
     return recs
 
 
-# ---------------------------------------------------------------------------------------------
-# The judge: s(y, c) in [0, 1] for a reply y and each criterion c
-# ---------------------------------------------------------------------------------------------
+# the judge: s(y, c) in [0, 1] for a reply y and each criterion c
 CRITERIA_PROMPT = """You judge one reply in an emotional-support conversation against a list of criteria.
 Conversation so far:
 {history}
@@ -140,8 +419,7 @@ class LLMCriteriaJudge:
     def score(self, items: list[dict]) -> list[list[float] | None]:
         prompts = []
         for it in items:
-            history = "\n".join(f"{'Seeker' if m['role'] == 'user' else 'Supporter'}: {m['content']}"
-                                for m in it["context"] if m["role"] != "system")
+            history = "\n".join(common.transcript_lines(it["context"]))
             crit = "\n".join(f"{j + 1}. {c}" for j, c in enumerate(it["criteria"]))
             prompts.append([{"role": "user", "content": CRITERIA_PROMPT.format(
                 history=history, reply=it["reply"], criteria=crit)}])
@@ -151,11 +429,7 @@ class LLMCriteriaJudge:
 
 def parse_scores(text: str | None, n: int) -> list[float] | None:
     """{"scores": [n numbers in 0-10]} (possibly wrapped in prose) -> n scores in [0, 1], or None."""
-    m = re.search(r"\{.*\}", text or "", re.S)
-    try:
-        scores = json.loads(m.group(0))["scores"] if m else None
-    except (json.JSONDecodeError, KeyError, TypeError):
-        return None
+    scores = (common.extract_json(text) or {}).get("scores")
     if not isinstance(scores, list) or len(scores) != n:
         return None
     if not all(isinstance(x, (int, float)) and not isinstance(x, bool) and 0 <= x <= 10 for x in scores):
@@ -169,70 +443,46 @@ def make_criteria_judge(args):
     return LLMCriteriaJudge(common.make_chat_backend(args.judge, args), retries=args.judge_retries)
 
 
-# ---------------------------------------------------------------------------------------------
-# Rubric score and reward: the equations
-# ---------------------------------------------------------------------------------------------
-def rubric_score(rubric: dict, s: dict) -> float:
-    """s[d] = the judge's scores of one reply on dimension d's criteria."""
-    # S(y) = sum_d w_d * (1/|C_d|) sum_{c in C_d} s(y, c)
-    S = 0.0
-    for d in DIMS:
-        S += rubric["weights"][d] * sum(s[d]) / len(s[d])
-    return S
-
-
-def preference_reward(S_chosen, S_rejected, valid: bool, margin_coef: float, margin_tau: float,
-                      use_margin: bool = True, use_format: bool = True) -> dict:
-    """r = r_rec + r_margin + r_fmt for one sampled rubric (all three returned for the log)."""
-    if not valid:
-        # r_fmt = -1 for a rubric that does not parse (0 without the format term); nothing else counts
-        return {"r_rec": 0.0, "r_margin": 0.0, "r_fmt": -1.0 if use_format else 0.0}
-    # r_rec = 1[S(chosen) > S(rejected)];  r_margin = lambda * tanh((S(chosen) - S(rejected)) / tau)
-    r_rec = 1.0 if S_chosen > S_rejected else 0.0
-    r_margin = margin_coef * math.tanh((S_chosen - S_rejected) / margin_tau) if use_margin else 0.0
-    return {"r_rec": r_rec, "r_margin": r_margin, "r_fmt": 0.0}
-
-
-def group_advantages(r: list[float]) -> list[float]:
-    # A_g = (r_g - mean_G) / (std_G + 1e-6) over one context's G rubrics (sample std; 0 when G < 2)
-    G = len(r)
-    if G < 2:
-        return [0.0] * G
-    mean = sum(r) / G
-    std = math.sqrt(sum((x - mean) ** 2 for x in r) / (G - 1))
-    return [(x - mean) / (std + 1e-6) for x in r]
+def judge_by_dimension(judge, cases: list[dict]) -> list[dict | None]:
+    """cases: {"context", "reply", "criteria": {name: [criterion, ...]}} -> per case {name: [s(y, c) for
+    each criterion]}, or None where the judge failed on any of them. One judge call for every (case,
+    name); 04 asks its CARE and Kardia-R1 rewards this way too."""
+    items, where = [], []
+    for i, c in enumerate(cases):
+        for name, criteria in c["criteria"].items():
+            items.append({"context": c["context"], "reply": c["reply"], "criteria": criteria})
+            where.append((i, name))
+    scores = judge.score(items) if items else []
+    out: list[dict | None] = [{} for _ in cases]
+    for (i, name), sc in zip(where, scores):
+        if out[i] is not None:
+            out[i] = None if sc is None else {**out[i], name: sc}
+    return out
 
 
 def judge_rubrics(judge, pairs: list[dict], rubrics: list[dict | None]) -> list[dict | None]:
     """For each (pair, rubric): S(chosen), S(rejected) and the per-criterion scores; None when the
     rubric is invalid or the judge failed on it."""
-    items, where = [], []
+    cases, where = [], []
     for i, (p, rb) in enumerate(zip(pairs, rubrics)):
-        if rb is None:
-            continue
-        for side in ("chosen", "rejected"):
-            for d in DIMS:
-                items.append({"context": p["context"], "reply": p[f"{side}_text"], "criteria": rb["criteria"][d]})
-                where.append((i, side, d))
-    scores = judge.score(items)
+        if rb is not None:
+            for side in ("chosen", "rejected"):
+                cases.append({"context": p["context"], "reply": p[f"{side}_text"], "criteria": rb["criteria"]})
+                where.append((i, side))
     per: dict[int, dict] = {}
-    for (i, side, d), sc in zip(where, scores):
-        per.setdefault(i, {"chosen": {}, "rejected": {}, "failed": False})
-        per[i]["failed"] |= sc is None
-        per[i][side][d] = sc
+    for (i, side), s in zip(where, judge_by_dimension(judge, cases)):
+        per.setdefault(i, {})[side] = s
     out = []
     for i, rb in enumerate(rubrics):
-        if rb is None or per[i]["failed"]:
+        s = per.get(i)
+        if rb is None or s["chosen"] is None or s["rejected"] is None:
             out.append(None)
             continue
-        out.append({"S_chosen": rubric_score(rb, per[i]["chosen"]), "S_rejected": rubric_score(rb, per[i]["rejected"]),
-                    "s": {side: per[i][side] for side in ("chosen", "rejected")}})
+        out.append({"S_chosen": rubric_score(rb, s["chosen"]), "S_rejected": rubric_score(rb, s["rejected"]), "s": s})
     return out
 
 
-# ---------------------------------------------------------------------------------------------
-# Reports: preference-recovery accuracy, parse-valid rate, mean weights by turn and by emotion
-# ---------------------------------------------------------------------------------------------
+# reports: preference-recovery accuracy, parse-valid rate, mean weights by turn and by emotion
 def report(model, tokenizer, judge, test_pairs, weight_turns, args) -> dict:
     model.eval()
     gens = sft.generate_rubrics(model, tokenizer, [p["context"] for p in test_pairs], args.max_new_tokens, 0.0,
@@ -245,23 +495,53 @@ def report(model, tokenizer, judge, test_pairs, weight_turns, args) -> dict:
         by_need.setdefault(p.get("need", "all"), []).append(h)
     gens = sft.generate_rubrics(model, tokenizer, [r["messages"] for r in weight_turns], args.max_new_tokens, 0.0,
                                 args.gen_batch_size)
-    by_turn: dict = {}
-    by_emotion: dict = {}
+    by_turn, by_emotion = [], []
     for r, (text, _, _) in zip(weight_turns, gens):
         rb = sft.parse_rubric(text, args.weight_tolerance)[0]
-        if rb is None:
-            continue
-        for table, key in ((by_turn, r.get("turn", sum(m["role"] == "user" for m in r["messages"]))),
-                           (by_emotion, r.get("emotion", "unknown"))):
-            table.setdefault(str(key), []).append([rb["weights"][d] for d in DIMS])
-    mean_w = lambda rows: [round(sum(x[j] for x in rows) / len(rows), 4) for j in range(3)]  # noqa: E731
+        if rb is not None:
+            by_turn.append((r.get("turn", sum(m["role"] == "user" for m in r["messages"])), rb["weights"]))
+            by_emotion.append((r.get("emotion", "unknown"), rb["weights"]))
     model.train()
     n = len(test_pairs)
     return {"recovery_acc": sum(hits) / n, "parse_valid": sum(r is not None for r in rubrics) / n,
             "recovery_by_need": {k: sum(v) / len(v) for k, v in sorted(by_need.items())},
-            "weights_by_turn": {k: {"n": len(v), "w": mean_w(v)} for k, v in sorted(by_turn.items(), key=lambda x: int(x[0]))},
-            "weights_by_emotion": {k: {"n": len(v), "w": mean_w(v)} for k, v in sorted(by_emotion.items())},
-            "weight_turns_valid": sum(len(v) for v in by_turn.values()), "weight_turns": len(weight_turns)}
+            "weights_by_turn": mean_weights_by(by_turn), "weights_by_emotion": mean_weights_by(by_emotion),
+            "weight_turns_valid": len(by_turn), "weight_turns": len(weight_turns)}
+
+
+def mean_weights_by(rows: list[tuple]) -> dict:
+    """(key, {dimension: weight}) rows -> {str(key): {"n": rows, "w": [mean w_C, mean w_A, mean w_P]}},
+    keys in order (numbers numerically). The paper's Figures 3-4; 05 tabulates 04's rubrics with it."""
+    groups: dict = {}
+    for key, w in rows:
+        groups.setdefault(key, []).append([w[d] for d in DIMS])
+    order = sorted(groups, key=lambda k: (not isinstance(k, (int, float)), k if isinstance(k, (int, float)) else str(k)))
+    return {str(k): {"n": len(groups[k]), "w": [round(sum(x[j] for x in groups[k]) / len(groups[k]), 4)
+                                               for j in range(len(DIMS))]} for k in order}
+
+
+def plot_weights(tables: dict, xlabel: str, path: Path):
+    """tables: {label: mean_weights_by(...)} -> one stacked bar chart per label, side by side."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = list(dict.fromkeys(k for t in tables.values() for k in t))
+    fig, axes = plt.subplots(1, len(tables), figsize=(5.5 * len(tables), 3.6), sharey=True, squeeze=False)
+    for ax, (label, table) in zip(axes[0], tables.items()):
+        bottom = [0.0] * len(keys)
+        for j, d in enumerate(DIMS):
+            vals = [table.get(k, {"w": [0.0] * len(DIMS)})["w"][j] for k in keys]
+            ax.bar(keys, vals, bottom=bottom, label=d)
+            bottom = [b + v for b, v in zip(bottom, vals)]
+        ax.set_title(f"mean rubric weights by {xlabel}, {label}", fontsize=9)
+        ax.tick_params(axis="x", rotation=45 if max((len(k) for k in keys), default=0) > 3 else 0)
+    axes[0][0].set_ylabel("weight")
+    axes[0][-1].legend(loc="upper right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def write_report(run_dir: Path, before: dict, after: dict):
@@ -277,34 +557,11 @@ def write_report(run_dir: Path, before: dict, after: dict):
             b = before[key].get(k, {"w": [float("nan")] * 3})["w"]
             L.append(f"| {k} | {v['n']} | {' / '.join(f'{x:.2f}' for x in b)} | {' / '.join(f'{x:.2f}' for x in v['w'])} |")
     (run_dir / "report.md").write_text("\n".join(L) + "\n")
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    for key, title, fname in (("weights_by_turn", "turn index", "weights_by_turn.png"),
-                              ("weights_by_emotion", "user emotion", "weights_by_emotion.png")):
-        keys = list(after[key])
-        fig, axes = plt.subplots(1, 2, figsize=(11, 3.6), sharey=True)
-        for ax, (label, rep) in zip(axes, (("before RL", before), ("after RL", after))):
-            bottom = [0.0] * len(keys)
-            for j, d in enumerate(DIMS):
-                vals = [rep[key].get(k, {"w": [0, 0, 0]})["w"][j] for k in keys]
-                ax.bar(keys, vals, bottom=bottom, label=d)
-                bottom = [b + v for b, v in zip(bottom, vals)]
-            ax.set_title(f"mean rubric weights by {title}, {label}")
-            ax.tick_params(axis="x", rotation=45 if key == "weights_by_emotion" else 0)
-        axes[0].set_ylabel("weight")
-        axes[1].legend(loc="upper right", fontsize=8)
-        fig.tight_layout()
-        fig.savefig(run_dir / fname, dpi=110)
-        plt.close(fig)
+    for key, xlabel in (("weights_by_turn", "turn index"), ("weights_by_emotion", "user emotion")):
+        plot_weights({"before RL": before[key], "after RL": after[key]}, xlabel, run_dir / f"{key}.png")
     return "\n".join(L)
 
 
-# ---------------------------------------------------------------------------------------------
-# Config and main loop
-# ---------------------------------------------------------------------------------------------
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -342,19 +599,11 @@ def parse_args(argv=None):
     g.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping")
     g.add_argument("--gen-batch-size", type=int, default=16, help="contexts per generate call")
     common.add_backend_args(p)
-    g = p.add_argument_group("run")
-    g.add_argument("--seed", type=int, default=0, help="random seed")
-    g.add_argument("--out-dir", default="runs", help="each run writes into its own folder under this")
-    g.add_argument("--run-name", default="rubric-rl", help="prefix of the run folder")
+    g = common.add_run_args(p, "rubric-rl", save_every=10, resume="a run folder: continue from its last checkpoint")
     g.add_argument("--report-limit", type=int, default=0, help="use the first N held-out pairs / turns (0 = all)")
     g.add_argument("--skip-report", action="store_true", help="no before/after report (quick runs)")
     g.add_argument("--report-only", action="store_true",
                    help="no training: write the held-out report of --model (+ --adapter) and stop")
-    g.add_argument("--save-every", type=int, default=10, help="checkpoint every N steps")
-    g.add_argument("--keep-checkpoints", type=int, default=2, help="how many checkpoints to keep")
-    g.add_argument("--resume", default=None, help="a run folder: continue from its last checkpoint")
-    g.add_argument("--track", choices=["tensorboard", "wandb"], default=None, help="also log metrics there")
-    g.add_argument("--no-progress", dest="progress", action="store_false", help="hide progress bars")
     args = p.parse_args(argv)
     c = common.check
     c(not (args.report_only and args.skip_report), "--report-only and --skip-report exclude each other")
@@ -373,106 +622,6 @@ def parse_args(argv=None):
     args.use_margin = not (args.no_margin or args.recovery_only)
     args.use_format = not (args.no_format or args.recovery_only)
     return args
-
-
-def main(argv=None):
-    args = parse_args(argv)
-    common.set_seed(args.seed)
-    train, test = load_pairs(args.train), load_pairs(args.test)    # validate inputs before creating anything
-    weight_turns = sft.load_sft(args.weight_turns, args.weight_tolerance)
-    if args.report_limit:
-        test, weight_turns = test[: args.report_limit], weight_turns[: args.report_limit]
-    common.check_model_args(args)
-    if not args.adapter:
-        print("warning: no --adapter: starting from the base model, not from 01's SFT generator", file=sys.stderr)
-    run_dir = common.open_run(args, ("metrics.jsonl", "rollouts.jsonl"))
-    model, tokenizer = common.load_policy(args, trainable=True)
-    judge = make_criteria_judge(args)
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
-    warmup = max(1, round(args.warmup_ratio * args.steps))
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: mica.cosine_with_warmup(s, args.steps, warmup))
-    start = 1
-    ckpt = common.latest_checkpoint(run_dir / "checkpoints") if args.resume else None
-    if ckpt is not None:
-        state = common.load_checkpoint(ckpt, model, optimizer, scheduler)
-        start, before = state["step"] + 1, state.get("report_before")
-    else:
-        before = None if args.skip_report else report(model, tokenizer, judge, test, weight_turns, args)
-    if before:
-        print(f"before RL: held-out preference-recovery accuracy {before['recovery_acc']:.3f}, "
-              f"parse-valid {before['parse_valid']:.3f}")
-    if args.report_only:
-        print(write_report(run_dir, before, before))
-        return
-    logger = common.MetricsLogger(run_dir, args.track, common.public_args(args))
-    print(f"run folder {run_dir} | {len(train)} train / {len(test)} test pairs | "
-          f"trainable parameters {sum(p.numel() for p in params):,}")
-
-    for step in tqdm(range(start, args.steps + 1), desc="rubric rl", initial=start - 1, total=args.steps,
-                     disable=not args.progress):
-        t0 = time.time()
-        step_seed = args.seed * 100_003 + step
-        torch.manual_seed(step_seed)
-        batch = random.Random(step_seed).sample(train, min(args.contexts_per_step, len(train)))
-        # 1. sample G rubrics per context
-        model.eval()
-        contexts = [p["context"] for p in batch for _ in range(args.g)]
-        gens = sft.generate_rubrics(model, tokenizer, contexts, args.max_new_tokens, args.temperature,
-                                    args.gen_batch_size)
-        parsed = [sft.parse_rubric(text, args.weight_tolerance) for text, _, _ in gens]
-        # 2. judge chosen and rejected on every criterion; S(y); rewards
-        pairs = [p for p in batch for _ in range(args.g)]
-        judged = judge_rubrics(judge, pairs, [rb for rb, _ in parsed])
-        rewards, parts = [], []
-        for (rb, _), j in zip(parsed, judged):
-            if rb is not None and j is None:        # the judge failed on a valid rubric: no signal
-                parts.append(None)
-                rewards.append(None)
-                continue
-            part = preference_reward(j["S_chosen"] if j else 0.0, j["S_rejected"] if j else 0.0, rb is not None,
-                                     args.margin_coef, args.margin_tau, args.use_margin, args.use_format)
-            parts.append(part)
-            rewards.append(part["r_rec"] + part["r_margin"] + part["r_fmt"])
-        # 3. advantages within each context's group (judge-failed samples are left out)
-        trajs, advs, degenerate = [], [], 0
-        for c in range(len(batch)):
-            idx = [c * args.g + i for i in range(args.g) if rewards[c * args.g + i] is not None]
-            A = group_advantages([rewards[i] for i in idx])
-            degenerate += all(abs(a) < 1e-9 for a in A)     # all G rewards equal: nothing to learn here
-            for i, a in zip(idx, A):
-                _, p_ids, y_ids = gens[i]
-                trajs.append(env.Trajectory(scenario=batch[c], k=i, ids=p_ids + y_ids, messages=[],
-                                            spans=[(len(p_ids), len(p_ids) + len(y_ids))], vs=[[0.0, 0.0, 0.0]]))
-                advs.append([a])
-        # 4. update: 04's clipped surrogate on the rubric tokens
-        upd = mica.ppo_update(model, tokenizer, optimizer, scheduler, trajs, advs, args, log_kl=False)
-        # 5. log, keep the samples, checkpoint
-        recs = []
-        for i, ((text, _, _), (rb, why), j, part, r) in enumerate(zip(gens, parsed, judged, parts, rewards)):
-            recs.append({"step": step, "pair": pairs[i].get("id"), "g": i % args.g, "text": text, "valid": rb is not None,
-                         "reason": why, "S_chosen": j and round(j["S_chosen"], 4),
-                         "S_rejected": j and round(j["S_rejected"], 4), "reward": r, **(part or {})})
-        common.append_jsonl(run_dir / "rollouts.jsonl", recs)
-        ok = [r for r in rewards if r is not None]
-        judged_ok = [j for j in judged if j is not None]
-        logger.log(step, {
-            "reward_mean": sum(ok) / len(ok) if ok else None,
-            "recovery_rate": sum(j["S_chosen"] > j["S_rejected"] for j in judged_ok) / max(1, len(judged_ok)),
-            "parse_valid": sum(rb is not None for rb, _ in parsed) / len(parsed),
-            "judge_failures": sum(r is None for r in rewards),
-            "degenerate_groups": degenerate,
-            **upd, "lr": optimizer.param_groups[0]["lr"], "step_seconds": time.time() - t0})
-        if step % args.save_every == 0 or step == args.steps:
-            common.save_checkpoint(run_dir / "checkpoints", step, model, optimizer, scheduler,
-                                   extra={"report_before": before}, keep=args.keep_checkpoints)
-    model.save_pretrained(run_dir / "adapter", safe_serialization=True)
-    tokenizer.save_pretrained(run_dir / "adapter")
-    logger.close()
-    if not args.skip_report:
-        after = report(model, tokenizer, judge, test, weight_turns, args)
-        print(write_report(run_dir, before, after))
-    print(f"frozen rubric generator: {run_dir / 'adapter'}")
 
 
 if __name__ == "__main__":

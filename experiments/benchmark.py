@@ -19,7 +19,7 @@ scenarios, seeds and token budgets on both sides, one untimed warm-up run of eac
               step each, timed without setup. Goal <= 1.0x. Skipped, with the reason, without trl.
   4. memory   peak RSS of the demo run (`make demo`: 04 with its defaults; the first --memory-steps
               steps, in a subprocess), and the per-component memory estimate for QLoRA training of
-              Qwen2.5-7B-Instruct on one GPU (the formulas are in the README).
+              Qwen2.5-7B-Instruct on one GPU (the formulas are in docs/scale.md).
 Prints a markdown table (figure, ours, reference, ratio, goal, met?) with the machine, versions, date
 and command, and writes it to <out>/benchmark.md and <out>/benchmark.json.
 
@@ -186,7 +186,7 @@ def bare_forward_backward(model, tok, trajs, args):
     device = next(model.parameters()).device
     model.train()
     for micro in micro_batches(trajs, args):
-        ids, attn, mask = trainer.collate(micro, tok.pad_token_id, device)
+        ids, attn, mask = trainer.pref.collate(trainer.as_samples(micro), tok.pad_token_id, device)
         labels = ids.masked_fill(mask == 0, -100)
         model(input_ids=ids, attention_mask=attn, labels=labels).loss.backward()
     model.zero_grad(set_to_none=True)
@@ -202,11 +202,11 @@ def bench_update(a, model, tok, trajs, args):
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    t_ours, t_ref = timed_pair(lambda: trainer.ppo_update(model, tok, opt, sched, flat, advs, args, log_kl=False),
+    t_ours, t_ref = timed_pair(lambda: trainer.pref.ppo_update(model, tok, opt, sched, trainer.as_samples(flat, advs), args),
                                lambda: bare_forward_backward(model, tok, flat, args), a.repeats)
     cells = [(len(m) * max(len(tr.ids) for tr in m), sum(len(tr.ids) for tr in m)) for m in micro_batches(flat, args)]
     padding = 1 - sum(real for _, real in cells) / sum(all_ for all_, _ in cells)
-    scored = sum(trainer.n_scored(tr) for tr in flat)
+    scored = sum(trainer.pref.n_scored(s) for s in trainer.as_samples(flat))
     return {"figure": f"2. update: one 04 step vs bare forward + backward ({len(flat)} trajectories)",
             "ours": f"{t_ours:.3g} s", "reference": f"{t_ref:.3g} s", "ratio": t_ours / t_ref,
             "goal": "<= 1.3x", "met": t_ours / t_ref <= 1.3,
@@ -223,7 +223,7 @@ def ours_grpo_step(model, tok, prompts, judge, user, args, opt, sched):
     groups = [[tr for tr in trajs if tr.scenario is s] for s in prompts]
     rewards = [[trainer.turn_rewards(tr, args) for tr in g] for g in groups]
     advs = [A for r in rewards for A in trainer.grpo_advantages(r)]
-    return trainer.ppo_update(model, tok, opt, sched, [tr for g in groups for tr in g], advs, args, log_kl=False)
+    return trainer.pref.ppo_update(model, tok, opt, sched, trainer.as_samples([tr for g in groups for tr in g], advs), args)
 
 
 def trl_grpo_seconds(a, prompts, judge, args, out_dir) -> tuple[float | None, str]:
@@ -256,7 +256,7 @@ def trl_grpo_seconds(a, prompts, judge, args, out_dir) -> tuple[float | None, st
             P0 = case["scenario"]["p0"]
             v = env.levels_to_v(verdict["levels"]) if verdict else [0.0, 0.0, 0.0]
             P1 = [p + x for p, x in zip(P0, v)]
-            rewards.append(trainer.incremental_distance_rewards([P0, P1], args.idr_weights, args.eps)[0])
+            rewards.append(env.incremental_distance_rewards([P0, P1], args.idr_weights, args.eps)[0])
         return rewards
 
     path = common.resolve_model(a.model)
@@ -340,7 +340,7 @@ def qlora_estimate(r=16, micro_tokens=8192, scored_tokens=7680, kv_tokens=64 * 4
     n_linear = L * sum(fi * fo for fi, fo in linear.values())                  # 6.53e9, quantised
     n_lora = L * sum(r * (fi + fo) for fi, fo in linear.values())              # A: r x in, B: out x r
     nf4 = 0.5 + 1 / 64 + 4 / (64 * 256)       # 4 bits + 8-bit absmax per 64 + fp32 per 256 absmax
-    chunk = min(scored_tokens, trainer.LOGIT_CHUNK // V)   # 04 computes the LM head in chunks of rows
+    chunk = min(scored_tokens, common.LOGIT_CHUNK // V)   # common.token_logprobs computes the LM head in chunks of rows
     # (component, formula, bytes, when it is held: always, in the update, in the rollout)
     rows = [
         ("base weights, NF4 linear layers", f"{n_linear / 1e9:.2f}e9 x {nf4:.4f} bytes", n_linear * nf4, "always"),

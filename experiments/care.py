@@ -9,7 +9,7 @@ Every number comes from the scripts' own report.json, run as a user runs them. P
 and writes it to <out>/care.md. Stages already finished in --out-dir are reused (rerun to continue, or
 run seeds as separate processes into one folder, then once more with all the seeds for the table).
 
-CPU:  python experiments/care.py                         (README's table: 3 seeds, about 3 h on 2 cores)
+CPU:  python experiments/care.py                         (docs/results.md's table: 3 seeds, about 3 h on 2 cores)
 Quick look:  python experiments/care.py --seeds 0 --sft-steps 20 --rl-steps 4 --report-limit 8
 """
 import argparse
@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from learning import run   # the same subprocess runner as experiments/learning.py
+from learning import run, run_experiment   # the same subprocess runner as experiments/learning.py
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -38,13 +38,13 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default=None, help="generator base model for 01 and 02 (default: theirs, SmolLM2)")
     p.add_argument("--seeds", default="0,1,2", help="comma-separated seeds")
-    p.add_argument("--sft-steps", type=int, default=160, help="01_rubric_sft.py --steps (README's table: 160)")
-    p.add_argument("--rl-steps", type=int, default=16, help="02_rubric_pref_rl.py --steps (README's table: 16)")
+    p.add_argument("--sft-steps", type=int, default=160, help="01_rubric_sft.py --steps (docs/results.md's table: 160)")
+    p.add_argument("--rl-steps", type=int, default=16, help="02_rubric_pref_rl.py --steps (docs/results.md's table: 16)")
     p.add_argument("--report-limit", type=int, default=0, help="held-out pairs / turns used (0 = all)")
     p.add_argument("--extra-sft", default="--lr 1e-3 --eval-every 1000 --eval-limit 30 --micro-batch-size 1",
-                   help="extra flags for 01, quoted; replaces the default (README's table's settings)")
+                   help="extra flags for 01, quoted; replaces the default (docs/results.md's table's settings)")
     p.add_argument("--extra-rl", default="--lr 1e-4 --temperature 0.7 --micro-batch-size 1",
-                   help="extra flags for 02, quoted; replaces the default (README's table's settings)")
+                   help="extra flags for 02, quoted; replaces the default (docs/results.md's table's settings)")
     p.add_argument("--out-dir", default=str(ROOT / "runs" / "care"), help="where runs and the table go")
     args = p.parse_args()
     out = Path(args.out_dir)
@@ -88,7 +88,4 @@ def main():
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except RuntimeError as e:       # a stage script failed: its stderr is printed above
-        sys.exit(f"error: {e}")
+    run_experiment(main)

@@ -104,12 +104,21 @@ def main():
                f"{', '.join(f'{g:+.3f}' for g in gains)}); seed spread (sd of trained returns) {spread:.3f}; "
                f"{rows[0]['base']['n']} held-out dialogues per model and seed; {time.time() - t0:.0f} s")
     table = "\n".join(lines) + "\n\n" + verdict + "\n"
-    (out / "learning.md").write_text(table)
+    write_table(out / "learning.md", table)
+
+
+def write_table(path: Path, table: str):
+    path.write_text(table)
     print("\n" + table)
 
 
-if __name__ == "__main__":
+def run_experiment(main):
+    """main(); a stage script that failed (its stderr is printed above) ends it with one line, exit 1."""
     try:
         main()
-    except RuntimeError as e:       # a stage script failed: its stderr is printed above
+    except RuntimeError as e:
         sys.exit(f"error: {e}")
+
+
+if __name__ == "__main__":
+    run_experiment(main)

@@ -24,12 +24,11 @@ Quick look:  python experiments/rewards.py --seeds 0 --estimators mica --rewards
 import argparse
 import json
 import statistics
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from learning import newest, run   # the same subprocess runner as experiments/learning.py
+from learning import newest, run, run_experiment, write_table   # experiments/learning.py's runner
 
 ROOT = Path(__file__).resolve().parents[1]
 ESTIMATORS = {"mica": "MICA", "grpo": "GRPO", "reinforce_pp": "REINFORCE++"}
@@ -130,12 +129,8 @@ def main(argv=None):
             ms([r[k] for r in got]) for k in ("return", "success", "final_distance", "final_emotion")) + " |")
     table = "\n".join(lines) + (f"\n\nmean ± sd over seeds {args.seeds}; {rows[0]['n']} held-out dialogues per "
                                 f"cell and seed; {args.steps} training steps per cell; {time.time() - t0:.0f} s\n")
-    (out / "rewards.md").write_text(table)
-    print("\n" + table)
+    write_table(out / "rewards.md", table)
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except RuntimeError as e:       # a stage script failed: its stderr is printed above
-        sys.exit(f"error: {e}")
+    run_experiment(main)

@@ -1,10 +1,13 @@
 """Shared fixtures: a tiny random Qwen2 model with a locally trained BPE tokenizer and a ChatML chat
 template (built once per session in seconds), and the repo root on sys.path."""
+import http.server
 import importlib
 import json
 import os
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -89,8 +92,148 @@ USER_OK = "I am not sure. It still hurts when I think about it."
 FAULTS = ("http_500", "http_429", "hang", "truncated_json", "not_json", "empty_choices", "missing_fields")
 
 
+# ---------------------------------------------------------------------------------------------
+# The one loopback server: an OpenAI-compatible /chat/completions fake on 127.0.0.1
+# ---------------------------------------------------------------------------------------------
+def ok(content, **kw):
+    """A respond spec: a normal chat-completions answer holding `content` (other spec keys in kw)."""
+    return dict(body={"id": "x", "object": "chat.completion",
+                      "choices": [{"index": 0, "message": {"role": "assistant", "content": content},
+                                   "finish_reason": "stop"}]}, **kw)
+
+
+def prompt_text(body) -> str:
+    """A request's messages as one JSON string, for finding markers in the prompt."""
+    return json.dumps(body.get("messages") if isinstance(body, dict) else body, ensure_ascii=False)
+
+
+def request_kind(body) -> str:
+    """'judge' for an MDEP-PR judge prompt, 'user' for anything else."""
+    return "judge" if "MDEP-PR" in prompt_text(body) else "user"
+
+
+class _ThreadingServer(http.server.ThreadingHTTPServer):
+    daemon_threads = False   # server_close() joins every handler thread: none outlives the test
+    block_on_close = True
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
+
+    def do_POST(self):
+        server = self.server.owner
+        body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+        kind, spec = server._arrive(self, body)
+        try:
+            if spec.get("hang"):    # past the client's timeout; `release` (set at close) ends it early
+                server.release.wait(10 if spec["hang"] is True else spec["hang"])
+                if "body" not in spec and "raw" not in spec:
+                    return          # hung up without an answer
+            if spec.get("delay"):
+                time.sleep(spec["delay"])
+        finally:
+            server._leave(kind)     # counted down before the answer goes out: the client can't overlap it
+        payload = spec["raw"] if "raw" in spec else json.dumps(spec.get("body")).encode()
+        headers = {"Content-Type": "application/json", **spec.get("headers", {})}
+        try:
+            self.send_response(spec.get("status", 200))
+            for k, v in headers.items():
+                self.send_header(k, v)
+            self.send_header("Content-Length", str(spec.get("length", len(payload))))
+            self.end_headers()
+            self.wfile.write(payload)
+        except (BrokenPipeError, ConnectionResetError):
+            pass                    # the client gave up (its timeout): fine
+
+
+class LoopbackServer:
+    """An OpenAI-compatible /chat/completions fake on 127.0.0.1 (a free port), one thread a request.
+
+    Every POST is recorded in `requests` as {path, auth, content_type, body (parsed), kind, thread}
+    (`threads`, `auth`: those fields of all of them); `max_active` is the most requests in flight at once,
+    `max_by_kind` the same per `kind(body)` (judge / user). What goes back is `respond(index, body) ->
+    spec`, called under the lock in arrival order (so a policy may count without a lock of its own); the
+    default answers from `plan`: the index-th spec, the last one repeating. A spec holds `body` (sent as
+    JSON) or `raw` bytes, and optionally `status` (200), `headers`, `length` (the declared Content-Length;
+    default the true one), `delay` (seconds before answering) and `hang` (seconds, True = 10, waited on
+    `release`: then the answer goes out if the spec has one, else the request is dropped unanswered).
+    close() (also at the end of a `with` block) releases hangs and joins every handler thread."""
+
+    def __init__(self, respond=None, plan=None, kind=request_kind):
+        self.requests = []
+        self.active, self.max_active = 0, 0
+        self.active_by_kind, self.max_by_kind = {"judge": 0, "user": 0}, {"judge": 0, "user": 0}
+        self.lock, self.release = threading.Lock(), threading.Event()
+        self.plan = list(plan or [ok("hello")])
+        self.respond = respond or (lambda index, body: self.plan[min(index, len(self.plan) - 1)])
+        self.kind = kind
+        self.httpd = _ThreadingServer(("127.0.0.1", 0), _Handler)
+        self.httpd.owner = self
+        self.base = f"http://127.0.0.1:{self.httpd.server_port}/v1"
+        self._thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05},
+                                        daemon=True)
+        self._thread.start()
+        self._closed = False
+
+    @property
+    def threads(self):
+        return [r["thread"] for r in self.requests]
+
+    @property
+    def auth(self):
+        return {r["auth"] for r in self.requests}
+
+    def _arrive(self, handler, body):
+        kind = self.kind(body)
+        with self.lock:
+            index = len(self.requests)
+            self.requests.append({"path": handler.path, "auth": handler.headers.get("Authorization"),
+                                  "content_type": handler.headers.get("Content-Type"), "body": body,
+                                  "kind": kind, "thread": threading.current_thread()})
+            self.active += 1
+            self.max_active = max(self.max_active, self.active)
+            self.active_by_kind[kind] = self.active_by_kind.get(kind, 0) + 1
+            self.max_by_kind[kind] = max(self.max_by_kind.get(kind, 0), self.active_by_kind[kind])
+            return kind, self.respond(index, body)
+
+    def _leave(self, kind):
+        with self.lock:
+            self.active -= 1
+            self.active_by_kind[kind] -= 1
+
+    def close(self):
+        if self._closed:
+            return
+        self._closed = True
+        self.release.set()
+        self.httpd.shutdown()
+        self.httpd.server_close()   # joins the handler threads
+        self._thread.join(5)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+@pytest.fixture
+def loopback():
+    """loopback(respond=None, plan=None, ...) starts a LoopbackServer; every one is closed at teardown."""
+    servers = []
+
+    def start(*args, **kw):
+        servers.append(LoopbackServer(*args, **kw))
+        return servers[-1]
+
+    yield start
+    for s in servers:
+        s.close()
+
+
 class FaultServer:
-    """An OpenAI-compatible /chat/completions server on 127.0.0.1 that injects faults.
+    """The fault-injecting server: a respond policy that `fault_server(**kw)` runs on a LoopbackServer.
 
     Every request gets a good answer (judge JSON for MDEP-PR prompts, a user line otherwise) except
     a `rate` share of them, spread evenly and deterministically, which get the next fault of FAULTS
@@ -98,100 +241,54 @@ class FaultServer:
     timeout), a body cut mid-JSON, a non-JSON body, empty choices, and a reply without the expected
     fields (no content, or judge JSON with its levels missing). `down=True` answers 500 to all.
     `answers`: (marker, answer) pairs for other prompts (05's EQ-Bench and SAGE judges).
-    Every answer waits `delay_s` first; `max_active` is the most judge / user requests in flight at once."""
+    Every answer waits `delay_s` first; `max_active` is the most judge / user requests in flight at once;
+    `requests` and `auth` count the requests and the Authorization headers seen, `faults` each fault."""
 
     def __init__(self, rate=0.3, hang_s=2.5, judge_answer=JUDGE_OK, user_answer=USER_OK, answers=(), delay_s=0.0):
-        import http.server
-        import threading
-
-        self.rate, self.hang_s, self.down = rate, hang_s, False
+        self.rate, self.hang_s, self.down, self.delay_s = rate, hang_s, False, delay_s
         self.judge_answer, self.user_answer = judge_answer, user_answer
         self.answers = list(answers)    # (marker, answer): a prompt holding the marker gets the answer
-        self.requests, self.faults, self.auth = 0, {k: 0 for k in FAULTS}, set()
-        self.delay_s, self.active, self.max_active = delay_s, {"judge": 0, "user": 0}, {"judge": 0, "user": 0}
-        self.lock = threading.Lock()
-        server = self
+        self.faults = {k: 0 for k in FAULTS}
+        self.server = None
 
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def log_message(self, *a):
-                pass
+    base = property(lambda self: self.server.base)
+    requests = property(lambda self: len(self.server.requests))
+    auth = property(lambda self: self.server.auth)
+    max_active = property(lambda self: self.server.max_by_kind)
 
-            def send(self, code, body: bytes, headers=(), declared=None):
-                self.send_response(code)
-                for k, v in headers:
-                    self.send_header(k, v)
-                self.send_header("Content-Length", str(declared if declared is not None else len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def do_POST(self):
-                import time as _time
-
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                judge = "MDEP-PR" in json.dumps(body["messages"])
-                kind = "judge" if judge else "user"
-                with server.lock:
-                    server.active[kind] += 1
-                    server.max_active[kind] = max(server.max_active[kind], server.active[kind])
-                _time.sleep(server.delay_s)
-                with server.lock:            # counted down before answering: the client can't overlap it
-                    server.active[kind] -= 1
-                    server.requests += 1
-                    n = server.requests
-                    server.auth.add(self.headers.get("Authorization"))
-                    fault = None
-                    if server.down:
-                        fault = "http_500"
-                    elif int(n * server.rate) != int((n - 1) * server.rate):   # rate share, evenly
-                        fault = FAULTS[sum(server.faults.values()) % len(FAULTS)]
-                    if fault:
-                        server.faults[fault] += 1
-                text = json.dumps(body["messages"], ensure_ascii=False)
-                answer = next((a for marker, a in server.answers if marker in text),
-                              server.judge_answer if judge else server.user_answer)
-                good = json.dumps({"choices": [{"message": {"role": "assistant", "content": answer}}]}).encode()
-                try:
-                    if fault == "http_500":
-                        self.send(500, b'{"error": "internal"}')
-                    elif fault == "http_429":
-                        self.send(429, b'{"error": "rate limited"}', [("Retry-After", "1")])
-                    elif fault == "hang":
-                        _time.sleep(server.hang_s)
-                        self.send(200, good)
-                    elif fault == "truncated_json":
-                        self.send(200, good[: len(good) // 2], declared=len(good))
-                        self.close_connection = True
-                    elif fault == "not_json":
-                        self.send(200, b"<html>502 Bad Gateway</html>")
-                    elif fault == "empty_choices":
-                        self.send(200, b'{"choices": []}')
-                    elif fault == "missing_fields":
-                        bad = '{"C": {"progress": 1}}' if judge else None
-                        msg = {"role": "assistant", **({"content": bad} if bad else {})}
-                        self.send(200, json.dumps({"choices": [{"message": msg}]}).encode())
-                    else:
-                        self.send(200, good)
-                except (BrokenPipeError, ConnectionResetError):
-                    pass                                   # the client gave up (timeout): fine
-
-        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.httpd.daemon_threads = True
-        self.base = f"http://127.0.0.1:{self.httpd.server_port}/v1"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-
-    def close(self):
-        self.httpd.shutdown()
-        self.httpd.server_close()
+    def __call__(self, index, body):          # called under the server's lock
+        n = index + 1
+        fault = None
+        if self.down:
+            fault = "http_500"
+        elif int(n * self.rate) != int((n - 1) * self.rate):   # rate share, evenly
+            fault = FAULTS[sum(self.faults.values()) % len(FAULTS)]
+        if fault:
+            self.faults[fault] += 1
+        judge = request_kind(body) == "judge"
+        text = prompt_text(body)
+        answer = next((a for marker, a in self.answers if marker in text),
+                      self.judge_answer if judge else self.user_answer)
+        good = json.dumps(ok(answer)["body"]).encode()
+        spec = {
+            "http_500": dict(status=500, body={"error": "internal"}),
+            "http_429": dict(status=429, body={"error": "rate limited"}, headers={"Retry-After": "1"}),
+            "hang": ok(answer, hang=self.hang_s),
+            "truncated_json": dict(raw=good[: len(good) // 2], length=len(good)),
+            "not_json": dict(raw=b"<html>502 Bad Gateway</html>"),
+            "empty_choices": dict(body={"choices": []}),
+            "missing_fields": dict(body={"choices": [{"message": {"role": "assistant", **(
+                {"content": '{"C": {"progress": 1}}'} if judge else {})}}]}),
+        }.get(fault) or ok(answer)
+        return {**spec, "delay": self.delay_s}
 
 
 @pytest.fixture
-def fault_server():
-    servers = []
-
+def fault_server(loopback):
+    """fault_server(rate=0.3, hang_s=2.5, ...) -> a started FaultServer (see there), closed at teardown."""
     def start(**kw):
-        servers.append(FaultServer(**kw))
-        return servers[-1]
+        policy = FaultServer(**kw)
+        policy.server = loopback(policy)
+        return policy
 
-    yield start
-    for s in servers:
-        s.close()
+    return start

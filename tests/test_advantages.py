@@ -3,6 +3,8 @@ import math
 
 import pytest
 
+import common
+
 
 def approx(xs, ys, tol=1e-4):
     assert len(xs) == len(ys)
@@ -14,18 +16,18 @@ def approx(xs, ys, tol=1e-4):
 
 
 def test_idr_reference_worked_example(trainer):
-    # REFERENCE.md section 3: P0 = (-6,-9,-4), v = (1,3,0), (-1,1,1), (3,-1,1), eps = 1
+    # docs/reference.md section 3: P0 = (-6,-9,-4), v = (1,3,0), (-1,1,1), (3,-1,1), eps = 1
     states = [[-6, -9, -4], [-5, -6, -4], [-6, -5, -3], [-3, -6, -2]]
-    approx(trainer.incremental_distance_rewards(states), [2.828427, 0.363, 1.231], tol=1e-3)
+    approx(trainer.env.incremental_distance_rewards(states), [2.828427, 0.363, 1.231], tol=1e-3)
     # distances 9.899, 7.071, 6.708, 5.477: the rewards telescope to d(P0) - d(P3)
-    assert sum(trainer.incremental_distance_rewards(states)) == pytest.approx(9.899495 - 5.477226, abs=1e-5)
+    assert sum(trainer.env.incremental_distance_rewards(states)) == pytest.approx(9.899495 - 5.477226, abs=1e-5)
 
 
 def test_idr_weights_eps_and_overshoot(trainer):
     # inside the tolerance the distance is 0, so moving within it earns nothing; overshoot is not paid
-    assert trainer.incremental_distance_rewards([[-0.5, 0, 0], [2, 2, 2]]) == [0.0]
+    assert trainer.env.incremental_distance_rewards([[-0.5, 0, 0], [2, 2, 2]]) == [0.0]
     # w = (4, 0, 0), eps = 2: d((-5,-9,-9)) = sqrt(4 * 3^2) = 6, d((-3,..)) = sqrt(4 * 1) = 2
-    assert trainer.incremental_distance_rewards([[-5, -9, -9], [-3, -1, -1]], (4, 0, 0), 2.0) == [4.0]
+    assert trainer.env.incremental_distance_rewards([[-5, -9, -9], [-3, -1, -1]], (4, 0, 0), 2.0) == [4.0]
 
 
 def test_discounted_returns(trainer):
@@ -82,16 +84,16 @@ def test_clipped_surrogate_and_kl(trainer):
     logp = torch.log(torch.tensor([1.5, 0.5, 1.0]))   # ratios 1.5, 0.5, 1.0 against logp_old = 0
     old = torch.zeros(3)
     A = torch.tensor([1.0, -1.0, 2.0])
-    loss, clipped = trainer.clipped_surrogate(logp, old, A, 0.2, 0.28)
+    loss, clipped = trainer.pref.clipped_surrogate(logp, old, A, 0.2, 0.28)
     # ratio 1.5, A>0: min(1.5, 1.28) -> -1.28 (clipped); ratio 0.5, A<0: max(0.5, 0.8) -> 0.8 (clipped)
     approx(loss.tolist(), [-1.28, 0.8, -2.0])
     assert clipped.tolist() == [1.0, 1.0, 0.0]
-    kl = trainer.k3_kl(torch.tensor([0.0, -1.0]), torch.tensor([0.0, 0.0]))
+    kl = trainer.pref.k3_kl(torch.tensor([0.0, -1.0]), torch.tensor([0.0, 0.0]))
     approx(kl.tolist(), [0.0, math.exp(1) - 1 - 1])
 
 
 def test_cosine_schedule(trainer):
-    assert trainer.cosine_with_warmup(0, 100, 5) == pytest.approx(0.2)
-    assert trainer.cosine_with_warmup(5, 100, 5) == pytest.approx(1.0)
-    assert trainer.cosine_with_warmup(100, 100, 5) == pytest.approx(0.0)
-    assert trainer.cosine_with_warmup(52.5, 100, 5) == pytest.approx(0.5)
+    assert common.cosine_with_warmup(0, 100, 5) == pytest.approx(0.2)
+    assert common.cosine_with_warmup(5, 100, 5) == pytest.approx(1.0)
+    assert common.cosine_with_warmup(100, 100, 5) == pytest.approx(0.0)
+    assert common.cosine_with_warmup(52.5, 100, 5) == pytest.approx(0.5)

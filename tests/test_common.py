@@ -5,113 +5,31 @@ import copy
 import datetime
 import json
 import random
-import threading
-import time
 import types
-from http.server import BaseHTTPRequestHandler, HTTPServer
-from socketserver import ThreadingMixIn
 
 import numpy as np
 import pytest
 import torch
 
 import common
-from conftest import write_jsonl
+from conftest import LoopbackServer, ok, write_jsonl
 
 KEY = "sk-secret-123"
 
 
 # ---------------------------------------------------------------------------------------------
-# A tiny OpenAI-compatible /chat/completions server on 127.0.0.1 (port 0), one thread per request
+# conftest.LoopbackServer answering from its plan (or a test's own respond), with a ChatBackend on it
 # ---------------------------------------------------------------------------------------------
-def ok(content, **kw):
-    """A normal chat-completions answer holding `content`."""
-    return dict(body={"id": "x", "object": "chat.completion",
-                      "choices": [{"index": 0, "message": {"role": "assistant", "content": content},
-                                   "finish_reason": "stop"}]}, **kw)
-
-
-class _Server(ThreadingMixIn, HTTPServer):
-    daemon_threads = False   # server_close() joins every handler thread: none outlives the test
-    block_on_close = True
-
-
-class _Handler(BaseHTTPRequestHandler):
-    def log_message(self, *args):
-        pass
-
-    def do_POST(self):
-        api = self.server.api
-        raw = self.rfile.read(int(self.headers.get("Content-Length", 0)))
-        with api.lock:
-            idx = len(api.requests)
-            api.requests.append({"path": self.path, "auth": self.headers.get("Authorization"),
-                                 "content_type": self.headers.get("Content-Type"),
-                                 "body": json.loads(raw)})
-            api.threads.append(threading.current_thread())
-            api.active += 1
-            api.max_active = max(api.max_active, api.active)
-        spec = api.respond(idx, api.requests[idx]["body"])
-        try:
-            if spec.get("hang"):
-                api.release.wait(10)  # longer than the client's timeout; released at teardown
-                return
-            if spec.get("delay"):
-                time.sleep(spec["delay"])
-        finally:
-            with api.lock:  # counted down before the answer goes out, so the client can't overlap it
-                api.active -= 1
-        if "raw" in spec:
-            payload = spec["raw"]
-        else:
-            payload = json.dumps(spec["body"]).encode()
-        try:
-            self.send_response(spec.get("status", 200))
-            for k, v in spec.get("headers", {}).items():
-                self.send_header(k, v)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(spec.get("length", len(payload))))
-            self.end_headers()
-            self.wfile.write(payload)
-        except (BrokenPipeError, ConnectionResetError):
-            pass
-
-
-class FakeAPI:
-    def __init__(self):
-        self.requests, self.threads = [], []
-        self.active = self.max_active = 0
-        self.lock = threading.Lock()
-        self.release = threading.Event()
-        self.plan = [ok("hello")]
-        self.respond = lambda idx, body: self.plan[min(idx, len(self.plan) - 1)]
-        self.server = _Server(("127.0.0.1", 0), _Handler)
-        self.server.api = self
-        self.base = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
-        self._thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05},
-                                        daemon=True)
-        self._thread.start()
-        self._closed = False
-
+class FakeAPI(LoopbackServer):
     def backend(self, **kw):
         kw = {"api_base": self.base, "api_key": KEY, "timeout": 5.0, "retries": 2, "backoff": 0.01, **kw}
         return common.ChatBackend("api:m", **kw)
 
-    def close(self):
-        if self._closed:
-            return
-        self._closed = True
-        self.release.set()
-        self.server.shutdown()
-        self.server.server_close()  # joins the handler threads
-        self._thread.join(5)
-
 
 @pytest.fixture
 def api():
-    server = FakeAPI()
-    yield server
-    server.close()
+    with FakeAPI() as server:
+        yield server
 
 
 CONV = [{"role": "system", "content": "be kind"}, {"role": "user", "content": "I feel low"}]
@@ -317,38 +235,31 @@ def test_read_jsonl_bad_json_names_path_and_line(tmp_path):
     assert "file.jsonl:3" in msg
 
 
-def test_read_jsonl_non_object_line(tmp_path):
-    msg, p = _err(tmp_path, '{"id": 1, "text": "a", "score": 1}\n[1, 2]\n')
-    assert msg == f"{p}:2: expected a JSON object, got list"
+READ_ERRORS = {   # file text -> the one message, {p} standing for the file's path
+    "non_object_line": ('{"id": 1, "text": "a", "score": 1}\n[1, 2]\n', "{p}:2: expected a JSON object, got list"),
+    "missing_field": ('{"id": 1, "score": 1}\n', "{p}:1: missing field 'text'"),
+    "wrong_type_int": ('{"id": "7", "text": "a", "score": 1}\n', "{p}:1: field 'id' must be int, got str"),
+    "wrong_type_number": ('{"id": 1, "text": "a", "score": "high"}\n',
+                          "{p}:1: field 'score' must be int or float, got str"),
+    "bool_is_not_int": ('{"id": true, "text": "a", "score": 1}\n', "{p}:1: field 'id' must be int, got bool"),
+    "bool_is_not_number": ('{"id": 1, "text": "a", "score": false}\n',
+                           "{p}:1: field 'score' must be int or float, got bool"),
+    "empty_file": ("", "{p}: no records"),
+    "blank_lines_only": ("\n  \n\n", "{p}: no records"),
+}
 
 
-def test_read_jsonl_missing_field(tmp_path):
-    msg, p = _err(tmp_path, '{"id": 1, "score": 1}\n')
-    assert msg == f"{p}:1: missing field 'text'"
+@pytest.mark.parametrize("case", list(READ_ERRORS), ids=list(READ_ERRORS))
+def test_read_jsonl_errors_name_path_line_and_field(tmp_path, case):
+    text, message = READ_ERRORS[case]
+    msg, p = _err(tmp_path, text)
+    assert msg == message.format(p=p)
 
 
-def test_read_jsonl_wrong_type(tmp_path):
-    msg, p = _err(tmp_path, '{"id": "7", "text": "a", "score": 1}\n')
-    assert msg == f"{p}:1: field 'id' must be int, got str"
-    msg, p = _err(tmp_path, '{"id": 1, "text": "a", "score": "high"}\n')
-    assert msg == f"{p}:1: field 'score' must be int or float, got str"
-
-
-def test_read_jsonl_bool_is_not_int(tmp_path):
-    msg, p = _err(tmp_path, '{"id": true, "text": "a", "score": 1}\n')
-    assert msg == f"{p}:1: field 'id' must be int, got bool"
-    msg, p = _err(tmp_path, '{"id": 1, "text": "a", "score": false}\n')
-    assert msg == f"{p}:1: field 'score' must be int or float, got bool"
+def test_read_jsonl_bool_is_fine_where_bool_is_asked(tmp_path):
     p = tmp_path / "ok.jsonl"
     p.write_text('{"flag": true}\n', encoding="utf-8")
-    assert common.read_jsonl(p, {"flag": bool})[0]["flag"] is True  # bool is fine where bool is asked
-
-
-def test_read_jsonl_empty_file(tmp_path):
-    msg, p = _err(tmp_path, "")
-    assert msg == f"{p}: no records"
-    msg, p = _err(tmp_path, "\n  \n\n")
-    assert msg == f"{p}: no records"
+    assert common.read_jsonl(p, {"flag": bool})[0]["flag"] is True
 
 
 def test_read_jsonl_missing_file(tmp_path):

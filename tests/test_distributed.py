@@ -18,6 +18,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+import common  # noqa: E402
 TINY = ["--max-new-tokens", "6", "--max-turns", "2", "--no-progress"]
 
 
@@ -53,7 +54,7 @@ def test_two_processes_keep_one_adapter_and_log_every_trajectory(tiny_model, tmp
 
     base = AutoModelForCausalLM.from_pretrained(tiny_model)
     saved = PeftModel.from_pretrained(base, str(run / "adapter"), is_trainable=True)
-    assert trainer.adapter_sha256(saved) == dp["adapter_sha256"][0]
+    assert common.adapter_sha256(saved) == dp["adapter_sha256"][0]
     # metrics: each rank rolled out 1 scenario x K=2; the log counts all 4 trajectories of a step
     metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     rollouts = [json.loads(x) for x in (run / "rollouts.jsonl").read_text().splitlines()]
@@ -93,7 +94,7 @@ def fixed_update(trainer, model_path, share=(0, 1)):
                                     spans=[(prompt_len, prompt_len + reply_len)]))
         advs.append([adv])
     r, w = share
-    out = trainer.ppo_update(model, tok, opt, sched, trajs[r::w], advs[r::w], args, log_kl=False)
+    out = trainer.pref.ppo_update(model, tok, opt, sched, trainer.as_samples(trajs[r::w], advs[r::w]), args)
     weights = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
     return weights, out
 
@@ -112,8 +113,8 @@ def test_one_update_over_two_processes_equals_one_process(tiny_model, tmp_path, 
 
 if __name__ == "__main__":      # the 2-process side of the test above, started by accelerate launch
     trainer = importlib.import_module("04_mica_train")
-    trainer.init_distributed()
-    rank, n = trainer.world()
+    common.init_distributed()
+    rank, n = common.world()
     weights, out = fixed_update(trainer, sys.argv[1], share=(rank, n))
     if rank == 0:
         torch.save({"weights": weights, "train_tokens": out["train_tokens"], "loss": out["loss"]}, sys.argv[2])

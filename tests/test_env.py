@@ -169,7 +169,7 @@ def test_llm_user_sees_the_band_not_the_numbers(env):
     s = {"persona": "Ben, 40", "situation": "his shop is failing"}
     hist = [{"role": "system", "content": "policy system prompt"}, {"role": "user", "content": "My shop is failing."},
             {"role": "assistant", "content": "That sounds stressful."}]
-    band = env.state_band("better", 13.37, 27.9)
+    band = env.state_band(13.37, 27.9) + "; " + env.TREND_TEXT["better"]
     out = env.LLMUser(fake).reply([{"scenario": s, "history": hist, "band": band},
                                    {"scenario": s, "history": hist, "band": band}])
     assert out == ["I guess that helps a little.", None]           # an empty answer is a failure
@@ -177,8 +177,8 @@ def test_llm_user_sees_the_band_not_the_numbers(env):
     assert conv[0]["role"] == "system" and "Ben, 40" in conv[0]["content"] and band in conv[0]["content"]
     assert [m["role"] for m in conv[1:]] == ["assistant", "user"]  # roles swapped, policy system dropped
     assert "13.37" not in conv[0]["content"] and "27.9" not in conv[0]["content"] and "0.4" not in conv[0]["content"]
-    assert env.state_band("worse", 19.0, 20.0).startswith("you still feel very low")
-    assert env.state_band("better", 2.0, 20.0).startswith("you feel much better")
+    assert env.state_band(19.0, 20.0).startswith("you still feel very low")
+    assert env.state_band(2.0, 20.0).startswith("you feel much better")
 
 
 def test_judge_and_user_concurrency_flags_bound_the_requests_in_flight(env, fault_server):

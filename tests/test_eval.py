@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 import common
-from conftest import ROOT, run_script, write_jsonl
+from conftest import ROOT, LoopbackServer, ok, prompt_text, run_script, write_jsonl
 
 ev = importlib.import_module("05_eval")
 SAMPLES = ROOT / "data" / "eval"
@@ -76,7 +76,7 @@ def test_sage_profiles_including_chinese(tmp_path):
     zh = [p for p in profiles if "林晓" in p["player"]][0]
     assert zh["first_talk"].startswith("我被调岗了") and zh["cha_group"] == ["林晓", "朋友"]
     s = ev.sage_scenario(zh)
-    assert s["opening"] == zh["first_talk"] and s["user_lines"] is ev.SAGE_ZH_LINES
+    assert s["opening"] == zh["first_talk"] and s["user_lines"] is ev.TEXTS["sage_zh_lines"]
     no_first = [p for p in profiles if "first_talk" not in p][0]     # opens with its scene
     assert ev.sage_scenario(no_first)["opening"] == no_first["scene"]
     assert ev.sage_scenario(profiles[0])["user_lines"] is ev.env.DEFAULT_USER_LINES
@@ -144,7 +144,7 @@ def test_option_loglik_matches_a_direct_computation(tiny_model):
     q = {"prompt": "I feel so alone since my dad died.", "options": ["That sounds really painful.", "What happened next?",
                                                                       "alone", "我很难过"]}
     got = ev.option_logliks(model, tok, [q, q], batch_size=3)          # padded batches that cut across questions
-    prompt = ev.env.render_ids(tok, [{"role": "user", "content": q["prompt"]}])
+    prompt = ev.common.render_ids(tok, [{"role": "user", "content": q["prompt"]}])
     want = []
     with torch.no_grad():
         for o in q["options"]:                 # mean_j log pi(o_j | prompt, o_<j) from the full logits
@@ -176,11 +176,33 @@ def test_judge_answer_parsing():
 
 
 def test_rubric_plots_only_when_turns_carry_rubrics(tmp_path):
-    assert ev.plot_rubrics([{"turns": [{"t": 1, "emotion": 40}]}], tmp_path) == []
-    trs = [{"turns": [{"t": 1, "emotion": 40, "rubric": {"weights": [0.3, 0.5, 0.2]}},
-                      {"t": 2, "emotion": 75, "rubric": [0.4, 0.3, 0.3]}]}]
-    assert ev.plot_rubrics(trs, tmp_path) == ["rubric_by_turn.png", "rubric_by_emotion.png"]
+    assert ev.plot_rubrics([{"turns": [{"t": 1, "emotion": 40}]}], tmp_path, "run") == []
+    w = lambda c, a, p: {"weights": {"cognitive": c, "affective": a, "proactive": p}}  # noqa: E731
+    recs = [{"turns": [{"t": 1, "emotion": 40, "rubric": w(0.2, 0.6, 0.2)}, {"t": 2, "emotion": 75, "rubric": w(0.5, 0.3, 0.2)}]},
+            {"turns": [{"t": 1, "emotion": 45, "rubric": w(0.4, 0.4, 0.2)}]}]
+    out = ev.plot_rubrics(recs, tmp_path, "run")
+    assert out == ["rubric_by_turn.png", "rubric_by_turn.json", "rubric_by_emotion.png", "rubric_by_emotion.json"]
+    by_turn = json.loads((tmp_path / "rubric_by_turn.json").read_text())
+    assert by_turn == {"1": {"n": 2, "w": [0.3, 0.5, 0.2]}, "2": {"n": 1, "w": [0.5, 0.3, 0.2]}}
+    assert list(json.loads((tmp_path / "rubric_by_emotion.json").read_text())) == ["B >= 40", "A >= 70"]
     assert (tmp_path / "rubric_by_turn.png").stat().st_size > 1000
+
+
+def test_eval_plots_the_rubrics_of_a_real_04_care_run(tiny_model, tmp_path):
+    """04 --reward care writes each turn's rubric (a dict of weights) into rollouts.jsonl; 05 tabulates
+    and plots exactly that file (--rubric uniform: every weight 1/3, so the table is known)."""
+    p = run_script("04_mica_train.py", "--model", tiny_model, "--reward", "care", "--rubric", "uniform", "--steps", "1",
+                   "--scenarios-per-step", "1", "--k", "2", "--max-turns", "2", "--max-new-tokens", "4",
+                   "--out-dir", tmp_path / "train", "--no-progress")
+    assert p.returncode == 0, p.stderr[-3000:]
+    rollouts = next((tmp_path / "train").iterdir()) / "rollouts.jsonl"
+    recs = [json.loads(x) for x in rollouts.read_text().splitlines()]
+    assert isinstance(recs[0]["turns"][0]["rubric"]["weights"], dict)
+    out = ev.plot_rubrics(recs, tmp_path, "mica")
+    assert "rubric_by_turn.png" in out and "rubric_by_emotion.png" in out
+    table = json.loads((tmp_path / "rubric_by_turn.json").read_text())
+    assert table["1"] == {"n": 2, "w": [0.3333, 0.3333, 0.3333]}
+    assert sum(v["n"] for v in table.values()) == sum(len(r["turns"]) for r in recs)
 
 
 @pytest.mark.parametrize("flags, make, message", [
@@ -264,17 +286,18 @@ def test_eval_script_all_suites_with_an_adapter_then_resume(tiny_model, tiny_ada
     res = json.loads((run / "results.json").read_text(encoding="utf-8"))
     assert res["summary"]["base"]["sage"]["n"] == 4 and len(res["cases"]) == len(recs)
     assert (run / "distance_per_turn.png").exists() and (run / "emotion_per_turn.png").exists()
-    assert "rubric plots skipped" in p.stdout and "| EmoBench EA % |" in p.stdout
+    assert not (run / "rubric_by_turn.png").exists() and "| EmoBench EA % |" in p.stdout   # no --rubrics-from
 
-    # a kill mid-way: the last 10 cases lost, one half-written line left; --resume redoes only those
+    # a kill mid-way: the last 10 cases lost, one half-written line left; --resume cuts it (common.open_run)
+    # and redoes only those
     keep = 30
     (run / "cases.jsonl").write_text("\n".join(lines[:keep]) + "\n" + lines[keep][:25], encoding="utf-8")
     q = run_script("05_eval.py", "--model", tiny_model, "--adapters", tiny_adapter, "--resume", run, *TINY)
     assert q.returncode == 0, q.stderr[-3000:]
-    assert f"{keep} finished cases are skipped" in q.stdout and "unfinished line" in q.stderr
+    assert f"{keep} finished cases are skipped" in q.stdout and "removed a torn last line" in q.stderr
     after = (run / "cases.jsonl").read_text(encoding="utf-8").splitlines()
     assert after[:keep] == lines[:keep]                              # finished cases untouched
-    redone = [json.loads(x) for x in after[keep + 1:]]
+    redone = [json.loads(x) for x in after[keep:]]                   # the torn line was cut, then redone
     assert sorted((r["model"], r["suite"], r["case"]) for r in redone) == \
         sorted((r["model"], r["suite"], r["case"]) for r in recs[keep:])
     assert json.loads((run / "results.json").read_text())["summary"][tiny_adapter]["emobench"]["n"] == 8
@@ -283,43 +306,23 @@ def test_eval_script_all_suites_with_an_adapter_then_resume(tiny_model, tiny_ada
 def test_eval_with_an_llm_judge_on_a_loopback_server_then_endpoint_down(tiny_model, tmp_path):
     """EQ-Bench criteria and SAGE changes asked of an OpenAI-compatible judge on 127.0.0.1 (sometimes
     malformed: retried); the key reaches the server and no file; then a dead endpoint stops the run."""
-    import http.server
-    import threading
+    calls = {"eq": 0, "sage": 0}
 
-    calls = {"eq": 0, "sage": 0, "auth": set()}
+    def respond(index, body):                    # called under the server's lock
+        text = prompt_text(body)
+        if "EQ-Bench" in text:
+            calls["eq"] += 1
+            crit = ev.ANALYSIS_CRITERIA if "task (analysis)" in text else ev.ROLEPLAY_CRITERIA
+            return ok("hmm" if calls["eq"] == 1 else json.dumps({c: 10 for c in crit}))
+        calls["sage"] += 1
+        return ok('{"analysis": "a bit better", "change": 15}')
 
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def log_message(self, *a):
-            pass
-
-        def do_POST(self):
-            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-            calls["auth"].add(self.headers.get("Authorization"))
-            text = json.dumps(body["messages"])
-            if "EQ-Bench" in text:
-                calls["eq"] += 1
-                crit = ev.ANALYSIS_CRITERIA if "task (analysis)" in text else ev.ROLEPLAY_CRITERIA
-                answer = "hmm" if calls["eq"] == 1 else json.dumps({c: 10 for c in crit})
-            else:
-                calls["sage"] += 1
-                answer = '{"analysis": "a bit better", "change": 15}'
-            out = json.dumps({"choices": [{"message": {"role": "assistant", "content": answer}}]}).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(out)))
-            self.end_headers()
-            self.wfile.write(out)
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
     flags = ["--model", tiny_model, "--suite", "eqbench3,sage", "--judge", "api:judge", *TINY]
-    try:
-        p = run_script("05_eval.py", *flags, "--api-base", f"http://127.0.0.1:{server.server_port}/v1",
+    with LoopbackServer(respond) as server:
+        p = run_script("05_eval.py", *flags, "--api-base", server.base,
                        "--out-dir", tmp_path / "ok", env_extra={"OPENAI_API_KEY": "sk-test-secret-42"})
-    finally:
-        server.shutdown()
     assert p.returncode == 0, p.stderr[-3000:]
-    assert calls["auth"] == {"Bearer sk-test-secret-42"} and calls["eq"] == 5 and calls["sage"] >= 4
+    assert server.auth == {"Bearer sk-test-secret-42"} and calls["eq"] == 5 and calls["sage"] >= 4
     recs = [json.loads(x) for x in (only_run(tmp_path / "ok") / "cases.jsonl").read_text().splitlines()]
     assert all(r["score"] == 50.0 for r in recs if r["suite"] == "eqbench3")        # 10/20 x 5
     sage = [r for r in recs if r["suite"] == "sage"]

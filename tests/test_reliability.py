@@ -201,22 +201,37 @@ def test_bad_scenarios_exit_2_naming_file_and_line(tmp_path, script, records, me
     assert not out.exists() or not any(out.iterdir())                  # nothing written
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--k", "0"], "--k must be >= 1"),
-    (["--top-p", "2"], "--top-p must be in (0, 1]"),
-    (["--temperature", "-1"], "--temperature must be >= 0"),
-    (["--api-timeout", "0"], "--api-timeout must be > 0"),
-    (["--api-retries", "-1"], "--api-retries must be >= 0"),
-    (["--max-context", "10"], "--max-context must be larger than --max-new-tokens"),
-    (["--user", "gpt"], "--user must be scripted"),
-    (["--model", "no-such-org/no-such-model-xyz"], "not found"),
-    (["--adapter", "/no/such/adapter"], "--adapter /no/such/adapter: no adapter_config.json there"),
-])
-def test_rollout_bad_flags_exit_2(tmp_path, flags, message):
-    p = run_script("03_rollout.py", "--out-dir", tmp_path, *flags)
+BAD_FLAGS = [   # (script, flags, the one message it exits 2 with)
+    ("02_rubric_pref_rl.py", ["--g", "1"], "--g must be >= 2"),
+    ("02_rubric_pref_rl.py", ["--margin-tau", "0"], "--margin-tau must be > 0"),
+    ("02_rubric_pref_rl.py", ["--judge", "gpt"], "--judge must be embed"),
+    ("02_rubric_pref_rl.py", ["--train", "nope.jsonl"], "nope.jsonl: no such file"),
+    ("03_rollout.py", ["--k", "0"], "--k must be >= 1"),
+    ("03_rollout.py", ["--top-p", "2"], "--top-p must be in (0, 1]"),
+    ("03_rollout.py", ["--temperature", "-1"], "--temperature must be >= 0"),
+    ("03_rollout.py", ["--api-timeout", "0"], "--api-timeout must be > 0"),
+    ("03_rollout.py", ["--api-retries", "-1"], "--api-retries must be >= 0"),
+    ("03_rollout.py", ["--max-context", "10"], "--max-context must be larger than --max-new-tokens"),
+    ("03_rollout.py", ["--user", "gpt"], "--user must be scripted"),
+    ("03_rollout.py", ["--model", "no-such-org/no-such-model-xyz"], "not found"),
+    ("03_rollout.py", ["--adapter", "/no/such/adapter"], "--adapter /no/such/adapter: no adapter_config.json there"),
+    ("04_mica_train.py", ["--alpha", "1.5"], "--alpha must be in [0, 1]"),
+    ("04_mica_train.py", ["--k", "1"], "--k must be >= 2"),
+    ("04_mica_train.py", ["--gamma", "-0.1"], "--gamma must be in [0, 1]"),
+    ("04_mica_train.py", ["--idr-weights", "1,1"], "--idr-weights"),
+    ("04_mica_train.py", ["--scenarios", "nope.jsonl"], "nope.jsonl: no such file"),
+    ("04_mica_train.py", ["--judge", "gpt4"], "--judge must be embed"),
+    ("04_mica_train.py", ["--model", "/no/such/folder-xyz"], "model '/no/such/folder-xyz' not found"),
+    ("04_mica_train.py", ["--resume", "/no/such/run"], "not a run folder"),
+]
+
+
+@pytest.mark.parametrize("script, flags, message", BAD_FLAGS)
+def test_bad_flags_exit_2_with_one_message(tmp_path, script, flags, message):
+    p = run_script(script, "--out-dir", tmp_path, *flags)
     assert p.returncode == 2, (p.returncode, p.stderr[-2000:])
     assert message in p.stderr and "Traceback" not in p.stderr
-    assert not any(Path(tmp_path).iterdir())
+    assert not any(Path(tmp_path).iterdir())                  # nothing written for a rejected run
 
 
 def test_a_1mb_message_is_cut_with_a_warning(tiny_model, tmp_path):
@@ -276,7 +291,7 @@ def test_nothing_to_score_skips_the_update_without_nan(trainer, env, tiny_model)
                             vs=[None])                                  # the judge failed on its one turn
     empty = env.Trajectory(scenario={}, k=1, ids=list(ids), messages=[], spans=[(len(ids), len(ids))],
                            vs=[[0.0, 0.0, 0.0]])                         # an empty reply: no tokens
-    out = trainer.ppo_update(model, tok, opt, sched, [failed, empty], [[1.0], [-1.0]], args, log_kl=False)
+    out = trainer.pref.ppo_update(model, tok, opt, sched, trainer.as_samples([failed, empty], [[1.0], [-1.0]]), args)
     assert out["skipped_updates"] == 1 and out["train_tokens"] == 0
     assert all(torch.isfinite(p).all() for p in model.parameters())
     # a non-finite reward (e.g. a broken custom judge) is replaced, so no NaN reaches the advantages

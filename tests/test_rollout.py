@@ -33,10 +33,12 @@ class StubJudge:
         return out
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def tiny(tiny_model):
+    """A fresh tiny model per test (no gradients or weights carried from one test to the next), seeded."""
     from transformers import AutoModelForCausalLM
 
+    torch.manual_seed(0)
     tok = common.load_tokenizer(tiny_model)
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
     return model, tok
@@ -47,16 +49,19 @@ SCEN = {"id": "s", "persona": "p", "situation": "s", "opening": "I feel so alone
                                                    "worse": ["You are not listening."]}}
 
 
-def test_next_user_ids_reproduces_the_template(env, tiny):
+@pytest.mark.parametrize("reply, ended, user", [
+    ("That sounds hard.", True, "yes it is"),
+    ("That sounds hard.", False, "yes it is"),
+    ("", True, "are you there?"),                              # an empty reply: the model ended at once
+], ids=["ended", "cut", "empty_reply"])
+def test_next_user_ids_reproduces_the_template(env, tiny, reply, ended, user):
     _, tok = tiny
     msgs = [{"role": "system", "content": "be kind"}, {"role": "user", "content": "hello there"}]
-    reply = "That sounds hard."
-    for ended in (True, False):
-        ids = env.render_ids(tok, msgs) + tok(reply, add_special_tokens=False)["input_ids"]
-        ids += [tok.eos_token_id] if ended else []
-        full = msgs + [{"role": "assistant", "content": reply}, {"role": "user", "content": "yes it is"}]
-        ids += env.next_user_ids(tok, full, reply, ended)
-        assert tok.decode(ids) == tok.apply_chat_template(full, tokenize=False, add_generation_prompt=True)
+    ids = common.render_ids(tok, msgs) + (tok(reply, add_special_tokens=False)["input_ids"] if reply else [])
+    ids += [tok.eos_token_id] if ended else []
+    full = msgs + [{"role": "assistant", "content": reply}, {"role": "user", "content": user}]
+    ids += common.next_user_ids(tok, full, reply, ended)
+    assert tok.decode(ids) == tok.apply_chat_template(full, tokenize=False, add_generation_prompt=True)
 
 
 def test_rollout_states_rewards_and_spans(env, trainer, tiny):
@@ -84,7 +89,7 @@ def test_rollout_states_rewards_and_spans(env, trainer, tiny):
         # the user's lines follow the trend: turn 1 dE > 0.5 -> better
         assert tr.messages[3]["content"] == "That helps."
     # the loss mask covers exactly the reply tokens
-    ids, attn, mask = trainer.collate(trajs, tok.pad_token_id, "cpu")
+    ids, attn, mask = trainer.pref.collate(trainer.as_samples(trajs), tok.pad_token_id, "cpu")
     assert int(mask.sum()) == sum(e - s for tr in trajs for s, e in tr.spans)
     assert int(attn.sum()) == sum(len(tr.ids) for tr in trajs)
 
@@ -100,9 +105,9 @@ def test_failed_judgement_is_flagged_and_left_out(env, trainer, tiny):
     targs = argparse.Namespace(idr_weights=(1, 1, 1), eps=1.0, truncation_penalty=0.0, reward_weights={"idr": 1.0})
     r = trainer.turn_rewards(tr, targs)
     assert r[1] == pytest.approx((r[0] + r[2]) / 2)             # filled with the mean valid reward
-    ids, attn, mask = trainer.collate(trajs, tok.pad_token_id, "cpu")
+    ids, attn, mask = trainer.pref.collate(trainer.as_samples(trajs), tok.pad_token_id, "cpu")
     s, e = tr.spans[1]
-    assert int(mask[0, s:e].sum()) == 0 and trainer.n_scored(tr) == int(mask[0].sum())
+    assert int(mask[0, s:e].sum()) == 0 and trainer.pref.n_scored(trainer.as_samples([tr])[0]) == int(mask[0].sum())
     rec = env.trajectory_record(tr, args)
     assert rec["turns"][1]["judge_failed"] and rec["turns"][1]["v"] is None
 
@@ -123,9 +128,9 @@ def test_token_logprobs_match_full_forward(trainer, tiny, env):
     args = env_args(env, k=2, max_turns=2, min_turns=12, max_new_tokens=5)
     trajs = env.rollout(model, tok, [SCEN], StubJudge([{"C": (1, 0), "A": (1, 0), "P": (1, 0)}]),
                         env.ScriptedUser(0), args)
-    ids, attn, mask = trainer.collate(trajs, tok.pad_token_id, "cpu")
+    ids, attn, mask = trainer.pref.collate(trainer.as_samples(trajs), tok.pad_token_id, "cpu")
     with torch.no_grad():
-        lp = trainer.token_logprobs(model, ids, attn, mask)
+        lp = common.token_logprobs(model, ids, attn, mask)
         full = torch.log_softmax(model(input_ids=ids, attention_mask=attn).logits.float(), -1)
     ref = full[:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1)[mask[:, 1:].bool()]
     assert lp.shape == ref.shape and torch.allclose(lp, ref, atol=1e-5)
@@ -138,28 +143,20 @@ def test_token_logprobs_in_chunks_equal_in_one_piece(trainer, tiny, env, monkeyp
     args = env_args(env, k=2, max_turns=2, min_turns=12, max_new_tokens=5)
     trajs = env.rollout(model, tok, [SCEN], StubJudge([{"C": (1, 0), "A": (1, 0), "P": (1, 0)}]),
                         env.ScriptedUser(0), args)
-    ids, attn, mask = trainer.collate(trajs, tok.pad_token_id, "cpu")
+    ids, attn, mask = trainer.pref.collate(trainer.as_samples(trajs), tok.pad_token_id, "cpu")
     out = []
-    for chunk in (trainer.LOGIT_CHUNK, 3 * model.config.vocab_size):       # one piece; 3 rows a chunk
-        monkeypatch.setattr(trainer, "LOGIT_CHUNK", chunk)
+    for chunk in (common.LOGIT_CHUNK, 3 * model.config.vocab_size):       # one piece; 3 rows a chunk
+        monkeypatch.setattr(common, "LOGIT_CHUNK", chunk)
         model.zero_grad()
-        lp = trainer.token_logprobs(model, ids, attn, mask, temperature=0.7)
+        lp = common.token_logprobs(model, ids, attn, mask, temperature=0.7)
         (lp * torch.linspace(-1, 1, len(lp))).sum().backward()
         out.append((lp.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]))
     assert len(out[0][0]) > 3 and torch.allclose(out[0][0], out[1][0], atol=1e-6)
     assert len(out[0][1]) == len(out[1][1]) > 0
     for g1, g2 in zip(out[0][1], out[1][1]):
-        assert torch.allclose(g1, g2, atol=1e-6)
-    model.zero_grad()
-
-
-def test_next_user_ids_after_an_empty_reply(env, tiny):
-    _, tok = tiny
-    msgs = [{"role": "system", "content": "be kind"}, {"role": "user", "content": "hello there"}]
-    ids = env.render_ids(tok, msgs) + [tok.eos_token_id]          # the model ended at once
-    full = msgs + [{"role": "assistant", "content": ""}, {"role": "user", "content": "are you there?"}]
-    ids += env.next_user_ids(tok, full, "", True)
-    assert tok.decode(ids) == tok.apply_chat_template(full, tokenize=False, add_generation_prompt=True)
+        # the chunks sum the same terms in another order: equal up to float32 rounding, relative to the
+        # gradient's own scale (an absolute 1e-6 failed on some CPUs' BLAS for the tied embedding)
+        assert (g1 - g2).abs().max() <= 1e-5 * g2.abs().max() + 1e-8, ((g1 - g2).abs().max(), g2.abs().max())
 
 
 def test_emotion_is_kept_and_rlver_rewards_and_end_rule(env, trainer, tiny):

@@ -42,8 +42,8 @@ def test_generate_rubrics_greedy_decodes_each_distinct_prompt_once(tiny_model, m
     a = [{"role": "user", "content": "I failed the exam again."}]
     b = [{"role": "user", "content": "My sister stopped calling me and I do not know why."}]
     rows = []
-    real = sft.env.generate_replies
-    monkeypatch.setattr(sft.env, "generate_replies", lambda m, t, prompts, g: rows.append(len(prompts)) or real(m, t, prompts, g))
+    real = sft.common.generate_batch
+    monkeypatch.setattr(sft.common, "generate_batch", lambda m, t, prompts, *a: rows.append(len(prompts)) or real(m, t, prompts, *a))
     out = sft.generate_rubrics(model, tok, [a, b, a, a], 8, 0.0, batch_size=8)
     assert rows == [2] and out[0] == out[2] == out[3] and out[0][1] != out[1][1]
     alone = sft.generate_rubrics(model, tok, [a, b], 8, 0.0, batch_size=8)
@@ -268,18 +268,6 @@ def test_pref_rl_script_runs_and_reports(tiny_model, tmp_path):
     assert "preference-recovery accuracy" in (run / "report.md").read_text()
     assert (run / "weights_by_turn.png").stat().st_size > 0 and (run / "weights_by_emotion.png").exists()
     assert (run / "adapter" / "adapter_config.json").exists()
-
-
-@pytest.mark.parametrize("flags, message", [
-    (["--g", "1"], "--g must be >= 2"),
-    (["--margin-tau", "0"], "--margin-tau must be > 0"),
-    (["--judge", "gpt"], "--judge must be embed"),
-    (["--train", "nope.jsonl"], "nope.jsonl: no such file"),
-])
-def test_pref_rl_bad_flags(tmp_path, flags, message):
-    p = run_script("02_rubric_pref_rl.py", "--out-dir", tmp_path, *flags)
-    assert p.returncode == 2 and message in p.stderr and "Traceback" not in p.stderr, p.stderr[-2000:]
-    assert not any(Path(tmp_path).iterdir())
 
 
 def test_bad_preference_pair_names_the_line(tmp_path):

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_script
+from conftest import JUDGE_OK, USER_OK, LoopbackServer, ok, request_kind, run_script
 
 TINY = ["--max-new-tokens", "6", "--max-turns", "2", "--no-progress"]
 
@@ -71,66 +71,26 @@ def test_train_script_other_estimators(tiny_model, tmp_path, advantage):
     assert m["kl"] == m["kl"] and m["train_tokens"] > 0    # not NaN: the reference was computed
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--alpha", "1.5"], "--alpha must be in [0, 1]"),
-    (["--k", "1"], "--k must be >= 2"),
-    (["--gamma", "-0.1"], "--gamma must be in [0, 1]"),
-    (["--idr-weights", "1,1"], "--idr-weights"),
-    (["--scenarios", "nope.jsonl"], "nope.jsonl: no such file"),
-    (["--judge", "gpt4"], "--judge must be embed"),
-    (["--model", "/no/such/folder-xyz"], "model '/no/such/folder-xyz' not found"),
-    (["--resume", "/no/such/run"], "not a run folder"),
-])
-def test_bad_flags_exit_2_with_one_message(tmp_path, flags, message):
-    p = run_script("04_mica_train.py", "--out-dir", tmp_path, *flags)
-    assert p.returncode == 2, (p.returncode, p.stderr[-2000:])
-    assert message in p.stderr and "Traceback" not in p.stderr
-    assert not any(Path(tmp_path).iterdir())                  # nothing written for a rejected run
-
-
 def test_rollout_with_api_judge_and_user_on_a_loopback_server(tiny_model, tmp_path):
     """03 against an OpenAI-compatible server on 127.0.0.1: an LLM judge that sometimes answers with
     garbage (retried, then judge_failed) and an LLM user; the key reaches the server, never the files."""
-    import http.server
-    import threading
+    calls = {"judge": 0, "user": 0}
 
-    calls = {"judge": 0, "user": 0, "auth": set()}
+    def respond(index, body):                    # called under the server's lock
+        kind = request_kind(body)
+        calls[kind] += 1
+        # every third judge call is malformed; a case asked three times in a row fails
+        if kind == "judge":
+            return ok("I think it was fine." if calls["judge"] % 3 == 0 else JUDGE_OK)
+        return ok(USER_OK)
 
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def log_message(self, *a):
-            pass
-
-        def do_POST(self):
-            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-            calls["auth"].add(self.headers.get("Authorization"))
-            text = json.dumps(body["messages"])
-            if "MDEP-PR" in text:
-                calls["judge"] += 1
-                # every third judge call is malformed; a case asked three times in a row fails
-                answer = "I think it was fine." if calls["judge"] % 3 == 0 else (
-                    '{"C": {"progress": 1, "negative": 0}, "A": {"progress": 1, "negative": 0}, '
-                    '"P": {"progress": 0, "negative": 0}}')
-            else:
-                calls["user"] += 1
-                answer = "I am not sure. It still hurts when I think about it."
-            out = json.dumps({"choices": [{"message": {"role": "assistant", "content": answer}}]}).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(out)))
-            self.end_headers()
-            self.wfile.write(out)
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
+    with LoopbackServer(respond) as server:
         p = run_script("03_rollout.py", "--model", tiny_model, "--num-scenarios", "2", "--k", "2",
                        "--judge", "api:judge-model", "--user", "api:user-model", "--judge-retries", "1",
-                       "--api-base", f"http://127.0.0.1:{server.server_port}/v1", "--out-dir", tmp_path,
+                       "--api-base", server.base, "--out-dir", tmp_path,
                        *TINY, env_extra={"OPENAI_API_KEY": "sk-test-secret-42"})
-    finally:
-        server.shutdown()
     assert p.returncode == 0, p.stderr[-3000:]
-    assert calls["judge"] >= 8 and calls["user"] >= 1 and calls["auth"] == {"Bearer sk-test-secret-42"}
+    assert calls["judge"] >= 8 and calls["user"] >= 1 and server.auth == {"Bearer sk-test-secret-42"}
     recs = [json.loads(x) for x in (only_run(tmp_path) / "rollouts.jsonl").read_text().splitlines()]
     turns = [t for r in recs for t in r["turns"]]
     judged = [t for t in turns if not t["judge_failed"]]
@@ -139,7 +99,7 @@ def test_rollout_with_api_judge_and_user_on_a_loopback_server(tiny_model, tmp_pa
         if t["judge_failed"]:
             assert t["v"] is None and t["levels"] is None
     users = [t["user"] for r in recs for t in r["turns"][1:]]
-    assert users and all(u == "I am not sure. It still hurts when I think about it." for u in users)
+    assert users and all(u == USER_OK for u in users)
     for f in only_run(tmp_path).rglob("*"):
         if f.is_file():
             assert "sk-test-secret-42" not in f.read_text(errors="ignore"), f
