@@ -1,0 +1,468 @@
+"""experiments/credit.py: a credit-assignment playground where MICA, GRPO and REINFORCE++ meet on equal terms.
+
+What it shows
+  How the three advantage estimators of 04_mica_train.py (MICA at several alphas, GRPO, REINFORCE++)
+  compare when everything else is held fixed and exact: the same environment, the same tiny policy, the
+  same plain policy-gradient update, the same seeds, 20+ seeds in minutes on a CPU. The environment is
+  03_rollout's EMPA state dynamics, imported and not copied: a scenario's deficit P0, P_t = P_{t-1} + v_t
+  with v_t = levels_to_v(levels) (03's advance_state), dE_t = v_t . v*, the IDR reward
+  r_t = d(P_{t-1}) - d(P_t) (03's incremental_distance_rewards) and EMPA's success / collapse / timeout
+  rules (03's episode_status). Only the judge is replaced: instead of a model reading a reply, a fixed
+  table (judge_move) maps one of seven support moves to MDEP-PR levels, with rules under which credit
+  over turns matters (a concrete step pays only once the user feels understood, validation wears out,
+  some moves help now and cost on the next turn).
+What it cannot show
+  Anything about language. It is a model of the environment's dynamics and of credit assignment: a
+  tabular softmax over 7 moves and 36 coarse observations, whose moves have the effects the table says.
+  A real judge is noisy, a real policy has millions of parameters and writes text, and a real user
+  does not follow a table; which estimator wins here says which one assigns credit better under these
+  rules, not which one trains the better supporter.
+
+Reads   data/scenarios_train.jsonl (training) and data/scenarios_test.jsonl (held-out), via 03's load_scenarios.
+Writes  <out>/credit.md (the table, as printed), <out>/credit.png (held-out return by step, mean and
+        ±1 sd band over seeds, one line per estimator), <out>/credit.jsonl (one line per seed and estimator).
+
+Equations (03 and 04 compute every one of them; this file adds the judge table, the policy and the update)
+  state, reward     P_t = P_{t-1} + v_t,  dE_t = v_t . v*,  r_t = d(P_{t-1}) - d(P_t)           (03)
+  advantages        MICA A = alpha A_turn + (1 - alpha) A_group;  GRPO A = (R_k - mean) / std;
+                    REINFORCE++ A = (G - mean) / std over the batch                                (04)
+  policy            pi(a | o) = softmax(theta[o])_a,  o = observe(P, P0, memory)   (36 x 7 logits, from 0)
+  update            theta[o_t] += lr * (1/N) sum_{k,t} A[k][t] (onehot(a_t) - pi(. | o_t))   (N: turns in
+                    the batch, as 04's loss averages over tokens; the gradient of log softmax)
+  held-out return   the IDR return sum_t r_t = d(P0) - d(P_T) per dialogue, mean over --final-eval-k
+                    dialogues per test scenario sampled from the policy (--eval-k for the curves); success:
+                    EMPA's rule within --max-turns
+  threshold         --threshold-frac of the way from the untrained (uniform) policy's held-out return to the
+                    search ceiling (the best return a beam search over move sequences finds per test scenario)
+  myopic greedy     a yardstick row: the policy that knows the table and takes argmax_a r_t every turn; how
+                    close it comes to the ceiling says how much this environment asks of credit beyond one turn
+  95% CI            mean ± 1.96 sd / sqrt(n) over the n seeds
+
+The move table and the training defaults were fixed from the reasoning in judge_move's comments, and
+checked only against the uniform policy and the search ceiling (is success reachable in 15 turns? is
+it rare by chance?), before any estimator was run; none was changed after (only the evaluation budget
+and the myopic greedy row were added).
+
+CPU (about 7 minutes on one core of 2):  python experiments/credit.py
+Quick look (under a minute):        python experiments/credit.py --quick
+"""
+import argparse
+import importlib
+import json
+import math
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+import common  # noqa: E402
+
+env = importlib.import_module("03_rollout")        # the EMPA state, IDR, episode rules, scenarios
+trainer = importlib.import_module("04_mica_train")  # the advantage estimators
+
+AXES = env.AXES                                       # ("C", "A", "P")
+MOVES = ("validate", "clarify", "reflect", "suggest", "affirm", "lecture", "change_subject")
+
+
+# ---------------------------------------------------------------------------------------------
+# The playground's judge: a support move -> MDEP-PR levels (progress 0-2, negative 0-2) per axis
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class Memory:
+    """What the simulated user remembers of the dialogue, beyond its state P."""
+    validated: int = 0                                    # validations so far
+    last: list = field(default_factory=list)              # the moves so far
+    debt: dict = field(default_factory=dict)              # negative levels the last move left for this turn
+
+
+def remaining(P_a: float, eps: float = 1.0) -> float:
+    # the axis' hinge deficit, as in 03's d(P): max(0, -eps - P_a)
+    return max(0.0, -eps - P_a)
+
+
+def feels_understood(P, P0) -> bool:
+    """The user feels understood when C and A each have at most half of their initial deficit left."""
+    return all(remaining(P[i]) <= 0.5 * remaining(P0[i]) for i in (0, 1))
+
+
+def judge_move(move: str, mem: Memory, P, P0) -> tuple[dict, dict]:
+    """(move, the user's memory, P_{t-1}, P0) -> (levels {axis: (progress, negative)} for this turn,
+    negative levels it leaves for the next turn). "A2" is progress level 2 on A (+3), "-C1" negative
+    level 1 on C (-2); see 03's PROGRESS_POINTS and NEGATIVE_POINTS.
+
+    move            before the user feels understood       after                 why (the credit it asks for)
+    validate        A2 (1st-3rd), A1 (4th-5th), -A1 (6th on: formulaic)           helps now, wears out
+    clarify         C2; C1 -A1 when the last two moves were questions too         understanding; an interrogation
+    reflect         C1 A1                                  C1 A2                 steady; lands deeper with trust
+    suggest         -A1 ("you're not listening")           P2                    pays only once understood
+    affirm          A1 now, -C1 next turn (brushed off)    A1 P1                 premature reassurance costs later
+    lecture         P1 -C1                                 P1 -C1                information nobody asked for
+    change_subject  A1 now, -C1 -A1 next turn              the same              relief now, the problem comes back
+    every move      progress on an axis already at or past 0 counts 0 (nothing left to fix there); a debt
+                    from the last turn adds its negative levels (the larger level on each axis)."""
+    understood = feels_understood(P, P0)
+    progress, negative, debt = {a: 0 for a in AXES}, dict.fromkeys(AXES, 0), {}
+    if move == "validate":
+        if mem.validated < 3:
+            progress["A"] = 2
+        elif mem.validated < 5:
+            progress["A"] = 1
+        else:
+            negative["A"] = 1
+    elif move == "clarify":
+        if mem.last[-2:] == ["clarify", "clarify"]:
+            progress["C"], negative["A"] = 1, 1
+        else:
+            progress["C"] = 2
+    elif move == "reflect":
+        progress["C"], progress["A"] = 1, (2 if understood else 1)
+    elif move == "suggest":
+        if understood:
+            progress["P"] = 2
+        else:
+            negative["A"] = 1
+    elif move == "affirm":
+        progress["A"] = 1
+        if understood:
+            progress["P"] = 1
+        else:
+            debt = {"C": 1}
+    elif move == "lecture":
+        progress["P"], negative["C"] = 1, 1
+    elif move == "change_subject":
+        progress["A"], debt = 1, {"C": 1, "A": 1}
+    else:
+        raise ValueError(f"unknown move {move!r}; moves: {MOVES}")
+    for i, a in enumerate(AXES):
+        if P[i] >= 0:
+            progress[a] = 0                                          # nothing left to fix on this axis
+        negative[a] = max(negative[a], mem.debt.get(a, 0))           # last turn's move costs now
+    return {a: (progress[a], negative[a]) for a in AXES}, debt
+
+
+def observe(P, P0, mem: Memory) -> int:
+    """The policy's coarse view, one of 3 x 2 x 3 x 2 = 36: the axis with the largest remaining deficit,
+    whether the user feels understood, validations so far (0-2, 3-4, 5+), the last two moves questions."""
+    deficits = [remaining(x) for x in P]
+    axis = deficits.index(max(deficits))
+    understood = int(feels_understood(P, P0))
+    validated = 0 if mem.validated < 3 else 1 if mem.validated < 5 else 2
+    asked = int(mem.last[-2:] == ["clarify", "clarify"])
+    return ((axis * 2 + understood) * 3 + validated) * 2 + asked
+
+
+N_OBS = 36
+
+
+# ---------------------------------------------------------------------------------------------
+# One dialogue on 03's dynamics
+# ---------------------------------------------------------------------------------------------
+def new_episode(scenario: dict):
+    tr = env.Trajectory(scenario=scenario, k=0, ids=[], messages=[], states=[list(scenario["p0"])],
+                        emotions=[30.0])
+    tr.extra["moves"], tr.extra["obs"] = [], []
+    return tr, Memory()
+
+
+def step(tr, mem: Memory, move: str, args, o: int | None = None) -> None:
+    """Turn t: the move is judged, 03's advance_state moves P (P_t = P_{t-1} + levels_to_v(levels),
+    dE_t = v_t . v*), 03's episode_status ends it (success, failure), or the horizon does (timeout).
+    o: the observation the move was chosen on (computed here when not given)."""
+    tr.extra["obs"].append(observe(tr.states[-1], tr.scenario["p0"], mem) if o is None else o)
+    levels, debt = judge_move(move, mem, tr.states[-1], tr.scenario["p0"])
+    env.advance_state(tr, {"levels": levels, "features": {"move": move}})
+    mem.validated += move == "validate"
+    mem.last.append(move)
+    mem.debt = debt
+    tr.extra["moves"].append(move)
+    t = len(tr.states) - 1
+    tr.outcome = env.episode_status(tr.scenario["p0"], tr.dEs, tr.states, t, args)
+    if tr.outcome is None and t == args.max_turns:
+        tr.outcome = "timeout"
+
+
+def policy(theta, o: int) -> list[float]:
+    # pi(a | o) = exp(theta[o][a] - max) / sum_b exp(theta[o][b] - max)
+    m = max(theta[o])
+    e = [math.exp(x - m) for x in theta[o]]
+    z = sum(e)
+    return [x / z for x in e]
+
+
+def rollout(theta, scenario: dict, rng: random.Random, args):
+    """One dialogue sampled from pi; returns the Trajectory with its IDR rewards in extra["rewards"]."""
+    tr, mem = new_episode(scenario)
+    while tr.outcome is None:
+        o = observe(tr.states[-1], scenario["p0"], mem)
+        # a ~ pi(. | o): the first move whose cumulative probability passes u ~ U(0, 1)
+        u, a, cum = rng.random(), 0, 0.0
+        for a, p_a in enumerate(policy(theta, o)):
+            cum += p_a
+            if u < cum:
+                break
+        step(tr, mem, MOVES[a], args, o)
+    tr.extra["rewards"] = env.incremental_distance_rewards(tr.states)    # r_t = d(P_{t-1}) - d(P_t)
+    return tr
+
+
+# ---------------------------------------------------------------------------------------------
+# The main loop: train one estimator from one seed (rollouts, 04's advantages, a policy-gradient step)
+# ---------------------------------------------------------------------------------------------
+def advantages(estimator: dict, batch_rewards, gamma) -> list:
+    """batch_rewards[s][k][t] -> A[s][k][t] with 04's own functions."""
+    if estimator["kind"] == "mica":
+        return [trainer.mica_advantages(r, estimator["alpha"], gamma) for r in batch_rewards]
+    if estimator["kind"] == "grpo":
+        return [trainer.grpo_advantages(r) for r in batch_rewards]
+    return trainer.reinforce_pp_advantages(batch_rewards, gamma)
+
+
+def pg_update(theta, groups, advs, lr: float) -> None:
+    """theta[o_t] += lr * (1/N) sum_{k,t} A[k][t] (onehot(a_t) - pi(. | o_t)), N the turns in the batch."""
+    N = sum(len(tr.extra["moves"]) for group in groups for tr in group)
+    grad = [[0.0] * len(MOVES) for _ in range(N_OBS)]
+    for group, group_adv in zip(groups, advs):
+        for tr, A in zip(group, group_adv):
+            for t, (o, move) in enumerate(zip(tr.extra["obs"], tr.extra["moves"])):
+                pi = policy(theta, o)
+                a = MOVES.index(move)
+                for b in range(len(MOVES)):
+                    # d log pi(a | o) / d theta[o][b] = 1[a = b] - pi(b | o)
+                    grad[o][b] += A[t] * ((a == b) - pi[b])
+    for o in range(N_OBS):
+        for b in range(len(MOVES)):
+            theta[o][b] += lr * grad[o][b] / N
+
+
+def evaluate(theta, test: list[dict], rng: random.Random, args) -> dict:
+    trajs = [rollout(theta, s, rng, args) for s in test for _ in range(args.eval_k)]
+    return {"return": sum(sum(tr.extra["rewards"]) for tr in trajs) / len(trajs),
+            "success": sum(tr.outcome == "success" for tr in trajs) / len(trajs)}
+
+
+def train(estimator: dict, seed: int, train_set: list[dict], test: list[dict], args) -> dict:
+    """Same seed, same first batch, same evaluation dialogues' random numbers for every estimator."""
+    rng = random.Random(seed)
+    theta = [[0.0] * len(MOVES) for _ in range(N_OBS)]        # the uniform policy
+    curve = []
+    for step_i in range(args.steps + 1):
+        # 1. evaluate on the held-out scenarios every --eval-every steps (its own seeded random numbers)
+        if step_i % args.eval_every == 0 or step_i == args.steps:
+            curve.append(evaluate(theta, test, random.Random(1_000_003 * seed + step_i), args)["return"])
+        if step_i == args.steps:
+            break
+        # 2. K rollouts for each of --scenarios-per-step training scenarios
+        groups = [[rollout(theta, s, rng, args) for _ in range(args.k)]
+                  for s in rng.sample(train_set, args.scenarios_per_step)]
+        # 3. per-turn IDR rewards -> the estimator's advantages (04's functions)
+        advs = advantages(estimator, [[tr.extra["rewards"] for tr in g] for g in groups], args.gamma)
+        # 4. one plain policy-gradient step on the logits
+        pg_update(theta, groups, advs, args.lr)
+    final = evaluate(theta, test, random.Random(7_919 * seed + 1),
+                     argparse.Namespace(**{**vars(args), "eval_k": args.final_eval_k}))
+    return {"estimator": estimator["name"], "seed": seed, "curve": curve, "steps_done": args.steps,
+            "final_return": final["return"], "final_success": final["success"]}
+
+
+# ---------------------------------------------------------------------------------------------
+# --- supporting pieces: the two yardsticks (search ceiling, myopic greedy), the table, the CLI ---
+# ---------------------------------------------------------------------------------------------
+def branch(tr, mem: Memory, move: str, args):
+    """A copy of the dialogue so far, advanced by one more move (the original is left as it was)."""
+    child = env.Trajectory(scenario=tr.scenario, k=0, ids=[], messages=[],
+                           states=[list(P) for P in tr.states], emotions=list(tr.emotions))
+    child.dEs, child.vs, child.levels = list(tr.dEs), list(tr.vs), list(tr.levels)
+    child.extra = {"moves": list(tr.extra["moves"]), "obs": list(tr.extra["obs"])}
+    cmem = Memory(mem.validated, list(mem.last), dict(mem.debt))
+    step(child, cmem, move, args)
+    return child, cmem
+
+
+def search_ceiling(scenario: dict, args) -> tuple[float, bool]:
+    """The best IDR return (and whether that dialogue succeeds) a beam search over move sequences finds on
+    the same dynamics: a lower bound on the optimum, and the ceiling the threshold is measured against."""
+    beam, best = [new_episode(scenario)], (-math.inf, False)
+    while beam:
+        children = []
+        for tr, mem in beam:
+            for move in MOVES:
+                child, cmem = branch(tr, mem, move, args)
+                ret = env.hinge_distance(scenario["p0"]) - env.hinge_distance(child.states[-1])
+                if child.outcome is not None:
+                    best = max(best, (ret, child.outcome == "success"))
+                else:
+                    children.append((ret, child, cmem))
+        # keep the --beam-width best unfinished dialogues (distinct states and memories)
+        children.sort(key=lambda c: -c[0])
+        seen, beam = set(), []
+        for _, child, cmem in children:
+            key = (tuple(child.states[-1]), min(cmem.validated, 5), tuple(cmem.last[-2:]),
+                   tuple(sorted(cmem.debt.items())), round(sum(child.dEs), 6))
+            if key not in seen and len(beam) < args.beam_width:
+                seen.add(key)
+                beam.append((child, cmem))
+    return best
+
+
+def myopic_greedy(scenario: dict, args) -> tuple[float, bool]:
+    """The IDR return and success of the deterministic policy that knows the table and takes, every turn,
+    the move with the largest immediate reward r_t (ties: the first in MOVES): how far credit for the
+    next turn alone goes in this environment."""
+    tr, mem = new_episode(scenario)
+    while tr.outcome is None:
+        gains = []
+        for move in MOVES:
+            child, _ = branch(tr, mem, move, args)
+            gains.append(env.hinge_distance(tr.states[-1]) - env.hinge_distance(child.states[-1]))   # r_t
+        step(tr, mem, MOVES[gains.index(max(gains))], args)
+    return env.hinge_distance(scenario["p0"]) - env.hinge_distance(tr.states[-1]), tr.outcome == "success"
+
+
+def ci_cell(xs: list[float], digits: int = 2) -> str:
+    """mean ± sd [lo, hi], the 95% CI mean ± 1.96 sd / sqrt(n) over seeds."""
+    if len(xs) < 2:
+        return f"{xs[0]:.{digits}f}"
+    mean, sd = common.mean_std(xs, ddof=1)
+    h = 1.96 * sd / math.sqrt(len(xs))
+    return f"{mean:.{digits}f} ± {sd:.{digits}f} [{mean - h:.{digits}f}, {mean + h:.{digits}f}]"
+
+
+def steps_to(curve: list[float], threshold: float, args) -> int | None:
+    """The first evaluated step whose held-out return reaches the threshold (None: never)."""
+    for i, ret in enumerate(curve):
+        if ret >= threshold:
+            return min(i * args.eval_every, args.steps)
+    return None
+
+
+def table(rows: list[dict], estimators: list[dict], threshold: float, uniform: float, greedy: tuple,
+          ceiling: tuple, args, seconds: float) -> str:
+    """The markdown table: one row per estimator, then the uniform policy, the myopic greedy policy and the
+    search ceiling."""
+    seeds = sorted({r["seed"] for r in rows})
+    by = {e["name"]: sorted((r for r in rows if r["estimator"] == e["name"]), key=lambda r: r["seed"])
+          for e in estimators}
+    lines = ["| estimator | final held-out return | success rate | steps to threshold | reached | "
+             "return - GRPO's (paired) |", "|---|---|---|---|---|---|"]
+    grpo = {r["seed"]: r["final_return"] for r in by.get("GRPO", [])}
+    for e in estimators:
+        rs = by[e["name"]]
+        hit = [steps_to(r["curve"], threshold, args) for r in rs]
+        censored = [args.steps if s is None else s for s in hit]        # never reached: counted as --steps
+        diff = [r["final_return"] - grpo[r["seed"]] for r in rs if r["seed"] in grpo]
+        lines.append(f"| {e['name']} | {ci_cell([r['final_return'] for r in rs])} | "
+                     f"{ci_cell([r['final_success'] for r in rs])} | {ci_cell(censored, 0)} | "
+                     f"{sum(s is not None for s in hit)}/{len(rs)} | "
+                     f"{'—' if e['name'] == 'GRPO' or not diff else ci_cell(diff)} |")
+    lines.append(f"| untrained (uniform) policy | {uniform:.2f} | | | | |")
+    lines.append(f"| myopic greedy (argmax r_t, knows the table) | {greedy[0]:.2f} | {greedy[1]:.2f} | | | |")
+    lines.append(f"| search ceiling (beam {args.beam_width}) | {ceiling[0]:.2f} | {ceiling[1]:.2f} | | | |")
+    note = (f"\nmean ± sd [95% CI: 1.96 sd / sqrt(n)] over {len(seeds)} seeds ({seeds[0]}-{seeds[-1]}); "
+            f"{args.steps} steps of {args.scenarios_per_step} train scenarios x K={args.k}, lr {args.lr}, "
+            f"gamma {args.gamma}; held-out: {args.final_eval_k} dialogues per test scenario at the end, {args.eval_k} "
+            f"every {args.eval_every} steps (the curves, steps to threshold); {args.max_turns} turns "
+            f"(min {args.min_turns}, collapse window {args.collapse_window}); threshold {threshold:.2f} = "
+            f"{args.threshold_frac} of the way from the uniform policy to the search ceiling (a seed that "
+            f"never reaches it counts as {args.steps} steps); {seconds:.0f} s\n")
+    return "\n".join(lines) + "\n" + note
+
+
+def run_job(job):
+    estimator, seed, train_set, test, args = job
+    return train(estimator, seed, train_set, test, args)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--seeds", type=int, default=24, help="number of seeds (0 .. N-1), the same for every estimator")
+    p.add_argument("--alphas", default="0.0,0.4,1.0", help="MICA's alphas (weight of the turn-level advantage)")
+    p.add_argument("--quick", action="store_true",
+                   help="a look in under a minute: 3 seeds unless --seeds is given, 60 steps, evaluation every "
+                        "10 steps on 4 held-out dialogues per scenario (8 for the final one); flags given explicitly win")
+    p.add_argument("--out", default=str(ROOT / "runs" / "credit"), help="folder for credit.md, credit.png, credit.jsonl")
+    p.add_argument("--workers", type=int, default=1, help="processes that train (seed, estimator) pairs at once")
+    g = p.add_argument_group("environment (03's rules)")
+    g.add_argument("--train", default=str(ROOT / "data" / "scenarios_train.jsonl"), help="training scenarios")
+    g.add_argument("--test", default=str(ROOT / "data" / "scenarios_test.jsonl"), help="held-out scenarios")
+    g.add_argument("--max-turns", type=int, default=15, help="turns before a timeout (EMPA: 45; MICA trains on 8-15)")
+    g.add_argument("--min-turns", type=int, default=None,
+                   help="no success or failure before this turn; unset: EMPA's 12/45 of --max-turns, rounded (4 at 15)")
+    g.add_argument("--collapse-window", type=int, default=5, help="failure when the last N dE are all < 0 (EMPA: 5)")
+    g = p.add_argument_group("training (one plain policy-gradient step per batch)")
+    g.add_argument("--steps", type=int, default=300, help="training steps per seed and estimator")
+    g.add_argument("--k", type=int, default=4, help="rollouts per scenario per step, K (as 04's default)")
+    g.add_argument("--scenarios-per-step", type=int, default=4, help="training scenarios per step (as 04's default)")
+    g.add_argument("--lr", type=float, default=1.0, help="step size on the logits")
+    g.add_argument("--gamma", type=float, default=0.85, help="discount of the per-turn returns (as 04's default)")
+    g = p.add_argument_group("measurement")
+    g.add_argument("--eval-every", type=int, default=20, help="held-out evaluation every N steps (the curves)")
+    g.add_argument("--eval-k", type=int, default=8, help="held-out dialogues per test scenario per evaluation (curves)")
+    g.add_argument("--final-eval-k", type=int, default=32,
+                   help="held-out dialogues per test scenario for the final return and success")
+    g.add_argument("--threshold-frac", type=float, default=0.5,
+                   help="steps to threshold: this fraction of the way from the uniform policy to the search ceiling")
+    g.add_argument("--beam-width", type=int, default=32,
+                   help="beam of the search ceiling (32 already finds the maximum, d(P0), on every shipped test scenario)")
+    args = p.parse_args(argv)
+    if args.quick:                                    # new defaults; flags given explicitly still win
+        p.set_defaults(seeds=3, steps=60, eval_every=10, eval_k=4, final_eval_k=8)
+        args = p.parse_args(argv)
+    if args.min_turns is None:
+        args.min_turns = max(1, round(args.max_turns * 12 / 45))
+    for name in ("seeds", "steps", "k", "scenarios_per_step", "eval_every", "eval_k", "final_eval_k", "beam_width", "workers",
+                 "max_turns", "collapse_window"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.k < 2:
+        p.error("--k must be >= 2: the group estimators compare a scenario's K rollouts")
+    try:
+        args.alphas = [float(a) for a in args.alphas.split(",") if a.strip()]
+    except ValueError:
+        p.error(f"--alphas: comma-separated numbers in [0, 1], got {args.alphas!r}")
+    if not all(0.0 <= a <= 1.0 for a in args.alphas):
+        p.error(f"--alphas must lie in [0, 1], got {args.alphas}")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    t0 = time.time()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    train_set, test = env.load_scenarios(args.train), env.load_scenarios(args.test)
+    common.check(args.scenarios_per_step <= len(train_set),
+                 f"--scenarios-per-step {args.scenarios_per_step} > {len(train_set)} training scenarios")
+    estimators = ([{"name": f"MICA (alpha={a:g})", "kind": "mica", "alpha": a} for a in args.alphas]
+                  + [{"name": "GRPO", "kind": "grpo"}, {"name": "REINFORCE++", "kind": "reinforce_pp"}])
+    # the yardsticks, on the test scenarios: the uniform policy (every run's step 0), the myopic greedy
+    # policy and the search ceiling
+    uniform = evaluate([[0.0] * len(MOVES) for _ in range(N_OBS)], test, random.Random(12345),
+                       argparse.Namespace(**{**vars(args), "eval_k": max(args.eval_k, 64)}))["return"]
+    found, mine = [search_ceiling(s, args) for s in test], [myopic_greedy(s, args) for s in test]
+    ceiling = (sum(r for r, _ in found) / len(found), sum(ok for _, ok in found) / len(found))
+    greedy = (sum(r for r, _ in mine) / len(mine), sum(ok for _, ok in mine) / len(mine))
+    threshold = uniform + args.threshold_frac * (ceiling[0] - uniform)
+    jobs = [(e, seed, train_set, test, args) for seed in range(args.seeds) for e in estimators]
+    if args.workers > 1:
+        import multiprocessing
+        with multiprocessing.Pool(args.workers) as pool:
+            rows = pool.map(run_job, jobs)
+    else:
+        rows = [run_job(j) for j in jobs]
+    with open(out / "credit.jsonl", "w") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+    common.plot_series({e["name"]: [r["curve"] for r in rows if r["estimator"] == e["name"]] for e in estimators},
+                       f"evaluation (every {args.eval_every} training steps)", "held-out IDR return",
+                       out / "credit.png")
+    text = table(rows, estimators, threshold, uniform, greedy, ceiling, args, time.time() - t0)
+    (out / "credit.md").write_text(text)
+    print("\n" + text)
+
+
+if __name__ == "__main__":
+    common.run_main(main)
