@@ -108,12 +108,12 @@ def group_advantages(r: list[float]) -> list[float]:
 
 
 def clipped_surrogate(logp, logp_old, A, clip_low, clip_high):
-    """Per-token loss -min(ratio A, clip(ratio, 1 - clip_low, 1 + clip_high) A) and a clipped flag."""
+    """Per-token loss -min(ratio A, clip(ratio, 1 - clip_low, 1 + clip_high) A), a clipped flag, the ratio."""
     # ratio_i = exp(log pi(y_i) - log pi_old(y_i))
     ratio = torch.exp(logp - logp_old)
     unclipped = -ratio * A
     clipped = -torch.clamp(ratio, 1 - clip_low, 1 + clip_high) * A
-    return torch.maximum(unclipped, clipped), (clipped > unclipped).float()
+    return torch.maximum(unclipped, clipped), (clipped > unclipped).float(), ratio.detach()
 
 
 def k3_kl(logp, logp_ref):
@@ -143,14 +143,16 @@ def ppo_update(model, tokenizer, optimizer, scheduler, samples: list[Sample], ar
     n_ranks = common.world()[1]
     minibatches = split_minibatches(samples, args.minibatch_size, n_ranks)
     if not minibatches:
-        return {"loss": float("nan"), "clip_frac": float("nan"), "kl": float("nan"),
-                "grad_norm": float("nan"), "train_tokens": 0, "skipped_updates": 1}
+        return {"loss": float("nan"), "clip_frac": float("nan"), "ratio_min": float("nan"), "ratio_max": float("nan"),
+                "kl": float("nan"), "grad_norm": float("nan"), "train_tokens": 0, "optimizer_steps": 0,
+                "skipped_updates": 1}
     A_tok = {i: token_advantages(samples[i]) for mb in minibatches for i in mb}
     need_ref = args.kl_coef > 0 or log_kl
     old, ref = old_and_ref_logprobs(model, tokenizer, samples, minibatches, args, need_ref)
     model.train()
     zero = lambda: torch.zeros((), dtype=torch.float64, device=device)  # noqa: E731
     loss_total, clipped, kl_total = zero(), zero(), zero()   # summed on the device, copied once
+    ratio_lo, ratio_hi = zero() + math.inf, zero() - math.inf
     grad_norms, tokens, nonfinite_grad = [], 0, 0
     for _ in range(args.ppo_epochs):
         for mb in minibatches:
@@ -162,7 +164,8 @@ def ppo_update(model, tokenizer, optimizer, scheduler, samples: list[Sample], ar
                 A = torch.cat([A_tok[i] for i in micro]).to(device)
                 logp_old = torch.cat([old[i] for i in micro]) if micro[0] in old else logp.detach()
                 # L = (1/N) sum_i max(-ratio_i A_i, -clip(ratio_i) A_i)  [+ beta (1/N) sum_i k3_i]
-                pg, was_clipped = clipped_surrogate(logp, logp_old, A, args.clip_low, args.clip_high)
+                pg, was_clipped, ratio = clipped_surrogate(logp, logp_old, A, args.clip_low, args.clip_high)
+                ratio_lo, ratio_hi = torch.minimum(ratio_lo, ratio.min()), torch.maximum(ratio_hi, ratio.max())
                 loss_sum = pg.sum()
                 if ref:
                     kl = k3_kl(logp, torch.cat([ref[i] for i in micro]))
@@ -184,10 +187,11 @@ def ppo_update(model, tokenizer, optimizer, scheduler, samples: list[Sample], ar
     scheduler.step()
     loss_total, clipped, kl_total, tokens = common.all_reduce(
         torch.stack([loss_total, clipped, kl_total]).tolist() + [tokens])   # one copy, one collective
+    neg_lo, hi = common.all_reduce([-float(ratio_lo), float(ratio_hi)], op="max")
     n_updates = args.ppo_epochs * len(minibatches)        # the micro losses add up to one minibatch's loss
-    return {"loss": loss_total / n_updates, "clip_frac": clipped / tokens,
+    return {"loss": loss_total / n_updates, "clip_frac": clipped / tokens, "ratio_min": -neg_lo, "ratio_max": hi,
             "kl": kl_total / tokens if need_ref else float("nan"), "grad_norm": sum(grad_norms) / len(grad_norms),
-            "train_tokens": int(tokens), "skipped_updates": nonfinite_grad}
+            "train_tokens": int(tokens), "optimizer_steps": n_updates, "skipped_updates": nonfinite_grad}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -655,6 +655,7 @@ def make_user(args):
 
 
 # tokens in, tokens out: the opening, Kardia-R1's sections, what the user and judge see
+KARDIA_TOKENS = 192   # --max-new-tokens default with --kardia-format (48 cut the four sections off)
 KARDIA_SYSTEM = (" First think in this format, then answer: <understanding>what the person is going through"
                  "</understanding><reasoning>what would help now</reasoning><emotion>the emotion to meet"
                  "</emotion><response>your reply to the person</response>. Only the response is shown to them.")
@@ -724,7 +725,7 @@ def add_env_args(p: argparse.ArgumentParser, scenarios_default: str, k_default: 
     g.add_argument("--kardia-format", action="store_true",
                    help="Kardia-R1's format: the policy writes <understanding>, <reasoning>, <emotion>, <response>; "
                         "only the response reaches the user and the judge")
-    g.add_argument("--max-new-tokens", type=int, default=48, help="token cap of one assistant reply")
+    g.add_argument("--max-new-tokens", type=int, default=None, help="token cap of a reply (48; 192 with --kardia-format)")
     g.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (0 = greedy)")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling top-p")
     g.add_argument("--no-kv-reuse", dest="kv_reuse", action="store_false",
@@ -738,6 +739,8 @@ def add_env_args(p: argparse.ArgumentParser, scenarios_default: str, k_default: 
 
 
 def check_env_args(args):
+    if args.max_new_tokens is None:        # the default: room for Kardia-R1's four sections when asked
+        args.max_new_tokens = KARDIA_TOKENS if args.kardia_format else 48
     for flag in ("k", "max_turns", "min_turns", "collapse_window", "max_new_tokens", "max_message_chars"):
         common.check(getattr(args, flag) >= 1, f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     common.check(args.eps >= 0, f"--eps must be >= 0, got {args.eps}")

@@ -19,16 +19,19 @@ Equations (MICA; docs/reference.md section 2; the code below writes each out as 
                 dialogues end at e >= 100 or e < 10); sums such as --reward idr+0.5*rlver
   CARE          r_t = sum_d w_d,t s_d,t (02's rubric_score): the frozen generator (--rubric-model, 02)
                 writes turn t's rubric, the judge scores the reply on its criteria (02's criteria judge);
-                with idr+care the distance uses w_t = 3 (w_C,t, w_A,t, w_P,t) (uniform = MICA's 1,1,1);
+                with idr+care the distance uses w_t = 3 (w_C,t, w_A,t, w_P,t) (uniform = MICA's 1,1,1), this
+                project's design: the sum no longer telescopes to d(P0) - d(P_T) (--care-distance plain does);
                 --rubric adaptive | uniform | weights-only | criteria-only (Table-3 ablations)
-  Kardia-R1     r_t = (1/5) sum_c s_c,t over relevance, empathy, persona consistency, safety, fluency,
-                + r_fmt (0 with the <understanding><reasoning><emotion><response> format, -1 without;
-                with --kardia-format, where only <response> reaches the user and the judge)
+  Kardia-R1     r_t = (1/5) sum_c s_c,t over emotion accuracy (the <emotion> section against what the user
+                feels), empathy, relevance, persona consistency, safety, + r_fmt (0 with the <understanding>
+                <reasoning><emotion><response> format, -1 without; with --kardia-format, where only
+                <response> reaches the user and the judge)
   return        G_t = sum_{j >= t} gamma^(j - t) r_j                       (within one trajectory)
   turn-level    A_turn[k][t] = (G[k][t] - mean_t) / (std_t + 1e-6)   over the k that reached turn t
   group-level   A_group[k][t] = (r[k][t] - mean) / (std + 1e-6)       over all sum_k T_k rewards
-  MICA          A[k][t] = alpha A_turn[k][t] + (1 - alpha) A_group[k][t]   (std: sample, ddof = 1)
-  GRPO          R_k = sum_t r[k][t];  A[k][t] = (R_k - mean_K) / (std_K + 1e-6) for every t
+  MICA          A[k][t] = alpha A_turn[k][t] + (1 - alpha) A_group[k][t]   (both stds: population, Eq. 2)
+  GRPO          R_k = sum_t r[k][t];  A[k][t] = (R_k - mean_K) / (std_K + 1e-6) for every t   (sample std,
+                as TRL and verl compute it; so is REINFORCE++'s)
   REINFORCE++   A = (G - mean) / (std + 1e-6) over every turn of every trajectory in the batch
   update        02's ppo_update: ratio = exp(log pi(y_i) - log pi_old(y_i)) per assistant token i, A_i = A[k][t(i)]
                 L = (1/N) sum_i max(-ratio_i A_i, -clip(ratio_i, 1 - eps_low, 1 + eps_high) A_i)
@@ -41,15 +44,15 @@ Departures from the paper (and why)
      docs/results.md "Learning, measured"). For a 7B model start at 1e-5 to 1e-4.
   2. Short episodes by default (3 turns of at most 48 tokens; MICA trains on 8-15) and 4 scenarios x K=4 per step
      (MICA: 16 x 4), so that a laptop CPU can run it; raise --max-turns / --scenarios-per-step on a GPU.
-  3. A reply cut off at --max-new-tokens loses --truncation-penalty from its turn's reward: without
-     it a small policy drifts to the token cap.
+  3. A reply cut off at --max-new-tokens loses a share (--truncation-penalty, 0.5) of one turn's nominal
+     reward range, in that reward's units (cutoff_penalty): without it a small policy drifts to the cap.
   4. A turn the judge failed on is left out of the loss; for the returns and group statistics its
      reward is the trajectory's mean valid reward (as the public code fills it).
   5. REINFORCE++ discounts per turn (rewards sit on turn ends) and whitens per turn, not per token.
-  6. Old log-probs (02's ppo_update): with one optimizer step per rollout (the default) the policy
-     that sampled is the policy being updated, so old log-probs are the current ones detached (ratio = 1)
-     and no extra forward pass is spent; with more PPO epochs or minibatches they are computed once per
-     rollout (not for the first minibatch of the first epoch, which the unchanged policy updates).
+  6. Two optimizer steps per rollout by default (--minibatch-size 8 of 16 trajectories, MICA's
+     proportion), so the ratio moves and the clip works from the second minibatch on. Old log-probs
+     (02's ppo_update) are computed once per rollout, except for the first minibatch of the first
+     epoch, which the unchanged policy updates (its ratio is exactly 1).
 
 CPU:  python 04_mica_train.py                          (SmolLM2, embed judge, scripted user, ~80 s/step)
 GPU:  python 04_mica_train.py --model Qwen2.5-7B-Instruct --judge api:Qwen2.5-72B-Instruct \\
@@ -66,6 +69,7 @@ import importlib
 import json
 import math
 import random
+import re
 import resource
 import time
 from pathlib import Path
@@ -101,20 +105,21 @@ def mica_advantages(rewards, alpha, gamma) -> list[list[float]]:
     K = len(rewards)
     G = [discounted_returns(rewards[k], gamma) for k in range(K)]
     T_max = max((len(r) for r in rewards), default=0)
-    # turn-level: A_turn[k][t] = (G[k][t] - mean_t) / (std_t + 1e-6) over the k that reached turn t
+    # turn-level: A_turn[k][t] = (G[k][t] - mean_t) / (std_t + 1e-6) over the N_t trajectories k that reached
+    # turn t, sigma_t = sqrt( (1/N_t) sum_k (G[k][t] - mean_t)^2 ): the population std, as MICA's Eq. 2 writes it
     A_turn = [[0.0] * len(rewards[k]) for k in range(K)]
     for t in range(T_max):
         reached = [k for k in range(K) if len(rewards[k]) > t]
         if len(reached) < 2:
             continue  # fewer than 2 trajectories reached turn t: A_turn = 0
-        mean_t, std_t = common.mean_std([G[k][t] for k in reached], ddof=1)
+        mean_t, std_t = common.mean_std([G[k][t] for k in reached], ddof=0)   # population std (MICA's Eq. 2)
         for k in reached:
             A_turn[k][t] = (G[k][t] - mean_t) / (std_t + 1e-6)
     # group-level: A_group[k][t] = (r[k][t] - mean) / (std + 1e-6) over all sum_k T_k rewards
     A_group = [[0.0] * len(rewards[k]) for k in range(K)]
     flat = [x for r in rewards for x in r]
     if len(flat) >= 2:
-        mean, std = common.mean_std(flat, ddof=1)
+        mean, std = common.mean_std(flat, ddof=0)                          # population std (MICA's Eq. 2)
         for k in range(K):
             for t in range(len(rewards[k])):
                 A_group[k][t] = (rewards[k][t] - mean) / (std + 1e-6)
@@ -126,6 +131,7 @@ def mica_advantages(rewards, alpha, gamma) -> list[list[float]]:
 def grpo_advantages(rewards) -> list[list[float]]:
     """rewards[k][t] for one scenario -> A[k][t] = normalised trajectory outcome, same on every turn."""
     # R_k = sum_t r[k][t];  A_k = (R_k - mean_K) / (std_K + 1e-6);  0 when K < 2
+    # (sample std, ddof = 1, as TRL's and verl's GRPO compute it)
     R = [sum(r) for r in rewards]
     if len(R) < 2:
         return [[0.0] * len(r) for r in rewards]
@@ -176,23 +182,34 @@ def care_turn_rewards(crit_judge, trajs, rubrics) -> list[list[float]]:
 
 
 def kardia_turn_rewards(crit_judge, trajs, use_format: bool) -> list[list[float]]:
-    """Kardia-R1 (Rubric-as-Judge): the judge scores each shown reply on the fixed rubric."""
+    """Kardia-R1 (Rubric-as-Judge): the judge scores each shown reply on relevance, empathy, persona
+    consistency and safety, and the reply's <emotion> section (the whole reply without --kardia-format)
+    on emotion accuracy: does it name what this person feels (kardia_criteria)."""
     cases = []
     for tr in trajs:
         hist = [m for m in env.seen_history(tr) if m["role"] != "system"]
+        replies = [m["content"] for m in tr.messages if m["role"] == "assistant"]
         for t in range(tr.T):
-            cases.append({"context": hist[: 2 * t + 1], "reply": tr.shown[t],
-                          "criteria": {"kardia": kardia_criteria(tr.scenario)}})
+            reply_axes, emotion_axis = kardia_criteria(tr.scenario, hist[2 * t]["content"])
+            named = kardia_section(replies[t], "emotion") if use_format else tr.shown[t]
+            cases.append({"context": hist[: 2 * t + 1], "reply": tr.shown[t], "criteria": {"reply": reply_axes}})
+            cases.append({"context": hist[: 2 * t + 1], "reply": named or "(no emotion named)",
+                          "criteria": {"emotion": [emotion_axis]}})
     scores = iter(pref.judge_by_dimension(crit_judge, cases))
     r = []
     for tr in trajs:
-        # r_t = (1/5) sum_c s_c,t  +  r_fmt,t   (r_fmt = 0 for the 4-section format, -1 without it;
-        # only with --kardia-format);  a turn the judge failed on is NaN: left out as failed
+        # r_t = (1/5) sum_c s_c,t  +  r_fmt,t   over the five axes (emotion accuracy, empathy, relevance,
+        # persona consistency, safety); r_fmt = 0 for the 4-section format, -1 without it (only with
+        # --kardia-format);  a turn the judge failed on is NaN: left out as failed
         r_i = []
         for t in range(tr.T):
-            s = next(scores)
+            s_reply, s_emotion = next(scores), next(scores)
             fmt = (0.0 if tr.formatted[t] else -1.0) if use_format else 0.0
-            r_i.append(float("nan") if s is None else sum(s["kardia"]) / len(s["kardia"]) + fmt)
+            if s_reply is None or s_emotion is None:
+                r_i.append(float("nan"))
+                continue
+            s = s_reply["reply"] + s_emotion["emotion"]
+            r_i.append(sum(s) / len(s) + fmt)
         r.append(r_i)
     return r
 
@@ -201,9 +218,11 @@ def reward_parts(tr, args) -> dict[str, list[float]]:
     """Each --reward component's per-turn values for one trajectory (unweighted)."""
     parts = {}
     for name in args.reward_weights:
-        if name == "idr" and "rubrics" in tr.extra:
+        if name == "idr" and "rubrics" in tr.extra and args.care_distance == "weighted":
             # with CARE the rubric's weights also weight the distance, scaled so that uniform weights
-            # give MICA's (1, 1, 1): r_t = d_t(P_{t-1}) - d_t(P_t) with w_t = 3 * (w_C,t, w_A,t, w_P,t)
+            # give MICA's (1, 1, 1): r_t = d_t(P_{t-1}) - d_t(P_t) with w_t = 3 * (w_C,t, w_A,t, w_P,t).
+            # This project's design, not a paper's: d_t changes every turn, so the rewards no longer sum
+            # to d(P0) - d(P_T); --care-distance plain keeps MICA's potential difference
             w_t = [[3 * rb["weights"][d] for d in DIMS] for rb in tr.extra["rubrics"]]
             parts["idr"] = env.incremental_distance_rewards(tr.states, w_t, args.eps)
         elif name == "idr":
@@ -216,16 +235,32 @@ def reward_parts(tr, args) -> dict[str, list[float]]:
     return parts
 
 
+def cutoff_penalty(args) -> float:
+    """The cut-off penalty in the reward's own units: --truncation-penalty is a fraction of each --reward
+    component's nominal per-turn range, weighted as the reward weights it."""
+    # penalty = lambda_cut * sum_c |weight_c| * scale_c,   the per-turn scales:
+    #   idr     sqrt(w_C + w_A + w_P): the IDR of a level-1 turn on every axis, far from the goal (sqrt 3)
+    #   rlver   10 / 100: the largest change of the user's emotion in one turn
+    #   care    1: the judge's scores and the rubric's weights lie in [0, 1]
+    #   kardia  1: the mean criterion score lies in [0, 1]
+    scale = {"idr": math.sqrt(sum(args.idr_weights)), "rlver": 0.1, "care": 1.0, "kardia": 1.0}
+    penalty = 0.0
+    for name, weight in args.reward_weights.items():
+        penalty += abs(weight) * scale[name]
+    return args.truncation_penalty * penalty
+
+
 def turn_rewards(tr, args) -> list[float]:
     """Per-turn training reward of one trajectory: the --reward components, weighted and summed, minus
     the cut-off penalty; a turn the judge failed on (or a non-finite value) gets the trajectory's mean
     valid reward."""
-    # r_t = sum_c weight_c * r_c,t - truncation_penalty * 1[reply t was cut off]
+    # r_t = sum_c weight_c * r_c,t - penalty * 1[reply t was cut off]     (penalty: cutoff_penalty)
     r = [0.0] * tr.T
     for name, part in reward_parts(tr, args).items():
         r = [x + args.reward_weights[name] * y for x, y in zip(r, part)]
     valid = [not failed and math.isfinite(x) for failed, x in zip(tr.judge_failed, r)]
-    r = [x - args.truncation_penalty * cut for x, cut in zip(r, tr.truncated)]
+    penalty = cutoff_penalty(args)
+    r = [x - penalty * cut for x, cut in zip(r, tr.truncated)]
     fill = [x for x, ok in zip(r, valid) if ok]
     fill = sum(fill) / len(fill) if fill else 0.0
     return [x if ok else fill for x, ok in zip(r, valid)]
@@ -448,16 +483,26 @@ def turn_rubrics(rubric_model, rubric_tok, trajs, args) -> tuple[list[list[dict]
     return out, invalid
 
 
-def kardia_criteria(scenario: dict) -> list[str]:
-    """Kardia-R1's fixed rubric; persona consistency is judged against the scenario's profile (MBTI,
-    about, situation, emotion) when it has one, else its persona line."""
-    prof = scenario.get("profile")
-    who = "; ".join(f"{k}: {v}" for k, v in prof.items()) if isinstance(prof, dict) else scenario.get("persona", "")
-    return ["Relevance: responds directly to what the person just said",
-            "Empathy: recognises the person's feelings and responds to them warmly",
-            f"Persona consistency: fits who this person is ({who})",
-            "Safety: nothing harmful, dismissive, judgemental or unsafe",
-            "Fluency: clear, natural, well-formed language"]
+def kardia_section(text: str, name: str) -> str:
+    """The text of one of Kardia-R1's sections (<emotion>...</emotion>) of a reply, "" when absent."""
+    m = re.search(rf"<{name}>(.*?)</{name}>", text, re.S)
+    return m.group(1).strip() if m else ""
+
+
+def kardia_criteria(scenario: dict, user_message: str) -> tuple[list[str], str]:
+    """Kardia-R1's fixed rubric: four axes judged on the reply, and emotion accuracy judged on the emotion
+    the reply names. Persona consistency is judged against the scenario's profile (MBTI, about,
+    situation, emotion) when it has one, else its persona line; the emotion to name is the scenario's
+    (or its profile's) `emotion` when given, else what the person's last message shows."""
+    prof = scenario.get("profile") if isinstance(scenario.get("profile"), dict) else {}
+    who = "; ".join(f"{k}: {v}" for k, v in prof.items()) or scenario.get("persona", "")
+    feels = scenario.get("emotion") or prof.get("emotion")
+    emotion = (f"Emotion accuracy: names what the person feels ({feels})" if feels else
+               f"Emotion accuracy: names the emotion the person expresses here: \"{user_message}\"")
+    return (["Relevance: responds directly to what the person just said",
+             "Empathy: recognises the person's feelings and responds to them warmly",
+             f"Persona consistency: fits who this person is ({who})",
+             "Safety: nothing harmful, dismissive, judgemental or unsafe"], emotion)
 
 
 def parse_reward_spec(spec: str) -> dict[str, float]:
@@ -496,9 +541,13 @@ def parse_args(argv=None):
                    help="CARE's Table-3 ablations: the generator's weights and criteria, or w = 1/3 and fixed "
                         "generic criteria, or one of the two from the generator")
     g.add_argument("--rubric-max-new-tokens", type=int, default=256, help="token cap of a generated rubric")
+    g.add_argument("--care-distance", choices=["weighted", "plain"], default="weighted",
+                   help="with idr+care: weight turn t's distance by 3 w_t of its rubric (this project's design; "
+                        "the rewards then do not telescope), or plain MICA IDR, d(P_{t-1}) - d(P_t)")
     g.add_argument("--idr-weights", default="1,1,1", help="w = (w_C, w_A, w_P) of the hinge distance")
-    g.add_argument("--truncation-penalty", type=float, default=1.0,
-                   help="subtracted from the reward of a reply cut off at --max-new-tokens")
+    g.add_argument("--truncation-penalty", type=float, default=0.5,
+                   help="a reply cut off at --max-new-tokens loses this fraction of one turn's nominal reward "
+                        "range (cutoff_penalty: IDR sqrt(3), RLVER 0.1, CARE and Kardia 1, weighted as --reward)")
     g.add_argument("--clip-low", type=float, default=0.2, help="ratio clip below: 1 - clip_low")
     g.add_argument("--clip-high", type=float, default=0.28, help="ratio clip above: 1 + clip_high")
     g.add_argument("--kl-coef", type=float, default=0.0, help="beta of the k3 KL to the base model (0 = off)")
@@ -511,7 +560,9 @@ def parse_args(argv=None):
     g.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay")
     g.add_argument("--warmup-ratio", type=float, default=0.05, help="share of steps with linear warmup")
     g.add_argument("--ppo-epochs", type=int, default=1, help="passes over each rollout batch")
-    g.add_argument("--minibatch-size", type=int, default=64, help="trajectories per optimizer step (data-parallel: in all)")
+    g.add_argument("--minibatch-size", type=int, default=8,
+                   help="trajectories per optimizer step (data-parallel: in all); 8 of the default 4 x 4 = 16 "
+                        "gives 2 optimizer steps per rollout, MICA's proportion (16 x 4 with minibatches of 8 x 4)")
     g.add_argument("--micro-batch-size", type=int, default=2,
                    help="trajectories per forward/backward, per process (gradient accumulation up to a minibatch); "
                         "activations cost ~2.4 MB per token for SmolLM2-135M in fp32")

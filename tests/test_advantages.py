@@ -37,19 +37,21 @@ def test_discounted_returns(trainer):
 
 def test_mica_unequal_lengths_single_reacher_zero_variance(trainer):
     # rewards: k0 = [1, 2], k1 = [3], k2 = [0, 1, 2]; gamma 0.5 -> G: [2, 2], [3], [1, 2, 2]
-    # turn 0: G = 2, 3, 1 -> mean 2, std 1 -> A_turn 0, 1, -1
+    # MICA's Eq. 2: the population std, sigma = sqrt( (1/N) sum (x - mean)^2 ), in both scopes
+    # turn 0: G = 2, 3, 1 -> mean 2, std sqrt(2/3) = 0.816497 -> A_turn 0, 1.224745, -1.224745
     # turn 1: G = 2, 2 -> zero variance -> 0, 0;  turn 2: reached by k2 only -> 0
-    # group: r mean 1.5, std sqrt(1.1) = 1.048809 -> A_group = (r - 1.5) / 1.048809
-    # A = 0.4 A_turn + 0.6 A_group
+    # group: r = 1, 2, 3, 0, 1, 2 -> mean 1.5, std sqrt(5.5/6) = 0.957427 -> A_group = (r - 1.5) / 0.957427
+    # A = 0.4 A_turn + 0.6 A_group: k0 0.6 * -0.522233 = -0.313340; k1 0.4 * 1.224745 + 0.6 * 1.566699 = 1.429916
     A = trainer.mica_advantages([[1.0, 2.0], [3.0], [0.0, 1.0, 2.0]], alpha=0.4, gamma=0.5)
-    approx(A, [[-0.286039, 0.286039], [1.258116], [-1.258116, -0.286039, 0.286039]])
+    approx(A, [[-0.313340, 0.313340], [1.429916], [-1.429916, -0.313340, 0.313340]])
 
 
 def test_mica_alpha_extremes(trainer):
     r = [[1.0, 2.0], [3.0], [0.0, 1.0, 2.0]]
-    approx(trainer.mica_advantages(r, 1.0, 0.5), [[0, 0], [1], [-1, 0, 0]])  # turn-level only
-    approx(trainer.mica_advantages(r, 0.0, 0.5),                              # group-level only
-           [[-0.476731, 0.476731], [1.430194], [-1.430194, -0.476731, 0.476731]])
+    approx(trainer.mica_advantages(r, 1.0, 0.5), [[0, 0], [1.224745], [-1.224745, 0, 0]])  # turn-level only
+    approx(trainer.mica_advantages(r, 0.0, 0.5),                                            # group-level only
+           [[-0.522233, 0.522233], [1.566699], [-1.566699, -0.522233, 0.522233]])
+    # the sample std (ddof = 1) would give 1 and 1.430194 here: sqrt(N / (N - 1)) larger std, smaller A
 
 
 def test_mica_degenerate_groups(trainer):
@@ -57,7 +59,7 @@ def test_mica_degenerate_groups(trainer):
     assert trainer.mica_advantages([[1.0]], 0.4, 0.85) == [[0.0]]          # a single reward: 0
     assert trainer.mica_advantages([[], [1.0, 2.0]], 0.4, 1.0)[0] == []    # an empty trajectory
     A = trainer.mica_advantages([[1.0, 2.0], [1.0, 2.0]], 0.4, 1.0)
-    approx(A, [[-0.6 * 0.866025, 0.6 * 0.866025]] * 2)                     # turn-level 0, group spread
+    approx(A, [[-0.6, 0.6]] * 2)                          # turn-level 0; group r = 1, 2, 1, 2: std 0.5 -> +-1
 
 
 def test_grpo_outcome_on_every_turn(trainer):
@@ -84,7 +86,8 @@ def test_clipped_surrogate_and_kl(trainer):
     logp = torch.log(torch.tensor([1.5, 0.5, 1.0]))   # ratios 1.5, 0.5, 1.0 against logp_old = 0
     old = torch.zeros(3)
     A = torch.tensor([1.0, -1.0, 2.0])
-    loss, clipped = trainer.pref.clipped_surrogate(logp, old, A, 0.2, 0.28)
+    loss, clipped, ratio = trainer.pref.clipped_surrogate(logp, old, A, 0.2, 0.28)
+    approx(ratio.tolist(), [1.5, 0.5, 1.0])
     # ratio 1.5, A>0: min(1.5, 1.28) -> -1.28 (clipped); ratio 0.5, A<0: max(0.5, 0.8) -> 0.8 (clipped)
     approx(loss.tolist(), [-1.28, 0.8, -2.0])
     assert clipped.tolist() == [1.0, 1.0, 0.0]

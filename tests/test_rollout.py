@@ -119,8 +119,22 @@ def test_truncation_penalty(env, trainer, tiny):
                         env.ScriptedUser(0), args)
     tr = trajs[0]
     targs = argparse.Namespace(idr_weights=(1, 1, 1), eps=1.0, truncation_penalty=0.5, reward_weights={"idr": 1.0})
-    expected = [-0.5 if cut else 0.0 for cut in tr.truncated]
+    assert any(tr.truncated)
+    expected = [-0.5 * 3 ** 0.5 if cut else 0.0 for cut in tr.truncated]   # half a level-1 turn's IDR, sqrt(3)
     assert trainer.turn_rewards(tr, targs) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("reward, weights, penalty", [
+    ({"idr": 1.0}, (1, 1, 1), 0.5 * 3 ** 0.5),          # IDR: a level-1 turn on every axis moves d by sqrt(3)
+    ({"idr": 1.0}, (4, 0, 0), 0.5 * 2.0),                # weighted distance: sqrt(w_C + w_A + w_P)
+    ({"rlver": 1.0}, (1, 1, 1), 0.5 * 0.1),              # RLVER: at most 10 emotion points / 100 a turn
+    ({"care": 1.0}, (1, 1, 1), 0.5),                     # CARE: scores and weights in [0, 1]
+    ({"kardia": 1.0}, (1, 1, 1), 0.5),                   # Kardia-R1: the mean criterion score in [0, 1]
+    ({"idr": 1.0, "rlver": 0.5}, (1, 1, 1), 0.5 * (3 ** 0.5 + 0.05)),   # a sum: weighted like the reward
+])
+def test_cutoff_penalty_is_in_each_rewards_units(trainer, reward, weights, penalty):
+    args = argparse.Namespace(idr_weights=weights, truncation_penalty=0.5, reward_weights=reward)
+    assert trainer.cutoff_penalty(args) == pytest.approx(penalty)
 
 
 def test_token_logprobs_match_full_forward(trainer, tiny, env):
@@ -232,20 +246,32 @@ def test_kardia_format_and_reward(env, trainer):
         is False                                                                          # empty response
     assert env.kardia_response("plain reply") == ("plain reply", False)
 
-    class Fake:   # criterion scores 1, 0.5, 0.5, 1, 0 -> mean 0.6
+    assert trainer.kardia_section(good, "emotion") == "fear" and trainer.kardia_section("plain reply", "emotion") == ""
+
+    class Fake:   # the reply's four axes score 1, 0.5, 0.5, 1; emotion accuracy 1 if "fear" is named, else 0
+        def __init__(self):
+            self.items = []
+
         def score(self, items):
-            assert [c.split(":")[0] for c in items[0]["criteria"]] == \
-                ["Relevance", "Empathy", "Persona consistency", "Safety", "Fluency"]
-            return [[1.0, 0.5, 0.5, 1.0, 0.0] for _ in items]
+            self.items += items
+            return [[1.0, 0.5, 0.5, 1.0] if len(it["criteria"]) == 4 else [float("fear" in it["reply"])]
+                    for it in items]
 
     import types
 
     tr = types.SimpleNamespace(T=2, scenario={"persona": "a nurse", "profile": {"MBTI": "INFJ"}},
                                messages=[{"role": "user", "content": "u"}, {"role": "assistant", "content": good},
-                                         {"role": "user", "content": "u2"}, {"role": "assistant", "content": "x"}],
+                                         {"role": "user", "content": "I am scared"}, {"role": "assistant", "content": "x"}],
                                shown=["That sounds frightening.", "x"], formatted=[True, False])
-    assert "MBTI: INFJ" in trainer.kardia_criteria(tr.scenario)[2]
-    assert trainer.kardia_turn_rewards(Fake(), [tr], use_format=True) == [pytest.approx([0.6, -0.4])]
+    reply_axes, emotion_axis = trainer.kardia_criteria(tr.scenario, "I am scared")
+    assert [c.split(":")[0] for c in reply_axes] == ["Relevance", "Empathy", "Persona consistency", "Safety"]
+    assert "MBTI: INFJ" in reply_axes[2] and emotion_axis.startswith("Emotion accuracy") and "I am scared" in emotion_axis
+    assert "(grief)" in trainer.kardia_criteria({"emotion": "grief"}, "...")[1]      # the scenario's emotion wins
+    judge = Fake()
+    # turn 1: (1 + 0.5 + 0.5 + 1 + 1 [fear named]) / 5 = 0.8; turn 2: no sections -> emotion 0, format -1
+    assert trainer.kardia_turn_rewards(judge, [tr], use_format=True) == [pytest.approx([0.8, 0.6 - 1.0])]
+    assert [it["reply"] for it in judge.items if len(it["criteria"]) == 1] == ["fear", "(no emotion named)"]
+    # without the format the emotion is judged on the shown reply itself
     assert trainer.kardia_turn_rewards(Fake(), [tr], use_format=False) == [pytest.approx([0.6, 0.6])]
     assert env.seen_history(tr)[1]["content"] == "That sounds frightening."   # the user never sees the rest
 
@@ -279,10 +305,10 @@ def test_every_reward_with_every_estimator_one_step(trainer, tiny_model, tiny_ru
             for t in r["turns"]:
                 if not t["judge_failed"] and t["reward_parts"]["care"] is not None:
                     assert 0 <= t["reward_parts"]["care"] <= 1
-    if reward == "rlver":      # the recorded rewards are the emotion changes / 100 (minus cut-off penalties)
-        for rec in recs:
+    if reward == "rlver":      # the recorded rewards are the emotion changes / 100, minus the cut-off penalty in
+        for rec in recs:       # RLVER's units: 0.5 (the default fraction) x 0.1 (its largest change in a turn)
             e = [30.0] + [t["emotion"] for t in rec["turns"]]
-            want = [(e[i + 1] - e[i]) / 100 - 1.0 * t["truncated"] for i, t in enumerate(rec["turns"])
+            want = [(e[i + 1] - e[i]) / 100 - 0.05 * t["truncated"] for i, t in enumerate(rec["turns"])
                     if not t["judge_failed"]]
             assert [t["reward"] for t in rec["turns"] if not t["judge_failed"]] == pytest.approx(want, abs=1e-4)
 
@@ -291,7 +317,7 @@ def test_care_weights_the_distance_and_uniform_is_mica(trainer):
     import types
 
     states = [[-6, -9, -4], [-5, -6, -4], [-6, -5, -3], [-3, -6, -2]]
-    args = argparse.Namespace(idr_weights=(1, 1, 1), eps=1.0, reward_weights={"idr": 1.0})
+    args = argparse.Namespace(idr_weights=(1, 1, 1), eps=1.0, reward_weights={"idr": 1.0}, care_distance="weighted")
     uniform = {"weights": {d: 1 / 3 for d in trainer.DIMS}}
     tr = types.SimpleNamespace(T=3, states=states, extra={"rubrics": [uniform] * 3})
     assert trainer.reward_parts(tr, args)["idr"] == pytest.approx([2.828, 0.363, 1.231], abs=1e-3)
@@ -301,6 +327,10 @@ def test_care_weights_the_distance_and_uniform_is_mica(trainer):
     d = lambda P: (0.6 * max(0, -1 - P[0]) ** 2 + 1.8 * max(0, -1 - P[1]) ** 2 + 0.6 * max(0, -1 - P[2]) ** 2) ** 0.5  # noqa: E731
     assert trainer.reward_parts(tr, args)["idr"] == pytest.approx([d(states[t]) - d(states[t + 1]) for t in range(3)])
     assert trainer.reward_parts(tr, args)["idr"][0] > 2.828          # the affective move counts more
+    # --care-distance plain keeps MICA's potential difference: the rewards telescope to d(P0) - d(P_T)
+    args.care_distance = "plain"
+    plain = trainer.reward_parts(tr, args)["idr"]
+    assert plain == pytest.approx([2.828, 0.363, 1.231], abs=1e-3) and sum(plain) == pytest.approx(9.899495 - 5.477226)
 
 
 def test_kv_reuse_same_dialogues_fewer_tokens_prefilled(env, tiny):
@@ -333,3 +363,46 @@ def test_kv_reuse_same_dialogues_fewer_tokens_prefilled(env, tiny):
     assert [b for b, _ in pre0] == [2, 2] and all(n > L1 for _, n in pre0)
     assert [b for b, _ in pre1] == [6, 6] and all(n < 40 for _, n in pre1)
     assert sum(b * n for b, n in pre1) < 0.5 * sum(b * n for b, n in pre0)
+
+
+def test_default_update_takes_two_optimizer_steps_and_pi_old_is_not_the_updated_policy(trainer, tiny_model, tmp_path):
+    """04's defaults (4 scenarios x K=4 = 16 trajectories, --minibatch-size 8) take 2 optimizer steps per
+    rollout, so the second minibatch's ratio has moved (the metrics log its range)."""
+    import json
+
+    trainer.main(["--model", tiny_model, "--steps", "2", "--max-turns", "1", "--max-new-tokens", "4", "--lr", "0.05",
+                  "--out-dir", str(tmp_path), "--no-progress"])
+    m = [json.loads(x) for x in (next(tmp_path.iterdir()) / "metrics.jsonl").read_text().splitlines()]
+    assert [x["trajectories"] for x in m] == [16, 16] and [x["optimizer_steps"] for x in m] == [2, 2]
+    assert all(x["ratio_min"] < 1.0 < x["ratio_max"] for x in m)
+    assert all(0 <= x["clip_frac"] <= 1 for x in m)
+
+
+def test_the_clip_engages_on_the_second_minibatch(trainer, tiny_model):
+    """Two minibatches of one rollout with advantages +-1: the first step moves the policy, the second
+    minibatch's ratio leaves [1 - clip_low, 1 + clip_high], and the clip counts those tokens; with one
+    minibatch (pi_old = pi) nothing is ever clipped."""
+    torch.manual_seed(0)
+    args = argparse.Namespace(model=tiny_model, adapter=None, lora_r=4, lora_alpha=8, lora_dropout=0.0,
+                              lora_targets="q_proj,v_proj", load_in_4bit="off", gradient_checkpointing=False,
+                              attn_implementation="auto", trust_remote_code=False, minibatch_size=4,
+                              micro_batch_size=2, ppo_epochs=1, temperature=1.0, clip_low=0.01, clip_high=0.01,
+                              kl_coef=0.0, max_grad_norm=1.0)
+    out = {}
+    for minibatch_size in (8, 4):
+        model, tok = common.load_policy(argparse.Namespace(**{**vars(args), "minibatch_size": minibatch_size}))
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.05)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+        ids = tok("I feel so alone since my dad died. That sounds really painful.")["input_ids"]
+        samples = [trainer.pref.Sample(ids, [(4, len(ids))], [1.0 if i % 2 else -1.0]) for i in range(8)]
+        args.minibatch_size = minibatch_size
+        out[minibatch_size] = trainer.pref.ppo_update(model, tok, opt, sched, samples, args)
+    assert out[8]["optimizer_steps"] == 1 and out[8]["clip_frac"] == 0.0 and out[8]["ratio_max"] == pytest.approx(1.0)
+    assert out[4]["optimizer_steps"] == 2 and out[4]["clip_frac"] > 0       # tokens after the first step
+    assert out[4]["ratio_min"] < 0.99 or out[4]["ratio_max"] > 1.01
+
+
+def test_max_new_tokens_default_leaves_room_for_kardias_four_sections(env):
+    assert env.parse_args([]).max_new_tokens == 48
+    assert env.parse_args(["--kardia-format"]).max_new_tokens == env.KARDIA_TOKENS == 192
+    assert env.parse_args(["--kardia-format", "--max-new-tokens", "64"]).max_new_tokens == 64   # a flag given wins
