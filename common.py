@@ -1,15 +1,17 @@
 """common.py: plumbing shared by the stage scripts, and nothing else.
 
 What lives here (no algorithm, no reward, no advantage: those stay in the stage that uses them):
-  1. errors a user can cause        UserError, run_main (one message, exit code 2)
-  2. model resolution and loading   resolve_model, load_tokenizer, load_policy, add_model_args
-  3. LLM backends                   ChatBackend (hf:<model>, api:<model>), EmbedBackend (MiniLM)
-  4. text and JSONL I/O            text_lines, read_jsonl, read_records, append_jsonl, hub_dataset_file
-  5. runs, seeding, checkpoints     make_run_dir, save_args, set_seed, save_checkpoint, load_checkpoint
+  1. errors a user can cause        UserError, run_main, check, warn (one message, exit code 2)
+  2. model resolution and loading   resolve_model, load_tokenizer, load_policy, switch_adapter,
+                                    add_model_args, add_run_args
+  3. LLM backends                   ChatBackend (hf:<model>, api:<model>), ask_json, api_counts, EmbedBackend
+  4. text and JSONL I/O             text_lines, read_jsonl, read_records, append_jsonl, hub_dataset_file
+  5. runs, seeding, checkpoints     open_run, save_args, set_seed, save_checkpoint, load_checkpoint,
+                                    checkpoint_on_error
   6. metrics                        MetricsLogger (stdout, metrics.jsonl, TensorBoard / W&B)
-  7. small helpers                 extract_json, transcript_lines, mean_std, cosine_with_warmup
-  8. batched generation, log-probs  generate_batch (and its TurnCache), render_ids, next_user_ids,
-                                   token_logprobs, right_pad, continuation_logliks, plot_series
+  7. small helpers                  extract_json, transcript_lines, mean_std, cosine_with_warmup, make_optimizer
+  8. generation and log-probs       generate_batch (and its TurnCache), render_ids, next_user_ids,
+                                    token_logprobs, right_pad, continuation_logliks, plot_series
   9. data-parallel helpers          init_distributed, world, all_reduce, all_reduce_grads, gather, from_rank0
 
 The offline default model is SmolLM2-135M-Instruct, shipped as GGUF inside the PyPI package
