@@ -6,9 +6,8 @@ What lives here (no algorithm, no reward, no advantage: those stay in the stage 
                                     add_model_args, add_run_args
   3. LLM backends                   ChatBackend (hf:<model>, api:<model>), ask_json, api_counts, EmbedBackend
   4. text and JSONL I/O             text_lines, read_jsonl, read_records, append_jsonl, hub_dataset_file
-  5. runs, seeding, checkpoints     open_run, save_args, set_seed, save_checkpoint, load_checkpoint,
-                                    checkpoint_on_error
-  6. metrics                        MetricsLogger (stdout, metrics.jsonl, TensorBoard / W&B)
+  5. runs, seeding, checkpoints     open_run, save_args, set_seed, save_checkpoint, load_checkpoint
+  6. metrics                        MetricsLogger (stdout, metrics.jsonl, TensorBoard / W&B), checkpoint_on_error
   7. small helpers                  extract_json, transcript_lines, mean_std, cosine_with_warmup, make_optimizer
   8. generation and log-probs       generate_batch (and its TurnCache), render_ids, next_user_ids,
                                     token_logprobs, right_pad, continuation_logliks, plot_series
