@@ -3,23 +3,21 @@
 What it does
   Loads the base model once, evaluates it, then switches to each --adapters folder (peft) and evaluates
   it the same way, with the same seeds. Suites (--suite, comma-separated; details: docs/evaluation.md):
-    empa      03's rollout on the held-out scenarios with the benchmark's rules (45 turns, no end before
-              turn 12, collapse window 5, --max-context 8192 capped at the model's window): outcomes,
-              every EPM sub-metric and the EPM-Index.
+    empa      03's rollout on the held-out scenarios, the benchmark's rules (45 turns, no end before turn 12,
+              collapse window 5, --max-context 8192 capped at the window): outcomes, EPM sub-metrics and index.
     eqbench3  scenario_prompts.txt: each scenario's fixed user turns played to the model, the judge scores
               the task's six criteria 0-20 (role-play and drafting, or analysis: ids 401-420).
-    sage      SAGE / RLVER profiles on 03's rollout: emotion from 40, at most +-10 a turn, 10 turns;
-              Sentient score, successes (>= 100), failures (< 10).
+    sage      SAGE / RLVER profiles on 03's rollout: emotion from 40, at most +-10 a turn, 10 turns.
     emobench  EmoBench EU (emotion and cause) and EA (best response or action), multiple choice.
-  Every finished case is appended to cases.jsonl at once, so --resume RUN skips it after a kill.
+  Every finished case is appended to cases.jsonl at once, so --resume RUN skips it after a kill;
+  --max-cases N samples N cases per suite and file, stratified by language and category, by --seed.
 
 Reads   --scenarios, --eqbench3 (a scenario_prompts.txt; a 4-scenario sample ships), --sage-profiles
         (JSONL: id, player, scene, main_cha, cha_group, task, first_talk?), --emobench-eu/-ea (JSONL with
-        EmoBench's fields, or a hub dataset owner/name[:config[:split]]); the model, --adapters, backends.
-Writes  runs/<name>-<time>/: args.json, cases.jsonl (one line per finished case), transcripts.jsonl,
-        results.json, results.md (the table), distance_per_turn.png, emotion_per_turn.png, and with
-        --rubrics-from (04's rollouts.jsonl of a --reward care run) rubric_by_turn / rubric_by_emotion
-        (.png and .json).
+        EmoBench's fields, or a hub dataset owner/name[:config[:split]]); UTF-8, a BOM or CRLF is fine.
+Writes  runs/<name>-<time>/: args.json, cases.jsonl, transcripts.jsonl, results.json, results.md (the
+        table), distance_per_turn.png, emotion_per_turn.png, and with --rubrics-from (04's rollouts.jsonl
+        of a --reward care run) rubric_by_turn / rubric_by_emotion (.png and .json).
 
 Equations (docs/reference.md sections 3, 4, 6; r0 = ||P0||, rho_max = sqrt(12), alpha_s = 1.5, beta = 1.2)
   EPM-Index  = 0.4 Outcome + 0.2 Efficiency + 0.4 Stability, each the mean of three indices, per case,
@@ -41,8 +39,10 @@ Choices and departures (numbered as in docs/evaluation.md, where each is in full
   1. S_proj's u_t = v* (--s-proj step: -P_{t-1}/||P_{t-1}||); R_pen counts levels (--r-pen points).
   2. tau undefined (P_T = P0): its index is 0; no index is clamped.  3. Judge-failed turns are left out;
      a case with no judged turn, or whose user failed, is excluded and counted.  4. SAGE runs on 03's
-     rollout; offline its emotion change comes from the levels (English only).  5. EQ-Bench 3 offline
-     is a PROXY of the embed judge's levels.  6. EmoBench scores options by mean log-probability.
+     rollout; offline its emotion change comes from the levels (English only); without first_talk the
+     user opens with what an LLM user writes from the profile (offline: a line naming main_cha), never
+     the scene.  5. EQ-Bench 3 offline is a PROXY of the embed judge's levels; analysis tasks are not
+     scored.  6. EmoBench scores options by mean log-probability, each prompt computed once.
 
 CPU:  python 05_eval.py --adapters runs/mica-20261130-120000/adapter      (SmolLM2, embed judge, scripted user)
 GPU:  python 05_eval.py --model Qwen2.5-7B-Instruct --adapters runs/mica-A/adapter runs/grpo-B/adapter \\
@@ -56,10 +56,12 @@ import importlib
 import json
 import math
 import os
+import random
 import re
 import statistics
 import sys
 import zlib
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -72,16 +74,16 @@ env = importlib.import_module("03_rollout")          # the environment: scenario
 HERE = Path(__file__).resolve().parent
 SUITES = ("empa", "eqbench3", "sage", "emobench")
 RHO_MAX, ALPHA_S, BETA = math.sqrt(12), 1.5, 1.2
-ROLEPLAY_CRITERIA = ("demonstrated_empathy", "pragmatic_ei", "depth_of_insight", "social_dexterity",
-                     "emotional_reasoning", "message_tailoring")
-ANALYSIS_CRITERIA = ("depth_of_insight", "emotional_reasoning", "theory_of_mind", "subtext_identification",
-                     "intellectual_grounding", "correctness")
-# the offline proxy only: which MDEP-PR axis stands in for each EQ-Bench criterion
-CRITERION_AXIS = {"demonstrated_empathy": "A", "pragmatic_ei": "P", "depth_of_insight": "C", "social_dexterity": "A",
-                  "emotional_reasoning": "C", "message_tailoring": "C", "theory_of_mind": "C",
-                  "subtext_identification": "C", "intellectual_grounding": "P", "correctness": "C"}
-# EmoBench's question templates ("en", "zh") and the scripted user's lines for Chinese SAGE profiles
-TEXTS = json.loads((HERE / "data" / "eval" / "prompts.json").read_text(encoding="utf-8"))
+EPM_KEYS = ("EPM", "Outcome", "Efficiency", "Stability", "RDI_idx", "E_total_idx", "S_net_idx", "rho_idx", "S_proj_idx",
+            "tau_idx", "R_pos_idx", "Align_idx", "R_pen_idx", "turns", "final_distance")    # summarised per case
+EQ_PROXY = "EQ-Bench 3 (offline proxy)"   # the column when the embed judge's levels stood in for the criteria
+# EmoBench's question templates ("en", "zh"), EQ-Bench 3's criteria (roleplay / analysis) and the axis that
+# stands in for each in the offline proxy, the judges' and SAGE's prompts (lists of lines), the offline
+# SAGE opening and the scripted user's lines for Chinese SAGE profiles
+TEXTS = json.loads((HERE / "data" / "eval" / "prompts.json").read_text(encoding="utf-8-sig"))
+TEXTS.update({k: "\n".join(TEXTS[k]) for k in ("eqbench3_judge", "sage_judge", "sage_first_message")})
+ROLEPLAY_CRITERIA, ANALYSIS_CRITERIA = (tuple(TEXTS["eqbench3_criteria"][k]) for k in ("roleplay", "analysis"))
+CRITERION_AXIS = TEXTS["eqbench3_proxy_axis"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -179,17 +181,16 @@ def main(argv=None):
     common.set_seed(args.seed)
     # 1. read and validate every input before anything is created
     data = load_suite_data(args)
-    for name in [args.model] + [spec[3:] for spec in (args.judge, args.user) if spec.startswith("hf:")]:
-        common.resolve_model(name)
+    common.check_model_args(args)       # --model, --adapter, an hf: judge / user, bitsandbytes for 4-bit
     # 2. the run folder (new, or the one to resume: its finished cases are skipped)
     run_dir = common.open_run(args, ("cases.jsonl", "transcripts.jsonl"))
     done = {k for k, r in last_records(run_dir).items() if not r.get("failed")}
     if args.resume:
         print(f"resume {run_dir}: {len(done)} finished cases are skipped")
-    # 3. judge and user (only for the suites that need them), then the base model, loaded once
-    judge = env.make_judge(args) if {"empa", "eqbench3", "sage"} & set(args.suites) else None
-    user = env.make_user(args) if {"empa", "sage"} & set(args.suites) else None
+    # 3. the base model, loaded once, then judge and user (for the suites that need them; self: that base)
     model, tok = common.load_policy(args, trainable=False)
+    judge = env.make_judge(args, (model, tok)) if {"empa", "eqbench3", "sage"} & set(args.suites) else None
+    user = env.make_user(args, (model, tok)) if {"empa", "sage"} & set(args.suites) else None
     window = getattr(model.config, "max_position_embeddings", None)
     if window and args.max_context > window:
         print(f"--max-context {args.max_context} is above the model's window: using {window}")
@@ -234,18 +235,10 @@ def case_ids(suite, unit, k) -> list[str]:
 
 
 def run_suite(suite, model, tok, batch, judge, user, args) -> tuple[list[dict], list[dict]]:
-    if suite == "empa":
-        return empa_cases(model, tok, batch, judge, user, args)
-    if suite == "eqbench3":
-        return eqbench3_cases(model, tok, batch, judge, args)
-    if suite == "sage":
-        return sage_cases(model, tok, batch, judge, user, args)
-    cases = []
-    for kind in ("EU", "EA"):
-        items = [it for it in batch if it["case"].startswith(kind + "-")]
-        if items:
-            cases += emobench_cases(items, kind, lambda qs: answer_mcq(model, tok, qs, args), args.mcq)
-    return cases, []
+    if suite != "emobench":
+        return {"empa": empa_cases, "eqbench3": eqbench3_cases, "sage": sage_cases}[suite](model, tok, batch, judge, user, args)
+    return [c for kind in ("EU", "EA") for c in emobench_cases([it for it in batch if it["case"].startswith(kind + "-")],
+                                                               kind, lambda qs: answer_mcq(model, tok, qs, args), args.mcq)], []
 
 
 # the suites: each evaluates a batch of cases and returns their records
@@ -269,9 +262,13 @@ def empa_cases(model, tok, scenarios, judge, user, args) -> tuple[list[dict], li
     return cases, transcripts
 
 
-def eqbench3_cases(model, tok, tasks, judge, args) -> tuple[list[dict], list[dict]]:
+def eqbench3_cases(model, tok, tasks, judge, user, args) -> tuple[list[dict], list[dict]]:
+    """The user is unused (the turns are fixed). Offline (no LLM judge) role-play and drafting get the proxy
+    scores and analysis tasks are not played: nothing offline can judge an analysis (reported as such)."""
+    llm = isinstance(judge, env.LLMJudge)
     # 1. play each task's fixed user turns; every task of the batch answers its turn i in one generate call
-    convs, cut = [[] for _ in tasks], [False] * len(tasks)
+    unscored = [not llm and t["kind"] == "analysis" for t in tasks]
+    convs, cut = [[] for _ in tasks], list(unscored)       # cut: no further turns are played
     for i in range(max(len(t["prompts"]) for t in tasks)):
         live = [j for j, t in enumerate(tasks) if i < len(t["prompts"]) and not cut[j]]
         ctx = []
@@ -288,8 +285,8 @@ def eqbench3_cases(model, tok, tasks, judge, args) -> tuple[list[dict], list[dic
                          {"role": "assistant", "content": tok.decode(reply_ids, skip_special_tokens=True).strip()}]
     # 2. the judge scores the task's criteria 0-20
     criteria = [ANALYSIS_CRITERIA if t["kind"] == "analysis" else ROLEPLAY_CRITERIA for t in tasks]
-    if isinstance(judge, env.LLMJudge):
-        prompts = [[{"role": "user", "content": EQ_JUDGE_PROMPT.format(
+    if llm:
+        prompts = [[{"role": "user", "content": TEXTS["eqbench3_judge"].format(
             kind=t["kind"], transcript="\n\n".join(f"[{m['role']}]\n{m['content']}" for m in c),
             criteria="\n".join(f"- {x}" for x in cr), shape=json.dumps({x: 0 for x in cr}))}]
             for t, c, cr in zip(tasks, convs, criteria)]
@@ -299,74 +296,73 @@ def eqbench3_cases(model, tok, tasks, judge, args) -> tuple[list[dict], list[dic
         scores = eqbench3_proxy_scores(convs, criteria, judge)
     # 3. score = 5 * mean of the task's criterion scores
     cases, transcripts = [], []
-    for t, c, s in zip(tasks, convs, scores):
+    for t, c, s, skip in zip(tasks, convs, scores, unscored):
         s = s if c else None
         case = {"case": t["id"], "kind": t["kind"], "category": t["category"], "replies": len(c) // 2,
-                "context_limit": len(c) // 2 < len(t["prompts"]),
-                "failed": None if s else "judge failed" if c else "no turn fits in --max-context"}
+                "context_limit": not skip and len(c) // 2 < len(t["prompts"]),
+                "failed": None if s or skip else "judge failed" if c else "no turn fits in --max-context"}
         if s:
-            case.update(criteria=s, score=5 * sum(s.values()) / len(s))
+            case.update(criteria=s, score=5 * sum(s.values()) / len(s), proxy=not llm)
+        if skip:
+            case["unscored"] = "not scored (needs an LLM judge)"
         cases.append(case)
         transcripts.append({"case": t["id"], "messages": c})
     return cases, transcripts
 
 
-EQ_JUDGE_PROMPT = """You are an expert judge of emotional intelligence. Below is an EQ-Bench 3 task ({kind}):
-the user's turns and the respondent's answers.
-
-{transcript}
-
-Score the respondent's answers on each criterion from 0 (absent) to 20 (exceptional):
-{criteria}
-
-Answer with JSON only, exactly this shape: {shape}"""
-
-
 def eqbench3_proxy_scores(convs, criteria, judge) -> list[dict | None]:
-    """Offline proxy (not EQ-Bench): MDEP-PR levels of every reply -> per axis
-    clip(10 + 5 (progress - negative), 0, 20) -> each criterion the mean of its axis over the replies."""
+    """Offline proxy (not EQ-Bench): MDEP-PR levels of every reply -> per axis clip(10 + 5 (progress -
+    negative), 0, 20) -> each criterion the mean of its axis over the replies. A reply that is not language
+    (the judge's fluency check: gibberish, keyword salad) scores as an empty one: negative 1 on every axis."""
+    fluency_min = getattr(judge, "th", {}).get("fluency", 0.0)
     cases, owner = [], []
     for j, c in enumerate(convs):
         for i in range(1, len(c), 2):
             cases.append({"scenario": {"id": str(j), "persona": "", "situation": ""}, "history": c[:i],
                           "reply": c[i]["content"]})
             owner.append(j)
-    verdicts = judge.judge(cases)
+    verdicts = judge.judge(cases) if cases else []
     per_axis = [{a: [] for a in env.AXES} for _ in convs]
     for j, v in zip(owner, verdicts):
         if v is not None:
+            not_language = v["features"].get("fluency", 1.0) < fluency_min
             for a in env.AXES:
-                progress, negative = v["levels"][a]
+                progress, negative = (0, 1) if not_language else v["levels"][a]
                 per_axis[j][a].append(max(0.0, min(20.0, 10.0 + 5.0 * (progress - negative))))
-    out = []
-    for j, cr in enumerate(criteria):
-        ok = all(per_axis[j][a] for a in env.AXES)
-        out.append({x: sum(per_axis[j][CRITERION_AXIS[x]]) / len(per_axis[j][CRITERION_AXIS[x]]) for x in cr}
-                   if ok else None)
-    return out
+    # each criterion: the mean over the replies of its stand-in axis (None: no reply judged)
+    return [{x: statistics.mean(per_axis[j][CRITERION_AXIS[x]]) for x in cr} if all(per_axis[j].values()) else None
+            for j, cr in enumerate(criteria)]
 
 
-SAGE_PROMPT = """You are simulating a person in an emotional-support conversation (SAGE protocol).
-Who you are: {player}
-The situation: {scene}
-What you secretly want from the conversation: {task}
-Your current emotion: {emotion:.0f} out of 100 (0 = desperate, 100 = fully supported).
-
-The conversation so far (the last line is the supporter's reply):
-{history}
-
-As this person, analyse how the supporter's last reply makes you feel, then decide the change of your
-emotion: an integer from -10 (much worse) to +10 (much better).
-Answer with JSON only: {{"analysis": "<one or two sentences>", "change": 0}}"""
-
-
-def sage_scenario(p: dict) -> dict:
-    """A profile as 03's rollout and users see a scenario (persona, situation, opening, scripted lines).
-    SAGE has no EMPA deficit (p0 = 0): the user's state is its emotion."""
-    zh = bool(re.search(r"[\u4e00-\u9fff]", p["player"] + p["scene"]))
+def sage_scenario(p: dict, written: str | None = None) -> dict:
+    """A profile as 03's rollout and users see a scenario; p0 = 0 (the user's state is its emotion). The user
+    opens with first_talk, else what an LLM user wrote (sage_openings), else a short line naming main_cha:
+    never with the scene, the simulator's private background."""
+    zh = p["language"] == "zh"                        # set by load_sage_profiles
+    offline = TEXTS["sage_offline_opening"][p["language"]].format(name=p["main_cha"].strip())
+    opening, source = ((p["first_talk"], "first_talk") if (p.get("first_talk") or "").strip() else
+                       (written, "user model") if written else (offline, "offline line"))
     return {"id": p["id"], "persona": p["player"], "situation": f"{p['scene']} {p['task']}", "profile": p,
-            "opening": (p.get("first_talk") or p["scene"])[:1000], "p0": [0.0, 0.0, 0.0],
+            "opening": opening, "opening_from": source, "p0": [0.0, 0.0, 0.0],
             "user_lines": TEXTS["sage_zh_lines"] if zh else env.DEFAULT_USER_LINES}
+
+
+def sage_openings(profiles, user, args) -> dict:
+    """{id: the first message} of the profiles without first_talk, written by the LLM user (any user with
+    a chat backend) from the profile, as SAGE's simulator does; re-asked (--judge-retries) when empty or
+    reciting the scene. Missing where there is no LLM user or no usable answer (sage_scenario's line)."""
+    backend, need = getattr(user, "backend", None), [p for p in profiles if not (p.get("first_talk") or "").strip()]
+    if backend is None or not need:
+        return {}
+    prompts = [[{"role": "user", "content": TEXTS["sage_first_message"].format(
+        name=p["main_cha"], player=p["player"], scene=p["scene"], task=p["task"])}] for p in need]
+    scenes = [p["scene"].strip()[:120] for p in need]         # an answer that recites the scene is not usable
+    written = common.ask_json(backend, prompts, lambda i, t: t.strip() if t and t.strip() and not (
+        scenes[i] and scenes[i] in t) else None, args.judge_retries, who="sage user", noun="openings",
+        max_tokens=120, temperature=0.7)
+    if None in written:
+        common.warn(f"sage: {written.count(None)} of {len(need)} first messages unusable: the offline line instead")
+    return {p["id"]: w for p, w in zip(need, written) if w}
 
 
 class SageJudge:
@@ -377,15 +373,15 @@ class SageJudge:
         self.backend, self.retries = backend, retries
 
     def judge(self, cases: list[dict]) -> list[dict | None]:
-        prompts = [[{"role": "user", "content": SAGE_PROMPT.format(
+        prompts = [[{"role": "user", "content": TEXTS["sage_judge"].format(
             player=c["scenario"]["persona"], scene=c["scenario"]["profile"]["scene"],
             task=c["scenario"]["profile"]["task"], emotion=c["emotion"],
             history="\n".join(common.transcript_lines(c["history"], user="You") + [f"Supporter: {c['reply']}"]))}]
             for c in cases]
         changes = common.ask_json(self.backend, prompts, lambda i, text: parse_change(text), self.retries,
                                   who="sage judge", noun="cases")
-        zero = {a: (0, 0) for a in env.AXES}
-        return [None if ch is None else {"levels": zero, "features": {}, "change": ch} for ch in changes]
+        return [None if ch is None else {"levels": {a: (0, 0) for a in env.AXES}, "features": {}, "change": ch}
+                for ch in changes]
 
 
 def sage_cases(model, tok, profiles, judge, user, args) -> tuple[list[dict], list[dict]]:
@@ -396,14 +392,16 @@ def sage_cases(model, tok, profiles, judge, user, args) -> tuple[list[dict], lis
                                       "emotion_start": args.sage_start, "emotion_ends": True})
     if isinstance(judge, env.LLMJudge):
         judge = SageJudge(judge.backend, args.judge_retries)
-    trajs = env.rollout(model, tok, [sage_scenario(p) for p in profiles], judge, user, sage_args, desc="sage turns")
+    written = sage_openings(profiles, user, args)
+    trajs = env.rollout(model, tok, [sage_scenario(p, written.get(p["id"])) for p in profiles], judge, user, sage_args,
+                        desc="sage turns")
     cases, transcripts = [], []
     for tr in trajs:
         changes = [e1 - e0 for e0, e1, v in zip(tr.emotions, tr.emotions[1:], tr.vs) if v is not None]
-        failed = ("user failed" if tr.outcome == "user_failed" else "judge failed on every turn" if not changes
-                  else None)
-        cases.append({"case": tr.scenario["id"], "outcome": tr.outcome, "turns": tr.T, "judged_turns": len(changes),
-                      "final_emotion": tr.emotions[-1], "emotions": tr.emotions, "changes": changes, "failed": failed})
+        failed = "user failed" if tr.outcome == "user_failed" else "judge failed on every turn" if not changes else None
+        cases.append({"case": tr.scenario["id"], "opening": tr.scenario["opening_from"], "outcome": tr.outcome,
+                      "turns": tr.T, "judged_turns": len(changes), "final_emotion": tr.emotions[-1],
+                      "emotions": tr.emotions, "changes": changes, "failed": failed})
         transcripts.append({"case": tr.scenario["id"], **env.trajectory_record(tr, sage_args)})
     return cases, transcripts
 
@@ -411,21 +409,23 @@ def sage_cases(model, tok, profiles, judge, user, args) -> tuple[list[dict], lis
 def mcq_prompt(item, question, options, mode, emotion=None) -> str:
     T = TEXTS["emobench"]["zh" if item["language"].lower().startswith(("zh", "ch")) else "en"]
     lettered = "\n".join(f"{chr(65 + i)}. {o}" for i, o in enumerate(options))
+    qtype = item.get("question type", "").strip().lower()
     text = T[question].format(scenario=item["scenario"], subject=item["subject"], emotion=emotion or T["this"],
-                              qtype=item.get("question type", "").lower())
+                              qtype=T["qtypes"].get(qtype, qtype))           # EA's type in the prompt's language
     return text + T["choices"].format(choices=lettered) + T[mode]
 
 
 def emobench_cases(items, kind, choose, mode="loglik") -> list[dict]:
     """choose(questions) -> the chosen option index (or None) per {prompt, options} question. EU asks the
     emotion, then the cause naming the chosen emotion; it is correct only when both are right."""
+    head = lambda it: {"case": it["case"], "task": kind, "language": it["language"], "failed": None,  # noqa: E731
+                       "category": it["category"] if kind == "EA" else it["coarse_category"]}
+    if not items:
+        return []
     if kind == "EA":
-        picks = choose([{"prompt": mcq_prompt(it, "EA", it["choices"], mode), "options": it["choices"]}
-                        for it in items])
-        return [{"case": it["case"], "task": "EA", "language": it["language"], "category": it["category"],
-                 "pred": None if p is None else it["choices"][p], "answered": p is not None,
-                 "correct": int(p is not None and it["choices"][p] == it["label"]), "failed": None}
-                for it, p in zip(items, picks)]
+        picks = choose([{"prompt": mcq_prompt(it, "EA", it["choices"], mode), "options": it["choices"]} for it in items])
+        return [{**head(it), "pred": None if p is None else it["choices"][p], "answered": p is not None,
+                 "correct": int(p is not None and it["choices"][p] == it["label"])} for it, p in zip(items, picks)]
     emo = choose([{"prompt": mcq_prompt(it, "emotion", it["emotion_choices"], mode), "options": it["emotion_choices"]}
                   for it in items])
     named = [None if p is None else it["emotion_choices"][p] for it, p in zip(items, emo)]
@@ -435,11 +435,9 @@ def emobench_cases(items, kind, choose, mode="loglik") -> list[dict]:
     for it, e, c in zip(items, named, cause):
         emotion_ok = e == it["emotion_label"]
         cause_ok = c is not None and it["cause_choices"][c] == it["cause_label"]
-        out.append({"case": it["case"], "task": "EU", "language": it["language"], "category": it["coarse_category"],
-                    "pred": [e, None if c is None else it["cause_choices"][c]],
-                    "answered": e is not None and c is not None,
-                    "emotion_correct": int(emotion_ok), "cause_correct": int(cause_ok),
-                    "correct": int(emotion_ok and cause_ok), "failed": None})
+        out.append({**head(it), "pred": [e, None if c is None else it["cause_choices"][c]],
+                    "answered": e is not None and c is not None, "emotion_correct": int(emotion_ok),
+                    "cause_correct": int(cause_ok), "correct": int(emotion_ok and cause_ok)})
     return out
 
 
@@ -456,22 +454,11 @@ def parse_choice(text: str, options: list[str]) -> int | None:
     return ord(m.group(1)) - 65 if m else None
 
 
-def option_logliks(model, tok, questions, batch_size) -> list[list[float]]:
-    """score(option) = (1/|o|) sum_j log pi(o_j | prompt, o_<j): the option as the assistant's answer to the
-    question (length-normalised mean log-probability of its tokens), for every option of every question."""
-    pairs = []
-    for q in questions:
-        prompt_ids = common.render_ids(tok, [{"role": "user", "content": q["prompt"]}])
-        pairs += [(prompt_ids, tok(o, add_special_tokens=False)["input_ids"]) for o in q["options"]]
-    flat = iter(common.continuation_logliks(model, tok, pairs, batch_size))
-    return [[next(flat) for _ in q["options"]] for q in questions]
-
-
 @torch.no_grad()
 def answer_mcq(model, tok, questions, args) -> list[int | None]:
-    """loglik: the option with the highest mean log-probability; generate: a greedy answer, letter parsed."""
+    """loglik: the option with the highest mean log-probability (common.option_logliks); generate: greedy, letter parsed."""
     if args.mcq == "loglik":
-        return [max(range(len(s)), key=s.__getitem__) for s in option_logliks(model, tok, questions, args.batch_size)]
+        return [max(range(len(s)), key=s.__getitem__) for s in common.option_logliks(model, tok, questions, args.batch_size)]
     ctx = [common.render_ids(tok, [{"role": "user", "content": q["prompt"]}]) for q in questions]
     replies = common.generate_batch(model, tok, ctx, 16, 0.0)
     return [parse_choice(tok.decode(ids, skip_special_tokens=True), q["options"])
@@ -494,13 +481,11 @@ def load_eqbench3(path) -> tuple[list[dict], dict]:
             sid = parts[0] or f"line{lineno}"
             kind = ("analysis" if (sid.isdigit() and 401 <= int(sid) <= 420) or "analys" in category.lower()
                     else "drafting" if "draft" in category.lower() else "roleplay")
-            cur = {"id": sid, "category": category, "title": title, "kind": kind, "prompts": [],
-                   "_where": f"{path}:{lineno}"}
-            tasks.append(cur)
+            tasks.append(cur := {"id": sid, "category": category, "title": title, "kind": kind, "prompts": [],
+                                 "_where": f"{path}:{lineno}"})
             prompt = None
         elif turn and cur is not None:
-            prompt = []
-            cur["prompts"].append(prompt)
+            cur["prompts"].append(prompt := [])
         elif prompt is not None:
             prompt.append(line)
         elif line.strip():
@@ -523,27 +508,22 @@ def load_eqbench3(path) -> tuple[list[dict], dict]:
 
 def load_sage_profiles(path) -> list[dict]:
     recs = common.read_jsonl(path, {"id": (str, int), "player": str, "scene": str, "main_cha": str,
-                                    "cha_group": (str, list), "task": str})
-    for r in recs:
-        ft = r.get("first_talk")
-        common.check(ft is None or isinstance(ft, str), f"{r['_where']}: field 'first_talk' must be str")
-        r["id"] = str(r["id"])
-    ids = [r["id"] for r in recs]
-    common.check(len(set(ids)) == len(ids), f"{path}: duplicate profile ids")
+                                    "cha_group": (str, list), "task": str}, {"first_talk": str}, unique=("id",))
+    for r in recs:       # the language, from the text (the profiles do not state it)
+        r["id"], r["language"] = str(r["id"]), "zh" if re.search(r"[\u4e00-\u9fff]", r["player"] + r["scene"]) else "en"
     return recs
 
 
-EMOBENCH_FIELDS = {
-    "EU": {"qid": (str, int), "language": str, "coarse_category": str, "finegrained_category": str,
-           "scenario": str, "subject": str, "emotion_choices": list, "emotion_label": str,
-           "cause_choices": list, "cause_label": str},
+EMOBENCH_FIELDS = {  # the public files' fields (EA's "question type" with its space)
+    "EU": {"qid": (str, int), "language": str, "coarse_category": str, "finegrained_category": str, "scenario": str,
+           "subject": str, "emotion_choices": list, "emotion_label": str, "cause_choices": list, "cause_label": str},
     "EA": {"qid": (str, int), "language": str, "category": str, "question type": str, "scenario": str,
            "subject": str, "choices": list, "label": str}}
 
 
 def load_emobench(spec: str, kind: str) -> list[dict]:
     path = common.hub_dataset_file(spec, f"--emobench-{kind.lower()}")
-    recs = common.read_jsonl(path, EMOBENCH_FIELDS[kind])
+    recs = common.read_jsonl(path, EMOBENCH_FIELDS[kind], unique=("language", "qid"))
     pairs = [("emotion_choices", "emotion_label"), ("cause_choices", "cause_label")] if kind == "EU" \
         else [("choices", "label")]
     for r in recs:
@@ -552,8 +532,6 @@ def load_emobench(spec: str, kind: str) -> list[dict]:
             common.check(ok, f"{r['_where']}: field '{choices}' must be a list of 2+ non-empty strings")
             common.check(r[label] in r[choices], f"{r['_where']}: field '{label}' is not one of '{choices}'")
         r["case"] = f"{kind}-{r['language']}-{r['qid']}"
-    ids = [r["case"] for r in recs]
-    common.check(len(set(ids)) == len(ids), f"{path}: duplicate (language, qid) pairs")
     return recs
 
 
@@ -597,26 +575,26 @@ def summarize(cases: list[dict], suite: str) -> dict:
     if not ok:
         return s
     if suite == "empa":
-        for key in ("EPM", "Outcome", "Efficiency", "Stability", "RDI_idx", "E_total_idx", "S_net_idx", "rho_idx",
-                    "S_proj_idx", "tau_idx", "R_pos_idx", "Align_idx", "R_pen_idx", "final_distance", "turns"):
+        for key in EPM_KEYS:
             s[key] = mean_ci([c[key] for c in ok])
         s["success"] = mean_ci([float(c["outcome"] == "success") for c in ok])
         s["outcomes"] = {o: sum(c["outcome"] == o for c in ok) for o in sorted({c["outcome"] for c in ok})}
     elif suite == "eqbench3":
-        s["score"] = mean_ci([c["score"] for c in ok])
-        s["by_kind"] = {k: statistics.mean(c["score"] for c in ok if c["kind"] == k)
-                        for k in sorted({c["kind"] for c in ok})}
+        scored = [c for c in ok if "score" in c]      # offline, analysis tasks are kept but not scored
+        s.update(n=len(scored), unscored=len(ok) - len(scored), proxy=any(c.get("proxy") for c in scored))
+        if scored:
+            s["score"] = mean_ci([c["score"] for c in scored])
+            s["by_kind"] = {k: statistics.mean(c["score"] for c in scored if c["kind"] == k)
+                            for k in sorted({c["kind"] for c in scored})}
     elif suite == "sage":
-        s["sentient"] = mean_ci([c["final_emotion"] for c in ok])
-        s["successes"] = sum(c["final_emotion"] >= 100 for c in ok)
-        s["failures"] = sum(c["final_emotion"] < 10 for c in ok)
+        s.update(sentient=mean_ci([c["final_emotion"] for c in ok]), successes=sum(c["final_emotion"] >= 100 for c in ok),
+                 failures=sum(c["final_emotion"] < 10 for c in ok))
     else:
         s["unanswered"] = sum(not c["answered"] for c in ok)
         for task in ("EU", "EA"):
             xs = [c for c in ok if c["task"] == task]
             if xs:
-                s[task] = mean_ci([100.0 * c["correct"] for c in xs])
-                s[task + "_n"] = len(xs)
+                s[task], s[task + "_n"] = mean_ci([100.0 * c["correct"] for c in xs]), len(xs)
                 for by in ("category", "language"):
                     s[f"{task}_by_{by}"] = {v: 100.0 * statistics.mean(c["correct"] for c in xs if c[by] == v)
                                             for v in sorted({c[by] for c in xs})}
@@ -624,12 +602,12 @@ def summarize(cases: list[dict], suite: str) -> dict:
 
 
 def fmt(mci, n=None) -> str:
-    mean, half = mci
-    return f"{mean:.2f}" + (f" ± {half:.2f}" if half is not None else "") + (f" (n={n})" if n is not None else "")
+    return f"{mci[0]:.2f}" + (f" ± {mci[1]:.2f}" if mci[1] is not None else "") + (f" (n={n})" if n is not None else "")
 
 
 def results_table(summary: dict, suites) -> str:
-    cols = {"empa": ["EMPA EPM-Index", "EMPA success %"], "eqbench3": ["EQ-Bench 3"],
+    proxy = any(by.get("eqbench3", {}).get("proxy") for by in summary.values())
+    cols = {"empa": ["EMPA EPM-Index", "EMPA success %"], "eqbench3": [EQ_PROXY if proxy else "EQ-Bench 3"],
             "sage": ["SAGE Sentient", "SAGE success / failure"], "emobench": ["EmoBench EU %", "EmoBench EA %"]}
     head = [c for s in suites for c in cols[s]]
     lines = ["| model | " + " | ".join(head) + " |", "|---" * (len(head) + 1) + "|"]
@@ -642,10 +620,10 @@ def results_table(summary: dict, suites) -> str:
             if suite == "empa":
                 cells += [fmt(s["EPM"], s["n"]) + failed, fmt((100 * s["success"][0], None))] if s["n"] else miss
             elif suite == "eqbench3":
-                cells += [fmt(s["score"], s["n"]) + failed] if s["n"] else miss
+                unscored = f"; {s['unscored']} analysis not scored (needs an LLM judge)" if s.get("unscored") else ""
+                cells += [(fmt(s["score"], s["n"]) if s["n"] else "-") + failed + unscored]
             elif suite == "sage":
-                cells += ([fmt(s["sentient"], s["n"]) + failed, f"{s['successes']} / {s['failures']}"]
-                          if s["n"] else miss)
+                cells += [fmt(s["sentient"], s["n"]) + failed, f"{s['successes']} / {s['failures']}"] if s["n"] else miss
             else:
                 cells += [fmt(s[t], s[t + "_n"]) if t in s else "-" for t in ("EU", "EA")]
         lines.append(f"| {model} | " + " | ".join(cells) + " |")
@@ -679,42 +657,39 @@ def plot_rubrics(records: list[dict], run_dir: Path, label: str) -> list[str]:
 
 def write_results(run_dir: Path, args) -> str:
     records = list(last_records(run_dir).values())
-    models = ["base"] + list(args.adapters)
-    models += sorted({r["model"] for r in records} - set(models))
+    models = ["base"] + list(args.adapters) + sorted({r["model"] for r in records} - {"base", *args.adapters})
     summary = {m: {s: summarize([r for r in records if r["model"] == m and r["suite"] == s], s) for s in args.suites}
                for m in models if any(r["model"] == m for r in records)}
     table = results_table(summary, args.suites)
     md = ["# Evaluation", "", f"command: `python 05_eval.py {' '.join(sys.argv[1:])}`", "", table, "",
           "mean ± 95% CI (1.96 sd / sqrt n) over cases; n = cases kept; failed cases are excluded and counted."]
-    epm = ("Outcome", "Efficiency", "Stability", "RDI_idx", "E_total_idx", "S_net_idx", "rho_idx", "S_proj_idx",
-           "tau_idx", "R_pos_idx", "Align_idx", "R_pen_idx", "turns", "final_distance")
+    if EQ_PROXY in table:
+        md += ["", f"{EQ_PROXY}: MDEP-PR levels stand in for the criteria (not EQ-Bench); analysis needs an LLM judge."]
     rows = [(m, by["empa"]) for m, by in summary.items() if by.get("empa", {}).get("n")]
     if rows:
         md += ["", "EMPA details (means over cases; the indices are 0-100 scaled)", "",
-               "| model | outcomes | " + " | ".join(k.replace("_idx", "") for k in epm) + " |",
-               "|---" * (len(epm) + 2) + "|"]
-        md += [f"| {m} | {json.dumps(e['outcomes'])} | " + " | ".join(f"{e[k][0]:.2f}" for k in epm) + " |"
+               "| model | outcomes | " + " | ".join(k.replace("_idx", "") for k in EPM_KEYS[1:]) + " |",
+               "|---" * (len(EPM_KEYS) + 1) + "|"]
+        md += [f"| {m} | {json.dumps(e['outcomes'])} | " + " | ".join(f"{e[k][0]:.2f}" for k in EPM_KEYS[1:]) + " |"
                for m, e in rows]
+    line = lambda d, p: ", ".join(f"{k} {v:.{p}f}" for k, v in d.items())  # noqa: E731
     for m, by in summary.items():
         q, b = by.get("eqbench3", {}), by.get("emobench", {})
-        if q.get("n"):
-            md += ["", f"{m}, EQ-Bench 3 by task kind: " + ", ".join(f"{k} {v:.2f}" for k, v in q["by_kind"].items())]
+        md += ["", f"{m}, EQ-Bench 3 by task kind: {line(q['by_kind'], 2)}"] if q.get("n") else []
         if b.get("unanswered"):
             md += ["", f"{m}, EmoBench: {b['unanswered']} items without a parsable answer (counted wrong)"]
         for t in (t for t in ("EU", "EA") if t in b):
-            md += ["", f"{m}, EmoBench {t} accuracy % by category: " + ", ".join(
-                f"{k} {v:.1f}" for k, v in b[t + "_by_category"].items()) + "; by language: " + ", ".join(
-                f"{k} {v:.1f}" for k, v in b[t + "_by_language"].items())]
+            md += ["", f"{m}, EmoBench {t} accuracy % by category: {line(b[t + '_by_category'], 1)}; "
+                       f"by language: {line(b[t + '_by_language'], 1)}"]
     common._atomic_write_text(run_dir / "results.md", "\n".join(md) + "\n")
     common._atomic_write_text(run_dir / "results.json", json.dumps(
-        {"args": common.public_args(args), "summary": summary, "cases": records},
-        indent=1, ensure_ascii=False, default=str))
+        {"args": common.public_args(args), "columns": table.split("\n")[0].strip("| ").split(" | "),
+         "summary": summary, "cases": records}, indent=1, ensure_ascii=False, default=str))
     # plots: distance per turn (EMPA), emotion per turn (SAGE), rubric weights when the rollouts carry them
     for suite, key, ylabel, name in (("empa", "distances", "hinge distance d(P_t)", "distance_per_turn.png"),
                                      ("sage", "emotions", "user emotion e_t", "emotion_per_turn.png")):
-        series = {m: [r[key] for r in records if r["model"] == m and r["suite"] == suite and not r.get("failed")]
-                  for m in models}
-        series = {m: runs for m, runs in series.items() if runs}
+        series = {m: runs for m in models if (runs := [r[key] for r in records if r["model"] == m and r["suite"] == suite
+                                                       and not r.get("failed")])}
         if series:
             common.plot_series(series, "turn (0 = before the first reply)", ylabel, run_dir / name)
     for path in args.rubrics_from:    # 04's rollouts.jsonl: its CARE rubrics by turn and by user emotion
@@ -732,23 +707,21 @@ def parse_args(argv=None):
     g = p.add_argument_group("evaluation")
     g.add_argument("--suite", default=",".join(SUITES), help="comma-separated suites: " + ", ".join(SUITES))
     g.add_argument("--adapters", nargs="*", default=[], help="peft adapter folders, evaluated after the base model")
-    g.add_argument("--max-cases", type=int, default=0, help="at most this many cases per suite and file (0 = all)")
-    g.add_argument("--batch-size", type=int, default=8,
-                   help="cases generated together (EmoBench: options scored together); saved after each batch")
-    g.add_argument("--r-pen", choices=["levels", "points"], default="levels",
-                   help="EPM R_pen counts negative levels or their points")
+    g.add_argument("--max-cases", type=int, default=0, help="at most this many cases per suite and file, sampled "
+                   "by --seed and stratified by language and category (EMPA, EQ-Bench: by kind); 0 = all")
+    g.add_argument("--batch-size", type=int, default=8, help="cases generated together (EmoBench: options scored "
+                   "together after their shared prompt); saved after each batch")
+    g.add_argument("--r-pen", choices=["levels", "points"], default="levels", help="EPM R_pen counts negative levels or points")
     g.add_argument("--s-proj", choices=["goal", "step"], default="goal",
                    help="EPM S_proj direction u_t: goal v* = -P0/||P0||, or step -P_{t-1}/||P_{t-1}||")
-    g.add_argument("--eqbench3", default=str(HERE / "data" / "eval" / "eqbench3_sample.txt"),
-                   help="EQ-Bench 3 scenario_prompts.txt (the default is a 4-scenario sample written for this project)")
-    g.add_argument("--sage-profiles", default=str(HERE / "data" / "eval" / "sage_profiles.jsonl"),
-                   help="SAGE profiles JSONL")
+    for flag, name, what in (("--eqbench3", "eqbench3_sample.txt", "EQ-Bench 3 scenario_prompts.txt (the default is "
+                              "a 4-scenario sample written for this project)"),
+                             ("--sage-profiles", "sage_profiles.jsonl", "SAGE profiles JSONL"),
+                             ("--emobench-eu", "emobench_eu.jsonl", "EmoBench EU: JSONL or hub dataset owner/name[:config[:split]]"),
+                             ("--emobench-ea", "emobench_ea.jsonl", "EmoBench EA: JSONL or hub dataset owner/name[:config[:split]]")):
+        g.add_argument(flag, default=str(HERE / "data" / "eval" / name), help=what)
     g.add_argument("--sage-turns", type=int, default=10, help="SAGE: turns before the episode stops")
     g.add_argument("--sage-start", type=float, default=40.0, help="SAGE: the user's starting emotion (0-100)")
-    g.add_argument("--emobench-eu", default=str(HERE / "data" / "eval" / "emobench_eu.jsonl"),
-                   help="EmoBench EU: JSONL path or hub dataset owner/name[:config[:split]]")
-    g.add_argument("--emobench-ea", default=str(HERE / "data" / "eval" / "emobench_ea.jsonl"),
-                   help="EmoBench EA: JSONL path or hub dataset owner/name[:config[:split]]")
     g.add_argument("--rubrics-from", nargs="*", default=[],
                    help="04 rollouts.jsonl files (--reward care runs): plot their rubric weights by turn and emotion")
     g.add_argument("--mcq", choices=["loglik", "generate"], default="loglik",
@@ -760,8 +733,7 @@ def parse_args(argv=None):
     args.suites = [s.strip() for s in args.suite.split(",") if s.strip()]
     bad = [s for s in args.suites if s not in SUITES]
     c(args.suites and not bad, f"--suite: unknown suite(s) {bad or args.suite!r}; choose from {', '.join(SUITES)}")
-    c(args.adapter is None, "--adapter is for training; 05_eval.py takes --adapters A B ... "
-                            "(the base is always evaluated)")
+    c(args.adapter is None, "--adapter is for training; 05_eval.py takes --adapters A B ... (the base is always evaluated)")
     for a in args.adapters:
         c(os.path.exists(os.path.join(a, "adapter_config.json")), f"--adapters {a}: no adapter_config.json there")
     c(len(set(args.adapters)) == len(args.adapters) and "base" not in args.adapters, "--adapters: each folder once")
@@ -773,22 +745,52 @@ def parse_args(argv=None):
 
 
 def load_suite_data(args) -> dict:
-    """Every input the chosen suites need, validated (errors name file:line and field)."""
-    cap = (lambda xs: xs[: args.max_cases]) if args.max_cases else (lambda xs: xs)  # noqa: E731
+    """Every input the chosen suites need, validated (errors name file:line and field), sampled (--max-cases)."""
     data = {}
     if "empa" in args.suites:
-        data["empa"] = cap(env.load_scenarios(args.scenarios))
+        data["empa"] = sample_cases(env.load_scenarios(args.scenarios), args, "empa", lambda s: (s.get("kind", ""),))
     if "eqbench3" in args.suites:
         tasks, stats = load_eqbench3(args.eqbench3)
         print(f"eqbench3: read {stats['scenarios']} scenarios and {stats['prompts']} prompts from {args.eqbench3} "
               f"({stats['ignored_lines']} lines outside prompts, {stats['empty_scenarios']} scenarios without prompts "
               f"and {stats['duplicates']} duplicate ids skipped)")
-        data["eqbench3"] = cap(tasks)
+        data["eqbench3"] = sample_cases(tasks, args, "eqbench3", lambda t: (t["kind"],))
     if "sage" in args.suites:
-        data["sage"] = cap(load_sage_profiles(args.sage_profiles))
+        data["sage"] = sample_cases(load_sage_profiles(args.sage_profiles), args, "sage", lambda p: (p["language"],))
     if "emobench" in args.suites:
-        data["emobench"] = cap(load_emobench(args.emobench_eu, "EU")) + cap(load_emobench(args.emobench_ea, "EA"))
+        data["emobench"] = [it for kind in ("EU", "EA") for it in sample_cases(
+            load_emobench(getattr(args, f"emobench_{kind.lower()}"), kind), args, f"emobench {kind}",
+            lambda it: (it["language"], it.get("coarse_category", it.get("category"))))]
     return data
+
+
+def sample_cases(units: list, args, name: str, strata) -> list:
+    """--max-cases n of the units, stratified: strata(unit) -> (language, category, ...); each level
+    shares out its quota by largest remainder, quota_g = floor(n |g| / |all|) and the leftover to the
+    largest fractions (ties drawn by --seed); within a stratum a seeded draw. Kept in file order."""
+    n, rng = args.max_cases, random.Random(f"{args.seed}|{name}")
+    if not n or n >= len(units):
+        return units
+
+    def take(index: list[int], quota: int, level: int) -> list[int]:
+        if level == len(strata(units[index[0]])):
+            return rng.sample(index, quota)
+        groups = {}
+        for i in index:
+            groups.setdefault(strata(units[i])[level], []).append(i)
+        exact = {g: quota * len(m) / len(index) for g, m in groups.items()}
+        share = {g: math.floor(x) for g, x in exact.items()}
+        # the leftover, one each to the groups with the largest fractions (equal fractions: a seeded order)
+        for g in sorted(groups, key=lambda g: (share[g] - exact[g], rng.random()))[: quota - sum(share.values())]:
+            share[g] += 1
+        return [i for g, m in groups.items() for i in take(m, share[g], level + 1)]
+
+    picked = [units[i] for i in sorted(take(list(range(len(units))), n, 0))]
+    label = lambda u: "/".join(map(str, strata(u)))  # noqa: E731
+    have, taken = Counter(map(label, units)), Counter(map(label, picked))      # units per stratum
+    print(f"{name}: --max-cases {n} of {len(units)}, stratified (seed {args.seed}): "
+          + ", ".join(f"{k} {taken[k]}/{have[k]}" for k in have))
+    return picked
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ of every suite on the tiny random model (with an adapter, --resume, an LLM judge
 import importlib
 import json
 import math
+import random
 import socket
 from pathlib import Path
 
@@ -77,9 +78,16 @@ def test_sage_profiles_including_chinese(tmp_path):
     assert zh["first_talk"].startswith("我被调岗了") and zh["cha_group"] == ["林晓", "朋友"]
     s = ev.sage_scenario(zh)
     assert s["opening"] == zh["first_talk"] and s["user_lines"] is ev.TEXTS["sage_zh_lines"]
-    no_first = [p for p in profiles if "first_talk" not in p][0]     # opens with its scene
-    assert ev.sage_scenario(no_first)["opening"] == no_first["scene"]
+    assert [p["language"] for p in profiles] == ["en", "zh", "zh", "en"]
+    no_first = [p for p in profiles if "first_talk" not in p][0]     # offline: a short line naming main_cha
+    s = ev.sage_scenario(no_first)
+    assert (s["opening"], s["opening_from"]) == ("你好，我是老陈。能跟你聊聊吗？有件事一直压在我心里。", "offline line")
+    assert ev.sage_scenario(no_first, "儿子又不回来过年了。")["opening"] == "儿子又不回来过年了。"
     assert ev.sage_scenario(profiles[0])["user_lines"] is ev.env.DEFAULT_USER_LINES
+    en = {**profiles[0], "first_talk": "  "}                         # blank first_talk: not used
+    assert ev.sage_scenario(en)["opening"] == "Hi, I'm Dev. Can I talk to you about something? It's been weighing on me."
+    for p in profiles + [en]:                                        # no dialogue opens with (part of) its scene
+        assert p["scene"][:40] not in ev.sage_scenario(p)["opening"]
     bad = {k: v for k, v in zh.items() if k not in ("task", "_where")}
     write_jsonl(tmp_path / "p.jsonl", [{k: v for k, v in zh.items() if k != "_where"}, bad])
     with pytest.raises(common.UserError, match=r"p.jsonl:2: missing field 'task'"):
@@ -101,6 +109,167 @@ def test_emobench_loaders(tmp_path):
         ev.load_emobench(str(tmp_path / "ea2.jsonl"), "EA")
     with pytest.raises(common.UserError, match="not a hub dataset name"):
         ev.load_emobench("no_such_file.jsonl", "EU")
+
+
+def variants(tmp_path, name, text) -> dict:
+    """The same text written plain, with a UTF-8 byte-order mark, with CRLF line ends, and with both."""
+    out = {}
+    for tag, data in (("plain", text), ("bom", "\ufeff" + text), ("crlf", text.replace("\n", "\r\n")),
+                      ("bom_crlf", "\ufeff" + text.replace("\n", "\r\n"))):
+        out[tag] = tmp_path / f"{tag}-{name}"
+        out[tag].write_bytes(data.encode("utf-8"))
+    return out
+
+
+def as_read(result, path) -> str:
+    """A loader's result as text, its own file name replaced (records carry _where = path:line)."""
+    return json.dumps(result, ensure_ascii=False, sort_keys=True).replace(str(path), "FILE")
+
+
+@pytest.mark.parametrize("loader", ["eqbench3", "eqbench3_header_first", "sage", "emobench_eu", "emobench_ea",
+                                    "scenarios", "read_records"])
+def test_every_loader_reads_a_bom_and_a_crlf_file_as_the_plain_one(tmp_path, loader):
+    source = {"eqbench3": SAMPLES / "eqbench3_sample.txt", "eqbench3_header_first": SAMPLES / "eqbench3_sample.txt",
+              "sage": SAMPLES / "sage_profiles.jsonl", "emobench_eu": SAMPLES / "emobench_eu.jsonl",
+              "emobench_ea": SAMPLES / "emobench_ea.jsonl", "scenarios": ROOT / "data" / "scenarios_test.jsonl",
+              "read_records": SAMPLES / "sage_profiles.jsonl"}[loader]
+    text = source.read_text(encoding="utf-8")
+    if loader == "eqbench3_header_first":             # the public file opens with a header: a BOM there lost it
+        text = text[text.index("######## 1 |"):]
+    if loader == "read_records":                      # U+2028 inside a record is no line end
+        text += json.dumps({"id": "x", "note": "a\u2028b"}, ensure_ascii=False) + "\n"
+    read = {"eqbench3": ev.load_eqbench3, "eqbench3_header_first": ev.load_eqbench3, "sage": ev.load_sage_profiles,
+            "emobench_eu": lambda p: ev.load_emobench(str(p), "EU"), "emobench_ea": lambda p: ev.load_emobench(str(p), "EA"),
+            "scenarios": ev.env.load_scenarios, "read_records": common.read_records}[loader]
+    files = variants(tmp_path, source.name, text)
+    got = {tag: as_read(read(p), p) for tag, p in files.items()}
+    assert got["bom"] == got["plain"] and got["crlf"] == got["plain"] and got["bom_crlf"] == got["plain"]
+    n = {"eqbench3": 4, "eqbench3_header_first": 4, "sage": 4, "emobench_eu": 6, "emobench_ea": 6, "scenarios": 8,
+         "read_records": 5}[loader]
+    result = read(files["bom_crlf"])
+    assert len(result[0] if loader.startswith("eqbench3") else result) == n
+    if loader.startswith("eqbench3"):
+        assert result[1]["prompts"] == 7 and result[0][0]["id"] == "1" and result[0][0]["category"] == "Workplace Dilemma"
+    if loader == "read_records":
+        assert result[-1]["note"] == "a\u2028b"
+
+
+def test_json_errors_name_the_column_once(tmp_path):
+    p = tmp_path / "x.jsonl"
+    p.write_text('{"id": 1}\n{"id": "cut off\n', encoding="utf-8")
+    with pytest.raises(common.UserError) as e:
+        common.read_jsonl(p)
+    assert str(e.value) == f"{p}:2: not valid JSON (Unterminated string starting at column 8)"
+    write_jsonl(p, [{"id": "a", "first_talk": 3, "player": "p", "scene": "s", "main_cha": "m", "cha_group": [],
+                     "task": "t"}])
+    with pytest.raises(common.UserError, match=r"x.jsonl:1: field 'first_talk' must be str, got int"):
+        ev.load_sage_profiles(p)
+    item = json.loads((SAMPLES / "emobench_ea.jsonl").read_text(encoding="utf-8").splitlines()[0])
+    write_jsonl(p, [item, {**item, "scenario": "another"}])
+    with pytest.raises(common.UserError, match=r"x.jsonl:2: language, qid 'en/1' again \(first on line 1\)"):
+        ev.load_emobench(str(p), "EA")
+
+
+def test_the_chinese_ea_prompt_names_the_question_type_in_chinese():
+    ea = ev.load_emobench(str(SAMPLES / "emobench_ea.jsonl"), "EA")
+    zh = {it["question type"]: ev.mcq_prompt(it, "EA", it["choices"], "loglik") for it in ea if it["language"] == "zh"}
+    assert "最有效的回应是什么" in zh["Response"] and "最有效的行动是什么" in zh["Action"]
+    for prompt in zh.values():                       # the question line has no English in it
+        question = prompt.splitlines()[1]
+        assert question.startswith("问题：") and not any("a" <= ch.lower() <= "z" for ch in question)
+    en = [ev.mcq_prompt(it, "EA", it["choices"], "loglik") for it in ea if it["language"] == "en"]
+    assert "the most effective action for Lena?" in en[0]
+
+
+def public_like_items(order_seed=None) -> list[dict]:
+    """50 EA items ordered like the public file (every English item, then every Chinese one), categories
+    of unequal size: en 12/9/6/3, zh 8/6/4/2; order_seed shuffles the lines."""
+    base = json.loads((SAMPLES / "emobench_ea.jsonl").read_text(encoding="utf-8").splitlines()[0])
+    items = []
+    for lang, sizes in (("en", (12, 9, 6, 3)), ("zh", (8, 6, 4, 2))):
+        for cat, size in zip("ABCD", sizes):
+            items += [{**base, "qid": f"{cat}{i}", "language": lang, "category": cat} for i in range(size)]
+    if order_seed is not None:
+        random.Random(order_seed).shuffle(items)
+    return items
+
+
+def test_max_cases_samples_by_language_and_category(tmp_path, capsys):
+    # largest remainder, level by level: en 20*30/50 = 12, zh 8; en's 12 -> 4.8 3.6 2.4 1.2 -> 5 4 2 1;
+    # zh's 8 -> 3.2 2.4 1.6 0.8 -> 3 2 2 1 (the leftover to the largest fractions)
+    want = {("en", "A"): 5, ("en", "B"): 4, ("en", "C"): 2, ("en", "D"): 1,
+            ("zh", "A"): 3, ("zh", "B"): 2, ("zh", "C"): 2, ("zh", "D"): 1}
+    picks = {}
+    for order in (None, 1, 2):                       # the file's order does not change the counts
+        p = write_jsonl(tmp_path / f"ea{order}.jsonl", public_like_items(order))
+        for seed in (0, 7):
+            args = ev.parse_args(["--suite", "emobench", "--emobench-ea", str(p), "--max-cases", "20", "--seed", str(seed)])
+            taken = [it for it in ev.load_suite_data(args)["emobench"] if it["case"].startswith("EA-")]
+            got = {k: sum((it["language"], it["category"]) == k for it in taken) for k in want}
+            assert got == want, (order, seed)
+            picks[order, seed] = sorted(it["case"] for it in taken)
+    assert picks[None, 0] == sorted(it["case"] for it in ev.sample_cases(
+        ev.load_emobench(str(tmp_path / "eaNone.jsonl"), "EA"), ev.parse_args(["--max-cases", "20"]), "emobench EA",
+        lambda it: (it["language"], it["category"])))                   # the same seed draws the same items
+    assert picks[None, 0] != picks[None, 7]
+    out = capsys.readouterr().out
+    assert "emobench EA: --max-cases 20 of 50, stratified (seed 7): en/A 5/12, en/B 4/9, en/C 2/6, en/D 1/3, " \
+           "zh/A 3/8, zh/B 2/6, zh/C 2/4, zh/D 1/2" in out
+    assert "emobench EU" not in out                  # 6 EU items under --max-cases 20: all, no sampling
+
+
+def test_the_offline_proxy_scores_empty_and_gibberish_replies_clearly_below_a_supportive_one():
+    judge = ev.env.EmbedJudge(ROOT / "data" / "judge_prototypes.json")
+    task = ev.load_eqbench3(SAMPLES / "eqbench3_sample.txt")[0][0]
+    replies = {"empty": "", "gibberish": "blorp fzzt quaxle wub wub zindo prrk.",
+               "keyword salad": "meeting manager mock-ups VP launch Greg credit onboarding redesign weeks",
+               "supportive": "I'm thinking that Greg took credit for six weeks of my work on the onboarding redesign, and I "
+                             "feel hurt and angry, but I also want to handle it well. He is probably feeling pressure to "
+                             "look good for the VP. I'll reply: 'Happy to send them. Before I do, can we talk about how the "
+                             "redesign was presented? I'd like my role to be visible.'"}
+    convs = [[{"role": "user", "content": task["prompts"][0]}, {"role": "assistant", "content": r}] for r in replies.values()]
+    scores = ev.eqbench3_proxy_scores(convs, [ev.ROLEPLAY_CRITERIA] * len(convs), judge)
+    score = {k: 5 * sum(s.values()) / len(s) for k, s in zip(replies, scores)}
+    assert score["empty"] == 25.0 and score["keyword salad"] == 25.0       # negative 1 on every axis: 5/20 each
+    assert score["supportive"] >= 60.0
+    assert all(score["supportive"] - score[k] >= 30.0 for k in ("empty", "gibberish", "keyword salad")), score
+
+
+def old_option_logliks(model, tok, questions) -> list[list[float]]:
+    """The path before the shared prompt: prompt + option as one row, the whole row run for every option."""
+    import torch
+
+    out = []
+    with torch.no_grad():
+        for q in questions:
+            prompt = common.render_ids(tok, [{"role": "user", "content": q["prompt"]}])
+            opts = [tok(o, add_special_tokens=False)["input_ids"] for o in q["options"]]
+            ids, attn, mask = common.right_pad([prompt + o for o in opts], tok.pad_token_id,
+                                               [[(len(prompt), len(prompt) + len(o))] for o in opts])
+            lp = common.token_logprobs(model, ids, attn, mask)
+            out.append([x.mean().item() for x in lp.split([len(o) for o in opts])])
+    return out
+
+
+def test_emobench_shared_prompt_scoring_gives_the_old_choices_on_the_sample(tiny_model):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    tok = common.load_tokenizer(tiny_model)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    eu = ev.load_emobench(str(SAMPLES / "emobench_eu.jsonl"), "EU")
+    ea = ev.load_emobench(str(SAMPLES / "emobench_ea.jsonl"), "EA")
+    questions = ([{"prompt": ev.mcq_prompt(it, "EA", it["choices"], "loglik"), "options": it["choices"]} for it in ea]
+                 + [{"prompt": ev.mcq_prompt(it, "emotion", it["emotion_choices"], "loglik"),
+                     "options": it["emotion_choices"]} for it in eu]
+                 + [{"prompt": ev.mcq_prompt(it, "cause", it["cause_choices"], "loglik", it["emotion_label"]),
+                     "options": it["cause_choices"]} for it in eu])
+    old = old_option_logliks(model, tok, questions)
+    for batch_size in (1, 3, 8):                     # options in one batch, or split across several
+        new = common.option_logliks(model, tok, questions, batch_size)
+        assert [max(range(len(s)), key=s.__getitem__) for s in new] == [max(range(len(s)), key=s.__getitem__) for s in old]
+        for a, b in zip(new, old):
+            assert a == pytest.approx(b, rel=1e-4, abs=1e-5)
 
 
 def test_emobench_scoring_with_a_fake_scorer():
@@ -133,6 +302,31 @@ def test_emobench_scoring_with_a_fake_scorer():
     assert s["EA_by_category"]["Personal-Personal"] == 0.0
 
 
+class FakeChat:
+    """A chat backend that answers from a list in turn and records the conversations it was asked."""
+
+    def __init__(self, answers):
+        self.answers, self.asked, self.spec, self.failures = list(answers), [], "api:fake", 0
+
+    def chat(self, conversations, max_tokens=256, temperature=0.0):
+        self.asked += conversations
+        return [self.answers.pop(0) for _ in conversations]
+
+
+def test_an_llm_user_writes_the_first_message_without_reciting_the_scene():
+    profiles = ev.load_sage_profiles(SAMPLES / "sage_profiles.jsonl")
+    no_first = [p for p in profiles if "first_talk" not in p][0]
+    args = type("A", (), {"judge_retries": 1})()
+    # first answer recites the scene (rejected, asked again), the second is the character speaking
+    user = type("U", (), {"backend": FakeChat([no_first["scene"] + " 我该怎么办？", "  儿子今年又不回家过年了。  "])})()
+    written = ev.sage_openings(profiles, user, args)
+    assert written == {no_first["id"]: "儿子今年又不回家过年了。"}
+    assert len(user.backend.asked) == 2 and no_first["player"] in user.backend.asked[0][0]["content"]
+    s = ev.sage_scenario(no_first, written[no_first["id"]])
+    assert (s["opening"], s["opening_from"]) == ("儿子今年又不回家过年了。", "user model")
+    assert ev.sage_openings(profiles, ev.env.ScriptedUser(0), args) == {}      # scripted: the offline line
+
+
 def test_option_loglik_matches_a_direct_computation(tiny_model):
     import argparse
 
@@ -143,7 +337,7 @@ def test_option_loglik_matches_a_direct_computation(tiny_model):
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
     q = {"prompt": "I feel so alone since my dad died.", "options": ["That sounds really painful.", "What happened next?",
                                                                       "alone", "我很难过"]}
-    got = ev.option_logliks(model, tok, [q, q], batch_size=3)          # padded batches that cut across questions
+    got = common.option_logliks(model, tok, [q, q], batch_size=3)      # the options in padded batches of 3 and 1
     prompt = ev.common.render_ids(tok, [{"role": "user", "content": q["prompt"]}])
     want = []
     with torch.no_grad():
@@ -260,6 +454,8 @@ def test_eval_script_all_suites_with_an_adapter_then_resume(tiny_model, tiny_ada
     p = run_script("05_eval.py", "--model", tiny_model, "--adapters", tiny_adapter, "--out-dir", tmp_path, *TINY)
     assert p.returncode == 0, p.stderr[-3000:]
     assert "eqbench3: read 4 scenarios and 7 prompts" in p.stdout
+    assert "empa: --max-cases 4 of 8, stratified (seed 0): cognitive " in p.stdout and "proactive 1/2" in p.stdout
+    assert "emobench EU: --max-cases 4 of 6" in p.stdout and "eqbench3: --max-cases" not in p.stdout   # 4 of 4: all
     run = only_run(tmp_path)
     lines = (run / "cases.jsonl").read_text(encoding="utf-8").splitlines()
     recs = [json.loads(x) for x in lines]
@@ -268,23 +464,34 @@ def test_eval_script_all_suites_with_an_adapter_then_resume(tiny_model, tiny_ada
         got = {s: sum(r["model"] == model and r["suite"] == s for r in recs) for s in ev.SUITES}
         assert got == {"empa": 4, "eqbench3": 4, "sage": 4, "emobench": 8}, (model, got)
     by = {(r["model"], r["suite"], r["case"]): r for r in recs}
-    empa = by[("base", "empa", "test-01#0")]
+    empa = next(r for (m, s, _), r in by.items() if (m, s) == ("base", "empa"))
     assert empa["outcome"] in ("success", "failure", "timeout") and len(empa["distances"]) == empa["turns"] + 1
     assert 0 <= empa["R_pos_idx"] <= 100 and "EPM" in empa and "tau" in empa
     zh = by[("base", "sage", "sage-zh-1")]                           # a Chinese profile ran
     assert zh["emotions"][0] == 40 and all(abs(c) <= 10 for c in zh["changes"]) and not zh["failed"]
     assert {r["language"] for r in recs if r["suite"] == "emobench"} == {"en", "zh"}
-    eq = by[("base", "eqbench3", "402")]
-    assert eq["kind"] == "analysis" and set(eq["criteria"]) == set(ev.ANALYSIS_CRITERIA)
-    assert eq["score"] == pytest.approx(5 * sum(eq["criteria"].values()) / 6)
+    eq = by[("base", "eqbench3", "402")]                             # offline: an analysis task is not scored
+    assert eq["kind"] == "analysis" and eq["unscored"] == "not scored (needs an LLM judge)" and not eq["failed"]
+    assert "score" not in eq and eq["replies"] == 0
+    rp = by[("base", "eqbench3", "1")]
+    assert rp["proxy"] and rp["score"] == pytest.approx(5 * sum(rp["criteria"].values()) / 6)
+    sage = [r for r in recs if r["suite"] == "sage"]                # the profile without first_talk: not its scene
+    assert {r["case"]: r["opening"] for r in sage if r["model"] == "base"}["sage-zh-2"] == "offline line"
     # the adapter is really applied: its EmoBench log-likelihood choices are not the base's, or EMPA differs
     same = lambda a, b: {k: v for k, v in a.items() if k != "model"} == {k: v for k, v in b.items() if k != "model"}  # noqa: E731
     assert not all(same(by[("base", s, c)], by[(tiny_adapter, s, c)]) for (m, s, c) in by if m == "base")
     table = (run / "results.md").read_text(encoding="utf-8")
-    assert "| model | EMPA EPM-Index | EMPA success % | EQ-Bench 3 | SAGE Sentient" in table
+    assert "| model | EMPA EPM-Index | EMPA success % | EQ-Bench 3 (offline proxy) | SAGE Sentient" in table
     assert "| base | " in table and f"| {tiny_adapter} | " in table and "(n=4)" in table
+    assert "(n=3); 1 analysis not scored (needs an LLM judge) |" in table and "(offline proxy) |" in p.stdout
     res = json.loads((run / "results.json").read_text(encoding="utf-8"))
     assert res["summary"]["base"]["sage"]["n"] == 4 and len(res["cases"]) == len(recs)
+    assert "EQ-Bench 3 (offline proxy)" in res["columns"] and res["summary"]["base"]["eqbench3"]["proxy"]
+    assert (res["summary"]["base"]["eqbench3"]["n"], res["summary"]["base"]["eqbench3"]["unscored"]) == (3, 1)
+    transcripts = [json.loads(x) for x in (run / "transcripts.jsonl").read_text(encoding="utf-8").splitlines()]
+    profiles = {p["id"]: p for p in ev.load_sage_profiles(SAMPLES / "sage_profiles.jsonl")}
+    for t in (t for t in transcripts if t["suite"] == "sage"):      # no SAGE dialogue opens with its scene
+        assert profiles[t["case"]]["scene"][:40] not in t["turns"][0]["user"]
     assert (run / "distance_per_turn.png").exists() and (run / "emotion_per_turn.png").exists()
     assert not (run / "rubric_by_turn.png").exists() and "| EmoBench EA % |" in p.stdout   # no --rubrics-from
 
@@ -306,7 +513,7 @@ def test_eval_script_all_suites_with_an_adapter_then_resume(tiny_model, tiny_ada
 def test_eval_with_an_llm_judge_on_a_loopback_server_then_endpoint_down(tiny_model, tmp_path):
     """EQ-Bench criteria and SAGE changes asked of an OpenAI-compatible judge on 127.0.0.1 (sometimes
     malformed: retried); the key reaches the server and no file; then a dead endpoint stops the run."""
-    calls = {"eq": 0, "sage": 0}
+    calls = {"eq": 0, "sage": 0, "opening": 0}
 
     def respond(index, body):                    # called under the server's lock
         text = prompt_text(body)
@@ -314,17 +521,27 @@ def test_eval_with_an_llm_judge_on_a_loopback_server_then_endpoint_down(tiny_mod
             calls["eq"] += 1
             crit = ev.ANALYSIS_CRITERIA if "task (analysis)" in text else ev.ROLEPLAY_CRITERIA
             return ok("hmm" if calls["eq"] == 1 else json.dumps({c: 10 for c in crit}))
+        if "Write the first message you send" in text:             # the LLM user opens a profile without first_talk
+            calls["opening"] += 1
+            return ok("我儿子今年又不回家过年了。")
+        if "role-playing a person" in text:                          # the LLM user's later turns
+            return ok("嗯，也许吧。")
         calls["sage"] += 1
         return ok('{"analysis": "a bit better", "change": 15}')
 
     flags = ["--model", tiny_model, "--suite", "eqbench3,sage", "--judge", "api:judge", *TINY]
     with LoopbackServer(respond) as server:
-        p = run_script("05_eval.py", *flags, "--api-base", server.base,
+        p = run_script("05_eval.py", *flags, "--user", "api:user", "--api-base", server.base,
                        "--out-dir", tmp_path / "ok", env_extra={"OPENAI_API_KEY": "sk-test-secret-42"})
     assert p.returncode == 0, p.stderr[-3000:]
     assert server.auth == {"Bearer sk-test-secret-42"} and calls["eq"] == 5 and calls["sage"] >= 4
     recs = [json.loads(x) for x in (only_run(tmp_path / "ok") / "cases.jsonl").read_text().splitlines()]
-    assert all(r["score"] == 50.0 for r in recs if r["suite"] == "eqbench3")        # 10/20 x 5
+    assert all(r["score"] == 50.0 for r in recs if r["suite"] == "eqbench3")        # 10/20 x 5, analysis too
+    assert {r["case"] for r in recs if r["suite"] == "eqbench3"} >= {"402"} and "(offline proxy)" not in p.stdout
+    assert calls["opening"] == 1 and {r["case"]: r["opening"] for r in recs if r["suite"] == "sage"} == {
+        "sage-en-1": "first_talk", "sage-zh-1": "first_talk", "sage-zh-2": "user model", "sage-en-2": "first_talk"}
+    opened = [json.loads(x) for x in (only_run(tmp_path / "ok") / "transcripts.jsonl").read_text().splitlines()]
+    assert [t["turns"][0]["user"] for t in opened if t["case"] == "sage-zh-2"] == ["我儿子今年又不回家过年了。"]
     sage = [r for r in recs if r["suite"] == "sage"]
     assert len(sage) == 4 and all(r["emotions"] == [40, 50, 60] for r in sage)       # +15 clipped to +10
     for f in only_run(tmp_path / "ok").rglob("*"):
