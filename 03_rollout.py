@@ -31,17 +31,19 @@ Equations (EMPA; docs/reference.md sections 1-4)
                     only the response reaches the user and the judge (Kardia-R1)
 
 Judges and users (--judge, --user; what each is and is not: docs/environment.md)
-  embed / hf: / api:   the offline MiniLM-and-cue judge (EmbedJudge, rules in its docstring), or an LLM
-             judge with an MDEP-PR prompt (LLMJudge: malformed JSON re-asked, then the turn is judge_failed:
+  embed / self / hf: / api:   the offline MiniLM-and-cue judge (EmbedJudge, rules in its docstring), or an
+             LLM judge with an MDEP-PR prompt (LLMJudge: malformed JSON re-asked, then the turn is judge_failed:
              state unchanged, left out of the loss; an endpoint that answers nothing stops the run).
-  scripted / hf: / api:   the scenario's own lines picked by the last turn's trend (ScriptedUser), or an
-             LLM role-playing the persona in 20-50 words, told the band and trend, never the numbers.
+  scripted / self / hf: / api:   the scenario's own lines picked by the last turn's trend (ScriptedUser), or
+             an LLM role-playing the persona in 20-50 words, told the band and trend, never the numbers.
+  self       the policy's own frozen base (its LoRA adapter off) is that LLM: no second model is loaded.
 
 Departures from EMPA
   - Shipped scenarios keep ||P0|| in 12-26 (EMPA's: 17.5-41); training defaults are short (3 turns, gate
     from turn 2, collapse window 3): the benchmark rules (45, 12, 5 and 8) are flags, used by 05's empa.
   - Tokens in, tokens out: each turn appends exactly the sampled reply ids and the template's text of
-    the next user message, so training sees the very tokens that were sampled.
+    the next user message, so training sees the very tokens that were sampled (a thinking model's <think>
+    part too: it is cut only from what the user and the judge see; the template is asked not to think).
 
 CPU:  python 03_rollout.py                      (SmolLM2-135M-Instruct, embed judge, scripted user)
 GPU:  python 03_rollout.py --model Qwen2.5-7B-Instruct --judge api:Qwen2.5-72B-Instruct \\
@@ -248,9 +250,9 @@ def policy_turn(model, tokenizer, live: list[Trajectory], args, kv) -> list[dict
     for tr, (reply_ids, ended) in zip(live, replies):
         text = tokenizer.decode(reply_ids, skip_special_tokens=True).strip()
         tr.spans.append((len(tr.ids), len(tr.ids) + len(reply_ids)))
-        tr.ids.extend(reply_ids)
-        tr.truncated.append(not ended)
-        shown, ok = kardia_response(text) if args.kardia_format else (text, True)
+        tr.ids.extend(reply_ids), tr.truncated.append(not ended)
+        seen = common.strip_thinking(text)          # a thinking model's <think> part reaches no one
+        shown, ok = kardia_response(seen) if args.kardia_format else (seen, True)
         tr.shown.append(shown), tr.formatted.append(ok)
         cases.append({"scenario": tr.scenario, "history": seen_history(tr), "reply": shown,
                       "emotion": tr.emotions[-1]})
@@ -642,16 +644,16 @@ def state_band(d: float, d0: float) -> str:
             "you feel somewhat better but not there yet" if left > 0.35 else "you feel much better")
 
 
-def make_judge(args):
+def make_judge(args, policy=None):   # policy: the (model, tokenizer) whose base model is --judge self
     if args.judge == "embed":
         return EmbedJudge(args.judge_prototypes, device=str(common.pick_device()))
-    return LLMJudge(common.make_chat_backend(args.judge, args, args.judge_concurrency), retries=args.judge_retries)
+    return LLMJudge(common.make_chat_backend(args.judge, args, args.judge_concurrency, policy), args.judge_retries)
 
 
-def make_user(args):
+def make_user(args, policy=None):    # policy: as for make_judge, for --user self
     if args.user == "scripted":
         return ScriptedUser(args.seed)
-    return LLMUser(common.make_chat_backend(args.user, args, args.user_concurrency))
+    return LLMUser(common.make_chat_backend(args.user, args, args.user_concurrency, policy))
 
 
 # tokens in, tokens out: the opening, Kardia-R1's sections, what the user and judge see
@@ -672,8 +674,7 @@ def kardia_response(text: str) -> tuple[str, bool]:
 
 
 def seen_history(tr) -> list[dict]:
-    """The dialogue as the user and the judge see it: each reply's shown part (its <response> with
-    --kardia-format, else the whole reply)."""
+    """The dialogue as the user and the judge see it: each reply's shown part (tr.shown: see policy_turn)."""
     out, t = [], 0
     for m in tr.messages:
         if m["role"] == "assistant":
@@ -713,10 +714,10 @@ def add_env_args(p: argparse.ArgumentParser, scenarios_default: str, k_default: 
     g.add_argument("--min-turns", type=int, default=2, help="no success or failure before this turn (EMPA: 12)")
     g.add_argument("--collapse-window", type=int, default=3, help="failure when the last N dE are all < 0 (EMPA: 5)")
     g.add_argument("--eps", type=float, default=1.0, help="hinge tolerance eps (1 high, 2 medium, 3 low)")
-    g.add_argument("--judge", default="embed", help="embed | hf:<model-or-path> | api:<model>")
+    g.add_argument("--judge", default="embed", help="embed | self | hf:<model-or-path> | api:<model>")
     g.add_argument("--judge-prototypes", default=str(HERE / "data" / "judge_prototypes.json"), help="embed judge's data")
     g.add_argument("--judge-retries", type=int, default=2, help="re-asks of an LLM judge on malformed JSON")
-    g.add_argument("--user", default="scripted", help="scripted | hf:<model-or-path> | api:<model>")
+    g.add_argument("--user", default="scripted", help="scripted | self | hf:<model-or-path> | api:<model>")
     g.add_argument("--system-prompt", default=DEFAULT_SYSTEM, help="the policy's system message")
     g.add_argument("--emotion-start", type=float, default=30.0,
                    help="the simulated user's emotion e_0 (0-100; RLVER trains from 30, SAGE evaluates from 40)")
@@ -738,7 +739,7 @@ def add_env_args(p: argparse.ArgumentParser, scenarios_default: str, k_default: 
     common.add_backend_args(p)
 
 
-def check_env_args(args):
+def check_env_args(args, has_policy: bool = True):
     if args.max_new_tokens is None:        # the default: room for Kardia-R1's four sections when asked
         args.max_new_tokens = KARDIA_TOKENS if args.kardia_format else 48
     for flag in ("k", "max_turns", "min_turns", "collapse_window", "max_new_tokens", "max_message_chars"):
@@ -746,10 +747,8 @@ def check_env_args(args):
     common.check(args.eps >= 0, f"--eps must be >= 0, got {args.eps}")
     common.check(args.temperature >= 0, f"--temperature must be >= 0, got {args.temperature}")
     common.check(0 < args.top_p <= 1, f"--top-p must be in (0, 1], got {args.top_p}")
-    common.check(args.judge == "embed" or args.judge.startswith(("hf:", "api:")),
-                 f"--judge must be embed, hf:<model> or api:<model>, got '{args.judge}'")
-    common.check(args.user == "scripted" or args.user.startswith(("hf:", "api:")),
-                 f"--user must be scripted, hf:<model> or api:<model>, got '{args.user}'")
+    for flag, offline in (("judge", "embed"), ("user", "scripted")):
+        common.check_chat_spec(f"--{flag}", getattr(args, flag), offline, has_policy)
     common.check(args.max_context > args.max_new_tokens,
                  f"--max-context must be larger than --max-new-tokens, got {args.max_context}")
     common.check(0 <= args.emotion_start <= 100, f"--emotion-start must be in [0, 100], got {args.emotion_start}")
@@ -776,10 +775,9 @@ def main(argv=None):
     common.check_model_args(args)
     run_dir = common.make_run_dir(args.out_dir, args.run_name)
     common.save_args(run_dir, args)
-    if args.num_scenarios:
-        scenarios = scenarios[: args.num_scenarios]
+    scenarios = scenarios[: args.num_scenarios or None]
     model, tokenizer = common.load_policy(args, trainable=False)
-    judge, user = make_judge(args), make_user(args)
+    judge, user = make_judge(args, (model, tokenizer)), make_user(args, (model, tokenizer))
     t0 = time.time()
     trajs = rollout(model, tokenizer, scenarios, judge, user, args)
     records = [trajectory_record(tr, args) for tr in trajs]

