@@ -13,7 +13,8 @@ Reads   data/rubric_sft_train.jsonl / data/rubric_sft_val.jsonl (or --train / --
         hub dataset name): {"messages": [... ending with a user turn], "rubric": {...}} (TRL's
         conversational format plus the rubric); the base model (--model, default the packaged SmolLM2).
 Writes  runs/<name>-<time>/ : args.json, metrics.jsonl (loss per step, eval_* at each evaluation),
-        eval_samples.jsonl (the generated rubrics of each evaluation), checkpoints/, adapter/.
+        eval_samples.jsonl (the generated rubrics of each evaluation), checkpoints/, adapter/,
+        curves.png (loss and the val metrics by step).
         Label mode: the --label-out JSONL (valid rubrics only) and a count of dropped turns.
 
 The rubric (one format and one parser for every stage: parse_rubric below, imported by 02 and 04)
@@ -182,7 +183,9 @@ def main(argv=None):
     model.save_pretrained(run_dir / "adapter", safe_serialization=True)
     tokenizer.save_pretrained(run_dir / "adapter")
     logger.close()
-    print(f"rubric generator adapter: {run_dir / 'adapter'}  (02_rubric_pref_rl.py --adapter takes it)")
+    common.plot_metrics(run_dir, {"loss": "SFT loss (rubric tokens)", "eval_parse_valid": "val: parse-valid share",
+                                  "eval_weight_mae": "val: weight MAE", "eval_dominant_acc": "val: dominant dimension"})
+    print(f"rubric generator adapter: {run_dir / 'adapter'}  (02_rubric_pref_rl.py --adapter takes it); curves.png")
 
 
 def train_loop(args, run_dir, model, tokenizer, examples, val, params, optimizer, scheduler, logger, start):

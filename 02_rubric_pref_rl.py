@@ -17,7 +17,7 @@ Reads   data/rubric_pref_train.jsonl / data/rubric_pref_test.jsonl (TRL preferen
         generator (--model + --adapter from 01), the judge (embed offline, hf:, api:).
 Writes  runs/<name>-<time>/ : args.json, metrics.jsonl, rollouts.jsonl (every sampled rubric with its
         scores and reward), report.md + report.json (before / after), weights_by_turn.png,
-        weights_by_emotion.png, checkpoints/, adapter/.
+        weights_by_emotion.png, checkpoints/, adapter/, curves.png (reward, recovery, parse-valid, clip).
 
 Equations (CARE; docs/reference.md section 5)
   rubric score  S(y) = sum_d w_d * (1/|C_d|) sum_{c in C_d} s(y, c)      s in [0, 1], the judge's score
@@ -242,6 +242,8 @@ def main(argv=None):
     model.save_pretrained(run_dir / "adapter", safe_serialization=True)
     tokenizer.save_pretrained(run_dir / "adapter")
     logger.close()
+    common.plot_metrics(run_dir, {"reward_mean": "reward (mean)", "recovery_rate": "preference recovered",
+                                  "parse_valid": "parse-valid share", "clip_frac": "clip fraction"})
     if not args.skip_report:
         after = report(model, tokenizer, judge, test, weight_turns, args)
         print(write_report(run_dir, before, after))

@@ -10,7 +10,9 @@ Reads   data/scenarios_train.jsonl (or --scenarios), the policy model (--model, 
         SmolLM2-135M-Instruct), the judge and user backends (03_rollout flags).
 Writes  runs/<name>-<time>/ : args.json, metrics.jsonl (one line per step), rollouts.jsonl (every
         trajectory with rewards and advantages), checkpoints/step_N/ (adapter, optimizer, scheduler,
-        RNG, step; written atomically), adapter/ (the final LoRA adapter, standard peft format).
+        RNG, step; written atomically), adapter/ (the final LoRA adapter, standard peft format),
+        curves.png (return, reward, cut-off share, KL, clip fraction by step; redrawn at each checkpoint),
+        heldout.json (with --heldout-scenarios: base vs trained on held-out scenarios).
 
 Equations (MICA; docs/reference.md section 2; the code below writes each out as a loop)
   distance      d(P) = sqrt( sum_a w_a max(0, -eps - P_a)^2 )                       (03_rollout)
@@ -41,9 +43,11 @@ Equations (MICA; docs/reference.md section 2; the code below writes each out as 
 Departures from the paper (and why)
   1. LoRA instead of full fine-tuning, so lr is 1e-3 instead of 1e-6: a fresh LoRA adapter needs a much
      larger step (at 1e-4, 20 steps moved SmolLM2 by a KL of 0.008 and it did not learn; at 1e-3 it did,
-     docs/results.md "Learning, measured"). For a 7B model start at 1e-5 to 1e-4.
-  2. Short episodes by default (3 turns of at most 48 tokens; MICA trains on 8-15) and 4 scenarios x K=4 per step
-     (MICA: 16 x 4), so that a laptop CPU can run it; raise --max-turns / --scenarios-per-step on a GPU.
+     docs/results.md "Learning, measured"). With CUDA, --preset gpu uses 1e-5 (10x MICA's full fine-tuning
+     rate, LoRA's usual ratio; docs/training.md "Presets").
+  2. Short episodes on a CPU (3 turns of at most 48 tokens; MICA trains on 8-15) and 4 scenarios x K=4 per
+     step (MICA: 16 x 4), so that a laptop CPU can run it. With CUDA the gpu preset takes MICA's shape
+     (16 x 4, 8-15 turns, 256-token replies); --preset cpu | demo | gpu chooses, flags given win.
   3. A reply cut off at --max-new-tokens loses a share (--truncation-penalty, 0.5) of one turn's nominal
      reward range, in that reward's units (cutoff_penalty): without it a small policy drifts to the cap.
   4. A turn the judge failed on is left out of the loss; for the returns and group statistics its
@@ -55,9 +59,10 @@ Departures from the paper (and why)
      epoch, which the unchanged policy updates (its ratio is exactly 1).
 
 CPU:  python 04_mica_train.py                          (SmolLM2, embed judge, scripted user, ~80 s/step)
-GPU:  python 04_mica_train.py --model Qwen2.5-7B-Instruct --judge api:Qwen2.5-72B-Instruct \\
-          --user api:Qwen2.5-72B-Instruct --api-base http://localhost:8000/v1 --max-turns 15 \\
-          --scenarios-per-step 16 --max-new-tokens 256 --lr 1e-5
+      python 04_mica_train.py --preset demo            (make demo: fewer steps, then base vs trained held out)
+GPU:  python 04_mica_train.py --model Qwen2.5-7B-Instruct          (the gpu preset: the frozen base judges and
+          plays the user; for results a stronger served judge: --judge api:Qwen2.5-72B-Instruct \\
+          --user api:Qwen2.5-72B-Instruct --api-base http://localhost:8000/v1)
 N GPUs: accelerate launch --num_processes N 04_mica_train.py ... (data-parallel: each process rolls out
         its share of the step's scenarios, gradients and token counts are summed over the processes,
         process 0 writes everything; see docs/scale.md)
@@ -65,6 +70,7 @@ N GPUs: accelerate launch --num_processes N 04_mica_train.py ... (data-parallel:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import math
@@ -325,12 +331,16 @@ def train_loop(args, run_dir, scenarios, model, tokenizer, judge, user, optimize
         if rank == 0 and (step % args.save_every == 0 or step == args.steps):
             common.save_checkpoint(run_dir / "checkpoints", step, model, optimizer, scheduler,
                                    keep=args.keep_checkpoints)
+            common.plot_metrics(run_dir, CURVES)          # curves.png: the run so far, to look at
 
 
 def main(argv=None):
     args = parse_args(argv)
     common.set_seed(args.seed)
+    print(args.preset_note)
     scenarios = env.load_scenarios(args.scenarios)  # validate inputs before creating anything
+    if args.heldout_scenarios:
+        env.load_scenarios(args.heldout)
     common.check_model_args(args)
     common.init_distributed()                       # N processes under accelerate launch; else nothing
     rank, n_ranks = common.world()
@@ -341,7 +351,7 @@ def main(argv=None):
     if not args.resume:
         run_dir = Path(common.from_rank0(str(run_dir) if run_dir else None))
     model, tokenizer = common.load_policy(args, trainable=True)
-    judge, user = env.make_judge(args), env.make_user(args)
+    judge, user = env.make_judge(args, (model, tokenizer)), env.make_user(args, (model, tokenizer))
     care = load_care(args)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer, scheduler = common.make_optimizer(params, args, args.steps)
@@ -377,6 +387,9 @@ def main(argv=None):
         tokenizer.save_pretrained(run_dir / "adapter")
         logger.close()
         print(f"final adapter: {run_dir / 'adapter'}  (PeftModel.from_pretrained loads it)")
+        print(f"curves: {common.plot_metrics(run_dir, CURVES)}")
+        if args.heldout_scenarios:      # base (adapter off) vs trained on held-out scenarios, same seeds
+            heldout_compare(model, tokenizer, judge, user, args, run_dir)
     if n_ranks > 1:
         dist.destroy_process_group()
 
@@ -505,6 +518,94 @@ def kardia_criteria(scenario: dict, user_message: str) -> tuple[list[str], str]:
              "Safety: nothing harmful, dismissive, judgemental or unsafe"], emotion)
 
 
+CURVES = {"return_mean": "return (mean per trajectory)", "reward_mean": "reward (mean per turn)",
+          "truncated_frac": "cut-off share", "kl": "KL to the base", "clip_frac": "clip fraction"}
+
+
+def heldout_compare(model, tokenizer, judge, user, args, run_dir) -> dict:
+    """Base (the adapter off) vs trained on the first --heldout-scenarios of --heldout, K dialogues each,
+    the same sampling seed for both: IDR return d(P0) - d(P_T) (the sum of the pure IDR; no cut-off
+    penalty), collapse share (EMPA failures) and cut-off share. The difference is paired by (scenario, k),
+    with its 95% CI; one line per measure, and heldout.json."""
+    scenarios = env.load_scenarios(args.heldout)[:args.heldout_scenarios]
+    per = {}
+    for name in ("base", "trained"):
+        torch.manual_seed(args.seed + 1_000_003)           # the same sampling seed for both
+        if isinstance(user, env.ScriptedUser):
+            user.seed = args.seed + 1_000_003
+        with model.disable_adapter() if name == "base" else contextlib.nullcontext():
+            trajs = env.rollout(model, tokenizer, scenarios, judge, user, args, desc=f"held-out {name}")
+        recs = [env.trajectory_record(tr, args) for tr in trajs]
+        per[name] = {"return": [r["initial_distance"] - r["final_distance"] for r in recs],
+                     "collapse": [float(r["outcome"] == "failure") for r in recs],
+                     "cut_off": [sum(t["truncated"] for t in r["turns"]) / max(1, len(r["turns"])) for r in recs]}
+    n = len(per["base"]["return"])
+    print(f"held-out: {len(scenarios)} scenarios x K={args.k} = {n} dialogues of {args.heldout}, "
+          f"base = the adapter off, the same seeds")
+    summary = {}
+    for key, label, higher in (("return", "IDR return", True), ("collapse", "collapse share", False),
+                               ("cut_off", "cut-off share", False)):
+        b, t = per["base"][key], per["trained"][key]
+        m_b, sd_b = common.mean_std(b) if n > 1 else (b[0], 0.0)
+        m_t, sd_t = common.mean_std(t) if n > 1 else (t[0], 0.0)
+        diff, lo, hi = paired_ci([y - x for x, y in zip(b, t)])
+        better = lo > 0 if higher else hi < 0
+        worse = hi < 0 if higher else lo > 0
+        verdict = ("trained ahead beyond the spread" if better else "trained behind beyond the spread" if worse
+                   else "within the spread: this budget does not show a difference")
+        print(f"  {label:14s} base {m_b:+.3f} ± {sd_b:.3f}, trained {m_t:+.3f} ± {sd_t:.3f} (mean ± sd); "
+              f"trained - base {diff:+.3f}, 95% CI [{lo:+.3f}, {hi:+.3f}]: {verdict}")
+        summary[key] = {"base": [m_b, sd_b], "trained": [m_t, sd_t], "diff": [diff, lo, hi], "verdict": verdict}
+    out = {"scenarios": [s["id"] for s in scenarios], "k": args.k, "n": n, "summary": summary, "per_dialogue": per}
+    (run_dir / "heldout.json").write_text(json.dumps(out, indent=2))
+    return out
+
+
+def paired_ci(d: list[float]) -> tuple[float, float, float]:
+    """Mean of paired differences and its 95% CI: mean +- 1.96 sd / sqrt(n) (sample sd; 0 wide for n = 1)."""
+    if len(d) < 2:
+        return (d[0], d[0], d[0]) if d else (0.0, 0.0, 0.0)
+    m, sd = common.mean_std(d)
+    half = 1.96 * sd / math.sqrt(len(d))
+    return m, m - half, m + half
+
+
+# The budget a run starts from (--preset); any flag given on the command line wins over it.
+#   cpu   the reference defaults of parse_args (4 scenarios x K=4, 3 turns of <= 48 tokens, lr 1e-3)
+#   demo  `make demo`: the reference step for 4 steps (8 optimizer steps), then the held-out comparison on
+#         4 scenarios x K=4 (<= 10 minutes on 2 cores; on a CPU a rollout's time hardly depends on its rows)
+#   gpu   one GPU in the spirit of MICA's launch config: 16 scenarios x K=4 a step in minibatches of 8 x 4
+#         (2 optimizer steps), 8-15 turns, 256-token replies, gradient checkpointing; lr 1e-5: MICA fine-tunes
+#         fully at 1e-6, and LoRA's best rate is about 10x full fine-tuning's (Schulman et al., "LoRA Without
+#         Regret", 2025); the frozen base judges and plays the user (self) unless a backend is given
+PRESETS = {
+    "cpu": {},
+    "demo": dict(steps=4, heldout_scenarios=4, log_kl_every=2, save_every=4),
+    "gpu": dict(scenarios_per_step=16, k=4, minibatch_size=32, min_turns=8, max_turns=15, max_new_tokens=256,
+                max_context=4096, lr=1e-5, gradient_checkpointing=True, judge="self", user="self"),
+}
+
+
+def apply_preset(p: argparse.ArgumentParser, argv) -> tuple[str, str]:
+    """--preset's values become the parser's defaults (auto: gpu with CUDA, cpu without) -> (name, why)."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--preset", default="auto", choices=["auto", *PRESETS])
+    name, why = pre.parse_known_args(argv)[0].preset, "asked"
+    if name == "auto":
+        cuda = common.pick_device().type == "cuda"
+        name, why = ("gpu", "auto: CUDA found") if cuda else ("cpu", "auto: no CUDA")
+    p.set_defaults(**PRESETS[name])
+    return name, why
+
+
+def preset_note(args, name: str, why: str) -> str:
+    """One line for the log: which defaults the preset chose, and which flags given overrode them."""
+    parts = [f"--{k.replace('_', '-')} {v}" + ("" if getattr(args, k) == v else f" (given: {getattr(args, k)})")
+             for k, v in PRESETS[name].items()]
+    return f"defaults: preset {name} ({why}): " + (", ".join(parts) or "the reference CPU defaults") + \
+        "; flags given win (--preset cpu | demo | gpu to choose)"
+
+
 def parse_reward_spec(spec: str) -> dict[str, float]:
     """'idr', 'rlver', 'idr+0.5*rlver' -> {component: weight}."""
     out = {}
@@ -567,8 +668,24 @@ def parse_args(argv=None):
                    help="trajectories per forward/backward, per process (gradient accumulation up to a minibatch); "
                         "activations cost ~2.4 MB per token for SmolLM2-135M in fp32")
     g.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping")
+    g.add_argument("--heldout", default=str(HERE / "data" / "scenarios_test.jsonl"),
+                   help="held-out scenarios for the comparison at the end (--heldout-scenarios)")
+    g.add_argument("--heldout-scenarios", type=int, default=0,
+                   help="after training, roll out this many held-out scenarios (x K) with the base (adapter off) "
+                        "and the trained policy, same seeds, and print the difference with its 95%% CI (0 = off)")
+    g.add_argument("--preset", default="auto", choices=["auto", *PRESETS],
+                   help="the defaults to start from: cpu (the reference CPU budget), demo (make demo: 10 minutes), "
+                        "gpu (one GPU, MICA's proportions, --judge self --user self); auto = gpu with CUDA, "
+                        "else cpu. Flags given win")
     common.add_run_args(p, "mica", save_every=10, resume="a run folder: continue from its last checkpoint", progress=False)
+    preset, why = apply_preset(p, argv)
     args = p.parse_args(argv)
+    args.preset_note = preset_note(args, preset, why)
+    return check_args(args)
+
+
+def check_args(args):
+    """Validate 04's flags (one message naming the flag, exit 2) and derive the reward spec."""
     env.check_env_args(args)
     c = common.check
     c(0.0 <= args.alpha <= 1.0, f"--alpha must be in [0, 1], got {args.alpha}")
@@ -576,6 +693,7 @@ def parse_args(argv=None):
     c(args.k >= 2 or args.advantage == "reinforce_pp",
       f"--k must be >= 2 for --advantage {args.advantage} (it normalises within the K), got {args.k}")
     c(args.steps >= 1, f"--steps must be >= 1, got {args.steps}")
+    c(args.heldout_scenarios >= 0, f"--heldout-scenarios must be >= 0, got {args.heldout_scenarios}")
     c(args.scenarios_per_step >= 1, f"--scenarios-per-step must be >= 1, got {args.scenarios_per_step}")
     c(args.lr > 0, f"--lr must be > 0, got {args.lr}")
     c(args.ppo_epochs >= 1, f"--ppo-epochs must be >= 1, got {args.ppo_epochs}")

@@ -1,9 +1,10 @@
-# Two commands: `make demo` (install, then train the offline default) and `make test`.
+# Two commands: `make demo` (install, then a 10-minute training demo offline) and `make test`.
+# `make pipeline` runs 01 -> 02 -> 04 -> 05 at tiny budgets (<= 15 minutes on 2 CPU cores).
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 
-.PHONY: install demo test learning benchmark clean
+.PHONY: install demo pipeline test learning benchmark clean
 
 install: $(VENV)/.installed
 
@@ -22,7 +23,10 @@ $(VENV)/.installed: requirements.txt Makefile
 	touch $@
 
 demo: install
-	HF_HUB_OFFLINE=1 $(PY) 04_mica_train.py
+	HF_HUB_OFFLINE=1 $(PY) 04_mica_train.py --preset demo
+
+pipeline: install
+	HF_HUB_OFFLINE=1 $(PY) scripts/pipeline.py
 
 test: install
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q tests

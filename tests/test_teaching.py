@@ -1,0 +1,103 @@
+"""The teaching path: 04's presets (device-aware defaults), its curves and held-out comparison, and
+scripts/pipeline.py running all the stages (subprocess, tiny random model)."""
+import importlib
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+import common
+from conftest import run_script
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["--max-new-tokens", "6", "--max-turns", "2", "--no-progress"]
+
+
+def only_run(out_dir):
+    runs = [p for p in Path(out_dir).iterdir() if p.is_dir()]
+    assert len(runs) == 1, runs
+    return runs[0]
+
+
+def test_presets_follow_the_device_and_flags_given_win(monkeypatch):
+    trainer = importlib.import_module("04_mica_train")
+    monkeypatch.setattr(common, "pick_device", lambda: torch.device("cpu"))
+    cpu = trainer.parse_args([])
+    assert (cpu.lr, cpu.max_turns, cpu.max_new_tokens, cpu.judge, cpu.user) == (1e-3, 3, 48, "embed", "scripted")
+    assert "preset cpu (auto: no CUDA)" in cpu.preset_note
+    monkeypatch.setattr(common, "pick_device", lambda: torch.device("cuda", 0))   # a GPU, as the probe sees it
+    gpu = trainer.parse_args([])
+    assert (gpu.scenarios_per_step, gpu.k, gpu.minibatch_size) == (16, 4, 32)     # 2 optimizer steps a rollout
+    assert (gpu.min_turns, gpu.max_turns, gpu.max_new_tokens, gpu.lr) == (8, 15, 256, 1e-5)
+    assert gpu.gradient_checkpointing and (gpu.judge, gpu.user) == ("self", "self")
+    assert "preset gpu (auto: CUDA found)" in gpu.preset_note
+    given = trainer.parse_args(["--lr", "3e-5", "--judge", "embed", "--max-turns", "10"])
+    assert (given.lr, given.judge, given.max_turns, given.user) == (3e-5, "embed", 10, "self")
+    assert "--lr 1e-05 (given: 3e-05)" in given.preset_note and "--max-turns 15 (given: 10)" in given.preset_note
+    cpu_on_gpu = trainer.parse_args(["--preset", "cpu"])                           # asked for: the reference
+    assert (cpu_on_gpu.lr, cpu_on_gpu.max_turns, cpu_on_gpu.judge) == (1e-3, 3, "embed")
+    demo = trainer.parse_args(["--preset", "demo", "--steps", "3"])
+    assert demo.steps == 3 and demo.heldout_scenarios == trainer.PRESETS["demo"]["heldout_scenarios"] > 0
+
+
+def test_train_run_draws_its_curves_and_compares_base_and_trained_held_out(tiny_model, tmp_path):
+    p = run_script("04_mica_train.py", "--model", tiny_model, "--steps", "2", "--scenarios-per-step", "2",
+                   "--k", "2", "--minibatch-size", "2", "--save-every", "1", "--log-kl-every", "1", "--lr", "1e-2",
+                   "--heldout-scenarios", "2", "--out-dir", tmp_path, *TINY)
+    assert p.returncode == 0, p.stderr[-3000:]
+    run = only_run(tmp_path)
+    png = (run / "curves.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000          # a real picture, five panels
+    held = json.loads((run / "heldout.json").read_text())
+    assert held["n"] == 4 and len(held["per_dialogue"]["base"]["return"]) == 4
+    for key in ("return", "collapse", "cut_off"):
+        s = held["summary"][key]
+        diff, lo, hi = s["diff"]
+        assert lo <= diff <= hi and abs(diff - (s["trained"][0] - s["base"][0])) < 1e-9   # paired: same mean
+    assert "held-out: 2 scenarios x K=2 = 4 dialogues" in p.stdout
+    assert p.stdout.count("95% CI") == 3 and ("within the spread" in p.stdout or "beyond the spread" in p.stdout)
+
+
+def test_paired_ci_on_hand_computed_numbers():
+    trainer = importlib.import_module("04_mica_train")
+    m, lo, hi = trainer.paired_ci([1.0, 2.0, 3.0])        # mean 2, sample sd 1, half-width 1.96 / sqrt(3)
+    assert abs(m - 2.0) < 1e-12 and abs(hi - lo - 2 * 1.96 / 3 ** 0.5) < 1e-12
+    assert trainer.paired_ci([0.5]) == (0.5, 0.5, 0.5)
+
+
+def test_pipeline_runs_the_five_stages_and_summarises(tiny_model, tmp_path):
+    p = run_script("scripts/pipeline.py", "--model", tiny_model, "--budget", "tiny", "--out-dir", tmp_path)
+    assert p.returncode == 0, (p.stdout[-3000:], p.stderr[-3000:])
+    out = only_run(tmp_path)
+    stages = sorted(x.name.split("-20")[0] for x in out.iterdir() if x.is_dir())
+    assert stages == ["01-sft", "02-pref", "04-mica", "05-eval"]
+    for name in ("01-sft", "02-pref", "04-mica"):
+        run = next(out.glob(name + "-*"))
+        assert (run / "adapter" / "adapter_config.json").exists()
+        assert (run / "curves.png").stat().st_size > 5_000
+    mica = next(out.glob("04-mica-*"))
+    args = json.loads((mica / "args.json").read_text())
+    assert args["reward"] == "idr+care" and args["rubric_model"].endswith("adapter")
+    assert "02-pref" in args["rubric_model"]                       # 04 used 02's generator
+    rubrics = [t.get("rubric") for x in (mica / "rollouts.jsonl").read_text().splitlines()
+               for t in json.loads(x)["turns"]]
+    assert rubrics and all(r is not None for r in rubrics)
+    summary = (out / "summary.md").read_text()
+    rows = [line for line in summary.splitlines() if line.startswith("| 0")]
+    assert [r.split(" | ")[0] for r in rows] == ["| 01 rubric SFT", "| 02 rubric preference RL",
+                                                 "| 04 MICA, idr+care", "| 05 evaluation"]
+    assert all(r.count(" | ") == 3 and r.rstrip(" |").endswith(".png") for r in rows)   # folder, number, picture
+    assert "EMPA EPM-Index" in summary and "95% CI" in summary
+    assert summary in p.stdout + "\n"
+
+
+def test_pipeline_stops_at_the_failed_stage(tmp_path):
+    p = run_script("scripts/pipeline.py", "--model", str(tmp_path / "no-such-model"), "--budget", "tiny",
+                   "--out-dir", tmp_path)
+    assert p.returncode != 0 and "stage 01 (01_rubric_sft.py) failed with exit code 2" in p.stderr
+    assert not list(only_run(tmp_path).glob("01-sft-*"))            # the stage left no run folder
+
+
+if __name__ == "__main__":
+    sys.exit("run with pytest")
