@@ -150,7 +150,8 @@ def _packaged_smollm2_folder() -> Path:
     return target
 
 
-WEIGHT_FILES = ("*.safetensors", "*.bin", "*.gguf")   # what a model folder must hold besides config.json
+# what a model folder must hold besides config.json: safetensors (or GGUF); torch-serialised weights are never loaded
+WEIGHT_FILES = ("*.safetensors", "*.gguf")
 
 
 def missing_weights(folder) -> str | None:
@@ -158,7 +159,7 @@ def missing_weights(folder) -> str | None:
     A file counts only if it exists: in the HF cache a half-downloaded blob leaves a dangling link."""
     folder = Path(folder)
     if not any(f.exists() for pattern in WEIGHT_FILES for f in folder.glob(pattern)):
-        return f"no weights ({', '.join(WEIGHT_FILES)})"
+        return f"no weights ({', '.join(WEIGHT_FILES)}; torch-serialised weights are not loaded: convert them to safetensors)"
     for index in sorted(folder.glob("*.index.json")):
         shards = sorted(set(json.loads(index.read_text()).get("weight_map", {}).values()))
         lost = [s for s in shards if not (folder / s).exists()]

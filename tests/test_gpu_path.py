@@ -29,7 +29,7 @@ import common
 def config_only(tiny_model, tmp_path) -> Path:
     """A model folder with the tiny model's config.json and tokenizer but no weights."""
     folder = tmp_path / "config-only"
-    shutil.copytree(tiny_model, folder, ignore=shutil.ignore_patterns("*.safetensors", "*.bin"))
+    shutil.copytree(tiny_model, folder, ignore=shutil.ignore_patterns("*.safetensors"))
     return folder
 
 
