@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -71,6 +72,34 @@ def env():
 @pytest.fixture(scope="session")
 def trainer():
     return importlib.import_module("04_mica_train")
+
+
+@pytest.fixture
+def tiny(tiny_model):
+    """A fresh tiny model per test (no gradients or weights carried from one test to the next), seeded."""
+    from transformers import AutoModelForCausalLM
+
+    import common
+
+    torch.manual_seed(0)
+    tok = common.load_tokenizer(tiny_model)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    return model, tok
+
+
+def env_args(env, check=False, **over):
+    """03's environment flags at their defaults, with `over` set (and checked, with check=True)."""
+    import argparse
+
+    p = argparse.ArgumentParser()
+    env.add_env_args(p, scenarios_default="unused")
+    args = p.parse_args([])
+    args.progress = False
+    for k, v in over.items():
+        setattr(args, k, v)
+    if check:
+        env.check_env_args(args)
+    return args
 
 
 def run_script(script, *args, cwd=None, timeout=900, env_extra=None):

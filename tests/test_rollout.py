@@ -6,16 +6,7 @@ import pytest
 import torch
 
 import common
-
-
-def env_args(env, **over):
-    p = argparse.ArgumentParser()
-    env.add_env_args(p, scenarios_default="unused")
-    args = p.parse_args([])
-    args.progress = False
-    for k, v in over.items():
-        setattr(args, k, v)
-    return args
+from conftest import env_args
 
 
 class StubJudge:
@@ -31,17 +22,6 @@ class StubJudge:
             out.append(None if lv is None else {"levels": lv, "features": {}})
         self.calls += 1
         return out
-
-
-@pytest.fixture
-def tiny(tiny_model):
-    """A fresh tiny model per test (no gradients or weights carried from one test to the next), seeded."""
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    tok = common.load_tokenizer(tiny_model)
-    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
-    return model, tok
 
 
 SCEN = {"id": "s", "persona": "p", "situation": "s", "opening": "I feel so alone since my dad died.",

@@ -9,6 +9,7 @@ import torch
 
 import common
 from conftest import JUDGE_OK, USER_OK, ok, run_script
+from conftest import env_args as shared_env_args
 
 SCEN = {"id": "s", "persona": "Ana, 30", "situation": "lost her job", "opening": "I feel so alone since my dad died.",
         "p0": [-6.0, -9.0, -4.0], "user_lines": {"better": ["That helps."], "stuck": ["Maybe."],
@@ -26,25 +27,15 @@ THINKING_TEMPLATE = (
 
 
 def env_args(env, **over):
-    p = argparse.ArgumentParser()
-    env.add_env_args(p, scenarios_default="unused")
-    args = p.parse_args([])
-    args.progress = False
-    for k, v in over.items():
-        setattr(args, k, v)
-    env.check_env_args(args)
-    return args
+    return shared_env_args(env, check=True, **over)
 
 
 @pytest.fixture
-def tiny_lora(tiny_model):
+def tiny_lora(tiny):
     """The tiny model with a LoRA adapter whose B is not zero (so the adapter changes the logits)."""
     from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
 
-    torch.manual_seed(0)
-    tok = common.load_tokenizer(tiny_model)
-    base = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    base, tok = tiny
     model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
                                             task_type="CAUSAL_LM"))
     with torch.no_grad():
