@@ -10,8 +10,10 @@ user), and compare
   success             EMPA's success rule reached within --max-turns
   final distance      d(P_T), the hinge distance to the goal when the dialogue ends (lower is better)
   final emotion       the simulated user's e_T on SAGE/RLVER's 0-100 scale (starts at 30)
+  collapses           how many of the cell's held-out dialogues end in EMPA's failure (collapse) rule
+  cut-off share       the share of replies cut at --max-new-tokens
 The base model (no training) is evaluated once per seed as the reference row. Prints a markdown table
-(mean ± sd over seeds) and writes it to <out>/rewards.md; every cell's numbers go to
+(mean ± sd over seeds, then one row per seed) and writes it to <out>/rewards.md; every cell's numbers go to
 <out>/results.jsonl as they finish, and a rerun with the same --out-dir skips the cells already there.
 
 The idr+care reward needs a frozen CARE generator (--rubric-model, a 02_rubric_pref_rl.py adapter,
@@ -43,7 +45,11 @@ def evaluate(args, out_dir, name, seed, adapter=None) -> dict:
     return {"return": statistics.mean(r["return"] for r in recs),
             "success": statistics.mean(r["outcome"] == "success" for r in recs),
             "final_distance": statistics.mean(r["final_distance"] for r in recs),
-            "final_emotion": statistics.mean(r["final_emotion"] for r in recs), "n": len(recs)}
+            "final_emotion": statistics.mean(r["final_emotion"] for r in recs),
+            "collapses": sum(r["outcome"] == "failure" for r in recs),          # EMPA failures, a count of n
+            "cut_off": statistics.mean(sum(t["truncated"] for t in r["turns"]) / max(1, len(r["turns"]))
+                                       for r in recs),                         # share of replies cut at the cap
+            "n": len(recs)}
 
 
 def parse_args(argv=None):
@@ -113,22 +119,31 @@ def main(argv=None):
         print(json.dumps(row), flush=True)
         return row
 
-    keys = [(s, "base", "-") for s in seeds] + [(s, e, r) for r in args.rewards for e in args.estimators for s in seeds]
+    # seed-major: a run stopped early leaves whole seeds, every estimator paired on the same seed
+    keys = [k for s in seeds for k in [(s, "base", "-")] + [(s, e, r) for r in args.rewards for e in args.estimators]]
     with ThreadPoolExecutor(max_workers=args.parallel) as pool:
         rows = list(pool.map(cell, keys))
 
-    def ms(xs):
-        return f"{statistics.mean(xs):.3f} ± {statistics.stdev(xs):.3f}" if len(xs) > 1 else f"{xs[0]:.3f}"
+    cols = (("return", "held-out IDR return", "{:.3f}"), ("success", "success", "{:.3f}"),
+            ("final_distance", "final distance", "{:.2f}"), ("collapses", "collapses", "{:.2f}"),
+            ("cut_off", "cut-off share", "{:.3f}"), ("final_emotion", "final emotion", "{:.1f}"))
 
-    lines = ["| estimator | reward | held-out IDR return | success | final distance | final emotion |",
-             "|---|---|---|---|---|---|"]
+    def ms(xs, fmt):
+        return f"{fmt.format(statistics.mean(xs))} ± {fmt.format(statistics.stdev(xs))}" if len(xs) > 1 \
+            else fmt.format(xs[0])
+
+    head = "| {} | reward | " + " | ".join(c[1] for c in cols) + " |\n|---|---|" + "---|" * len(cols) + "\n"
+    mean_lines, seed_lines = [], []
     for estimator, reward in [("base", "-")] + [(e, r) for r in args.rewards for e in args.estimators]:
         got = [r for r in rows if r["estimator"] == estimator and r["reward"] == reward]
         name = "base (untrained)" if estimator == "base" else ESTIMATORS[estimator]
-        lines.append(f"| {name} | {reward} | " + " | ".join(
-            ms([r[k] for r in got]) for k in ("return", "success", "final_distance", "final_emotion")) + " |")
-    table = "\n".join(lines) + (f"\n\nmean ± sd over seeds {args.seeds}; {rows[0]['n']} held-out dialogues per "
-                                f"cell and seed; {args.steps} training steps per cell; {time.time() - t0:.0f} s\n")
+        mean_lines.append(f"| {name} | {reward} | " + " | ".join(ms([r[k] for r in got], f) for k, _, f in cols) + " |")
+        seed_lines += [f"| {name} s{r['seed']} | {reward} | " + " | ".join(f.format(r[k]) for k, _, f in cols) + " |"
+                       for r in got]
+    table = (head.format("estimator") + "\n".join(mean_lines) +
+             f"\n\nmean ± sd over seeds {args.seeds}; {rows[0]['n']} held-out dialogues per cell and seed "
+             f"(collapses: EMPA failures among them); {args.steps} training steps per cell; "
+             f"{time.time() - t0:.0f} s\n\nPer seed:\n\n" + head.format("estimator, seed") + "\n".join(seed_lines) + "\n")
     write_table(out / "rewards.md", table)
 
 

@@ -132,8 +132,14 @@ def test_rewards_experiment_table_and_resume(tiny_model, tmp_path):
     assert [(r["estimator"], r["reward"]) for r in rows] == [("base", "-"), ("mica", "rlver"), ("grpo", "rlver")]
     for r in rows:
         assert r["n"] == 8 and 0 <= r["success"] <= 1 and 0 <= r["final_emotion"] <= 100 and r["final_distance"] > 0
+        assert 0 <= r["collapses"] <= r["n"] and 0 <= r["cut_off"] <= 1
+    base_recs = [json.loads(x) for x in (next(tmp_path.glob("eval-base-s0-*")) / "rollouts.jsonl").read_text().splitlines()]
+    cut = [sum(t["truncated"] for t in rec["turns"]) / len(rec["turns"]) for rec in base_recs]   # per dialogue
+    assert rows[0]["cut_off"] > 0.5 and abs(rows[0]["cut_off"] - sum(cut) / len(cut)) < 1e-9   # 4-token cap cuts
+    assert rows[0]["collapses"] == sum(rec["outcome"] == "failure" for rec in base_recs)
     table = (tmp_path / "rewards.md").read_text()
     assert "| MICA | rlver |" in table and "| GRPO | rlver |" in table and "| base (untrained) | - |" in table
+    assert "| collapses | cut-off share |" in table and "| MICA s0 | rlver |" in table     # per-seed rows
     again = run_script("experiments/rewards.py", *flags, timeout=120)
     assert again.returncode == 0 and "$ " not in again.stdout              # nothing rerun
     assert len((tmp_path / "results.jsonl").read_text().splitlines()) == 3
