@@ -14,7 +14,8 @@ user), and compare
   cut-off share       the share of replies cut at --max-new-tokens
 The base model (no training) is evaluated once per seed as the reference row. Prints a markdown table
 (mean ± sd over seeds, then one row per seed) and writes it to <out>/rewards.md; every cell's numbers go to
-<out>/results.jsonl as they finish, and a rerun with the same --out-dir skips the cells already there.
+<out>/results.jsonl as they finish, and a rerun with the same --out-dir skips the cells already there
+(--report-only tabulates the finished cells of an interrupted comparison without running the rest).
 
 The idr+care reward needs a frozen CARE generator (--rubric-model, a 02_rubric_pref_rl.py adapter,
 e.g. from experiments/care.py); without one, leave idr+care out of --rewards.
@@ -26,6 +27,7 @@ Quick look:  python experiments/rewards.py --seeds 0 --estimators mica --rewards
 import argparse
 import json
 import statistics
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -67,6 +69,8 @@ def parse_args(argv=None):
     p.add_argument("--max-new-tokens", type=int, default=48, help="reply token cap (train and eval)")
     p.add_argument("--parallel", type=int, default=1, help="cells run at once (each then uses 1 CPU thread)")
     p.add_argument("--out-dir", default=str(ROOT / "runs" / "rewards"), help="where runs, results and the table go")
+    p.add_argument("--report-only", action="store_true",
+                   help="run nothing: tabulate the cells of these seeds, estimators and rewards already in results.jsonl")
     args = p.parse_args(argv)
     args.estimators = [e.strip() for e in args.estimators.split(",") if e.strip()]
     args.rewards = [r.strip() for r in args.rewards.split(",") if r.strip()]
@@ -121,6 +125,10 @@ def main(argv=None):
 
     # seed-major: a run stopped early leaves whole seeds, every estimator paired on the same seed
     keys = [k for s in seeds for k in [(s, "base", "-")] + [(s, e, r) for r in args.rewards for e in args.estimators]]
+    if args.report_only:
+        keys = [k for k in keys if k in done]
+        if not keys:
+            sys.exit(f"error: --report-only: no finished cell of these seeds in {results_path}")
     with ThreadPoolExecutor(max_workers=args.parallel) as pool:
         rows = list(pool.map(cell, keys))
 
@@ -136,8 +144,11 @@ def main(argv=None):
     mean_lines, seed_lines = [], []
     for estimator, reward in [("base", "-")] + [(e, r) for r in args.rewards for e in args.estimators]:
         got = [r for r in rows if r["estimator"] == estimator and r["reward"] == reward]
+        if not got:                                      # --report-only: a cell not run yet
+            continue
         name = "base (untrained)" if estimator == "base" else ESTIMATORS[estimator]
-        mean_lines.append(f"| {name} | {reward} | " + " | ".join(ms([r[k] for r in got], f) for k, _, f in cols) + " |")
+        partial = f" ({len(got)} of {len(seeds)} seeds)" if len(got) != len(seeds) else ""
+        mean_lines.append(f"| {name}{partial} | {reward} | " + " | ".join(ms([r[k] for r in got], f) for k, _, f in cols) + " |")
         seed_lines += [f"| {name} s{r['seed']} | {reward} | " + " | ".join(f.format(r[k]) for k, _, f in cols) + " |"
                        for r in got]
     table = (head.format("estimator") + "\n".join(mean_lines) +

@@ -143,6 +143,10 @@ def test_rewards_experiment_table_and_resume(tiny_model, tmp_path):
     again = run_script("experiments/rewards.py", *flags, timeout=120)
     assert again.returncode == 0 and "$ " not in again.stdout              # nothing rerun
     assert len((tmp_path / "results.jsonl").read_text().splitlines()) == 3
+    report = run_script("experiments/rewards.py", *flags[:-2], "--seeds", "0,1", "--estimators", "mica,grpo,reinforce_pp",
+                        "--report-only", "--out-dir", tmp_path, timeout=60)   # seed 1 and REINFORCE++ never ran
+    assert report.returncode == 0 and "$ " not in report.stdout
+    assert "| MICA (1 of 2 seeds) | rlver |" in report.stdout and "REINFORCE++" not in report.stdout
     bad = run_script("experiments/rewards.py", "--rewards", "idr+care", "--out-dir", tmp_path, timeout=60)
     assert bad.returncode == 2 and "--rubric-model" in bad.stderr
 
