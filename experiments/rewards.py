@@ -154,7 +154,7 @@ def main(argv=None):
     table = (head.format("estimator") + "\n".join(mean_lines) +
              f"\n\nmean ± sd over seeds {args.seeds}; {rows[0]['n']} held-out dialogues per cell and seed "
              f"(collapses: EMPA failures among them); {args.steps} training steps per cell; "
-             f"{time.time() - t0:.0f} s\n\nPer seed:\n\n" + head.format("estimator, seed") + "\n".join(seed_lines) + "\n")
+             f"{'tabulated from results.jsonl' if args.report_only else f'{time.time() - t0:.0f} s'}\n\nPer seed:\n\n" + head.format("estimator, seed") + "\n".join(seed_lines) + "\n")
     write_table(out / "rewards.md", table)
 
 
