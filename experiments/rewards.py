@@ -148,13 +148,15 @@ def main(argv=None):
             continue
         name = "base (untrained)" if estimator == "base" else ESTIMATORS[estimator]
         partial = f" ({len(got)} of {len(seeds)} seeds)" if len(got) != len(seeds) else ""
-        mean_lines.append(f"| {name}{partial} | {reward} | " + " | ".join(ms([r[k] for r in got], f) for k, _, f in cols) + " |")
+        mean_lines.append(f"| {name}{partial} | {reward} | "
+                          + " | ".join(ms([r[k] for r in got], f) for k, _, f in cols) + " |")
         seed_lines += [f"| {name} s{r['seed']} | {reward} | " + " | ".join(f.format(r[k]) for k, _, f in cols) + " |"
                        for r in got]
-    table = (head.format("estimator") + "\n".join(mean_lines) +
-             f"\n\nmean ± sd over seeds {args.seeds}; {rows[0]['n']} held-out dialogues per cell and seed "
-             f"(collapses: EMPA failures among them); {args.steps} training steps per cell; "
-             f"{'tabulated from results.jsonl' if args.report_only else f'{time.time() - t0:.0f} s'}\n\nPer seed:\n\n" + head.format("estimator, seed") + "\n".join(seed_lines) + "\n")
+    took = "tabulated from results.jsonl" if args.report_only else f"{time.time() - t0:.0f} s"
+    caption = (f"mean ± sd over seeds {args.seeds}; {rows[0]['n']} held-out dialogues per cell and seed "
+               f"(collapses: EMPA failures among them); {args.steps} training steps per cell; {took}")
+    table = (head.format("estimator") + "\n".join(mean_lines) + f"\n\n{caption}\n\nPer seed:\n\n"
+             + head.format("estimator, seed") + "\n".join(seed_lines) + "\n")
     write_table(out / "rewards.md", table)
 
 
