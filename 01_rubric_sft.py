@@ -1,44 +1,45 @@
 """01_rubric_sft.py: CARE stage 1, supervised fine-tuning of the rubric generator (LoRA).
 
 What it does
-  For a dialogue up to the user's latest turn, CARE's generator writes a rubric for the supporter's
-  next reply: weights over cognitive / affective / proactive empathy and 1-4 fine-grained criteria
-  per dimension. This script fine-tunes a LoRA adapter on turn-level rubric supervision with the
-  loss on the rubric tokens only, evaluates every --eval-every steps on held-out turns (parse-valid
-  rate, weight MAE, dominant-dimension accuracy), and saves the adapter that 02 starts from.
-  With --teacher api:<model> --label <dialogues> it instead labels a user's own dialogues (JSONL
-  with "messages", or ESConv-style records with "dialog") into this supervision format.
+  For a dialogue up to the user's latest turn, CARE's generator writes a rubric for the supporter's next
+  reply: weights over cognitive / affective / proactive empathy and 1-4 fine-grained criteria per
+  dimension. This script fine-tunes a LoRA adapter on turn-level rubric supervision with the loss on the
+  rubric tokens only, evaluates on held-out turns every --eval-every steps (parse-valid rate, weight MAE,
+  dominant-dimension accuracy), and saves the adapter that 02 starts from.
+  It also holds the rubric's product that 02 and 04 import: the format, its one parser, batched rubric
+  generation, and the criteria judge that scores a reply on a rubric's criteria.
 
-Reads   data/rubric_sft_train.jsonl / data/rubric_sft_val.jsonl (or --train / --val: a JSONL path or a
-        hub dataset name): {"messages": [... ending with a user turn], "rubric": {...}} (TRL's
-        conversational format plus the rubric); the base model (--model, default the packaged SmolLM2).
-Writes  runs/<name>-<time>/ : args.json, metrics.jsonl (loss per step, eval_* at each evaluation),
-        eval_samples.jsonl (the generated rubrics of each evaluation), checkpoints/, adapter/,
-        curves.png (loss and the val metrics by step).
-        Label mode: the --label-out JSONL (valid rubrics only) and a count of dropped turns.
+Reads   data/rubric_sft_train.jsonl / data/rubric_sft_val.jsonl (or --train / --val): {"messages": [...
+        ending with a user turn], "rubric": {...}} (TRL's conversational format plus the rubric); the base
+        model (--model, default the packaged SmolLM2). scripts/label_rubrics.py writes this format from
+        your own dialogues with a teacher LLM.
+Writes  runs/<name>-<time>/: args.json, metrics.jsonl (the loss per step, eval_* at each evaluation),
+        eval_samples.jsonl (the rubrics of each evaluation), checkpoints/, adapter/, curves.png.
 
-The rubric (one format and one parser for every stage: parse_rubric below, imported by 02 and 04)
+The rubric
   {"weights": {"cognitive": w_C, "affective": w_A, "proactive": w_P},
    "criteria": {"cognitive": [...], "affective": [...], "proactive": [...]}}
   w_d >= 0, sum_d w_d = 1 (within --weight-tolerance, then renormalised), 1-4 non-empty criteria per d.
 
 Equations (CARE; docs/reference.md section 5)
-  SFT loss      L = -(1/N) sum_i log p(y_i | x, y_<i)   over the N rubric tokens y of the batch
-                (prompt tokens masked out; the closing end-of-turn token is a target, so the model
-                learns to stop)
+  SFT loss      L = -(1/N) sum_i log p(y_i | x, y_<i)   over the N rubric tokens y of the batch (the prompt
+                masked out; the closing end-of-turn token is a target, so the model learns to stop)
   weight MAE    (1/3) sum_d |w_d - w*_d|, averaged over held-out turns with a valid rubric
-  dominant acc  share of held-out turns where argmax_d w_d = argmax_d w*_d (invalid counts as wrong)
+  dominant acc  share of held-out turns where argmax_d w_d = argmax_d w*_d (an invalid rubric is wrong)
+  criteria      s(y, c) in [0, 1]: an LLM's 0-10 score / 10 (hf:, api:), or offline (embed)
+  judge         max(0, cos(e(y), e(c))) with all-MiniLM-L6-v2: how close the reply is in meaning to the
+                criterion; a similarity, not a judgement ("validates the fear" and "dismisses the fear"
+                are both about fear); an LLM judge for real results
 
 Departures from the paper (and why)
   1. LoRA instead of full fine-tuning; the paper's generator is a larger model.
-  2. The supervision set is small and written for this project (147 train / 33 validation turns);
-     the paper labels real dialogues with a strong LLM, which --teacher does for your own data.
-  3. Length-grouped batches (turns of similar length batched together) instead of packing: with
-     rubric-only loss masks, packing saves little and complicates the attention mask.
+  2. The supervision is small and written for this project (147 train / 33 validation turns); the paper
+     labels real dialogues with a strong LLM, which scripts/label_rubrics.py does for your own data.
+  3. Length-grouped batches (turns of similar length together) instead of packing: with rubric-only loss
+     masks packing saves little and complicates the attention mask.
 
-CPU:  python 01_rubric_sft.py                                       (SmolLM2, ~1 s/step, 150 steps)
+CPU:  python 01_rubric_sft.py                                       (SmolLM2, ~1 s a step, 150 steps)
 GPU:  python 01_rubric_sft.py --model Qwen2.5-7B-Instruct --batch-size 16 --steps 300 --lr 1e-4
-Label: python 01_rubric_sft.py --teacher api:gpt-4o --label my_dialogues.jsonl --label-out sup.jsonl
 """
 from __future__ import annotations
 
@@ -55,30 +56,28 @@ from tqdm import tqdm
 import common
 
 HERE = Path(__file__).resolve().parent
-DIMS = ("cognitive", "affective", "proactive")   # CARE's three empathy dimensions (02 and 04 import them)
+DIMS = ("cognitive", "affective", "proactive")   # CARE's three empathy dimensions
+# the generator's system prompt and the criteria judge's prompt (data/prompts.json: every stage's prompts)
+PROMPTS = json.loads((HERE / "data" / "prompts.json").read_text(encoding="utf-8"))
+RUBRIC_SYSTEM, CRITERIA_PROMPT = ("\n".join(PROMPTS[k]) for k in ("rubric_system", "criteria_judge"))
+UNIFORM_RUBRIC = {"weights": {d: 1 / 3 for d in DIMS}, "criteria": PROMPTS["uniform_rubric"]}   # a fixed rubric
 
 
 # ---------------------------------------------------------------------------------------------
-# The rubric: format and parser, the generator's prompt
+# The rubric: its parser, the generator's prompt, batched generation (02 and 04 import these)
 # ---------------------------------------------------------------------------------------------
-def parse_rubric(x, tol: float = 0.02) -> tuple[dict | None, str | None]:
-    """A rubric (a dict, or text that holds its JSON, possibly in prose or a code fence) ->
-    (rubric with weights renormalised to sum 1, None) or (None, the precise reason it is invalid)."""
+def parse_rubric(x, tol=0.02) -> tuple[dict | None, str | None]:
+    """A rubric (a dict, or text holding its JSON, perhaps in prose or a code fence) -> (the rubric with its
+    weights renormalised to sum 1, None) or (None, the precise reason it is invalid)."""
     if isinstance(x, str):
-        raw = common.first_json_object(x)
-        if raw is None:
-            return None, "no JSON object found" if "{" not in x else "unbalanced or truncated JSON"
-        try:
-            x = json.loads(raw)
-        except json.JSONDecodeError as e:
-            return None, f"bad JSON ({e.msg})"
+        x, why = common.first_json(x)
+        if why:
+            return None, why
     if not isinstance(x, dict):
         return None, f"rubric must be a JSON object, got {type(x).__name__}"
     w, crit = x.get("weights"), x.get("criteria")
-    if not isinstance(w, dict):
-        return None, "missing 'weights' object"
-    if not isinstance(crit, dict):
-        return None, "missing 'criteria' object"
+    if not isinstance(w, dict) or not isinstance(crit, dict):
+        return None, f"missing '{'weights' if not isinstance(w, dict) else 'criteria'}' object"
     weights, criteria = {}, {}
     for d in DIMS:
         if d not in w:
@@ -95,9 +94,8 @@ def parse_rubric(x, tol: float = 0.02) -> tuple[dict | None, str | None]:
         if not all(isinstance(s, str) and s.strip() for s in c):
             return None, f"criteria.{d} must hold non-empty strings"
         criteria[d] = [s.strip() for s in c]
-    extra = sorted(set(w) - set(DIMS))
-    if extra:
-        return None, f"weights: unknown dimension {extra[0]!r}"
+    if set(w) - set(DIMS):
+        return None, f"weights: unknown dimension {sorted(set(w) - set(DIMS))[0]!r}"
     total = sum(weights.values())
     if abs(total - 1.0) > tol:
         return None, f"weights sum to {total:.3f}, not 1 (tolerance {tol})"
@@ -108,38 +106,52 @@ def dominant(rubric: dict) -> str:
     return max(DIMS, key=lambda d: rubric["weights"][d])
 
 
-RUBRIC_SYSTEM = """You design the evaluation rubric for a supporter's next reply in an emotional-support
-conversation. Decide what this moment needs: cognitive empathy (understanding and clarifying the
-situation), affective empathy (recognising and validating feelings) or proactive empathy (concrete,
-empowering next steps). Answer with JSON only, exactly this shape:
-{"weights": {"cognitive": 0.3, "affective": 0.5, "proactive": 0.2},
- "criteria": {"cognitive": ["..."], "affective": ["...", "..."], "proactive": ["..."]}}
-Weights are non-negative and sum to 1. Give 1-4 short criteria per dimension, specific to this
-conversation."""
-
-
 def rubric_prompt(messages: list[dict]) -> list[dict]:
     """The generator's chat input: the dialogue as a transcript, then the request."""
     return [{"role": "system", "content": RUBRIC_SYSTEM},
-            {"role": "user", "content": "Conversation so far:\n" + "\n".join(common.transcript_lines(messages)) +
-             "\n\nWrite the rubric for the supporter's next reply."}]
+            {"role": "user", "content": "Conversation so far:\n" + "\n".join(common.transcript_lines(messages))
+             + "\n\nWrite the rubric for the supporter's next reply."}]
+
+
+def prompt_text(tokenizer, messages: list[dict]) -> str:
+    return tokenizer.apply_chat_template(rubric_prompt(messages), tokenize=False, add_generation_prompt=True)
 
 
 def rubric_text(rubric: dict) -> str:
-    return json.dumps({"weights": {d: round(rubric["weights"][d], 2) for d in DIMS},
-                       "criteria": rubric["criteria"]}, ensure_ascii=False)
+    return json.dumps({"weights": {d: round(rubric["weights"][d], 2) for d in DIMS}, "criteria": rubric["criteria"]},
+                      ensure_ascii=False)
 
 
+def generate_rubrics(model, tokenizer, contexts: list[list[dict]], max_new_tokens: int, temperature: float,
+                     batch_size=8) -> list[tuple[str, list[int], list[int]]]:
+    """For each dialogue (text, prompt ids, generated ids), in batches of prompts of similar length. Greedy
+    (temperature 0) decodes each distinct prompt once: the same prompt gets the same rubric (04's K dialogues
+    of a scenario share their first turn)."""
+    prompts = [tokenizer(prompt_text(tokenizer, c), add_special_tokens=False)["input_ids"] for c in contexts]
+    first: dict = {}           # greedy: one decoding row per distinct prompt; sampled: every row
+    for i, p in enumerate(prompts):
+        first.setdefault(tuple(p) if temperature == 0 else i, i)
+    order, out = sorted(first.values(), key=lambda i: len(prompts[i])), [None] * len(prompts)
+    for j in range(0, len(order), batch_size):
+        batch = order[j:j + batch_size]
+        replies = common.generate_batch(model, tokenizer, [prompts[i] for i in batch], max_new_tokens, temperature)
+        for i, (y, _) in zip(batch, replies):
+            out[i] = (tokenizer.decode(y, skip_special_tokens=True), prompts[i], y)
+    return [o if o is not None else out[first[tuple(p)]] for o, p in zip(out, prompts)]
+
+
+# ---------------------------------------------------------------------------------------------
+# The equation: the SFT loss on the rubric tokens
+# ---------------------------------------------------------------------------------------------
 def sft_loss(model, batch: list[dict], pad_id: int, device) -> tuple[torch.Tensor, int]:
-    """Token-mean cross-entropy on the rubric tokens of a right-padded batch; returns (loss, N)."""
+    """The token-mean cross-entropy on the rubric tokens of a right-padded batch -> (loss, N)."""
     ids, attn, is_rubric = common.right_pad([b["ids"] for b in batch], pad_id,
                                             [[(len(b["prompt_ids"]), len(b["ids"]))] for b in batch], device)
     labels = ids.masked_fill(is_rubric == 0, -100)        # the prompt and the padding are not targets
     L = ids.shape[1]
-    # Only the last k positions can predict a rubric token (position j predicts token j + 1, and no
-    # row's rubric starts before the shortest prompt ends), so the LM head runs on those alone: the
-    # logits of a micro-batch shrink from B x L x V to B x k x V (k is the rubric plus the length
-    # spread, about a quarter of L on the shipped data).
+    # Only the last k positions can predict a rubric token (position j predicts token j + 1, and no row's
+    # rubric starts before the shortest prompt ends), so the LM head runs on those alone: the logits of a
+    # micro-batch shrink from B x L x V to B x k x V (k: the rubric plus the length spread)
     k = min(L, L - min(len(b["prompt_ids"]) for b in batch) + 1)
     logits = model(input_ids=ids, attention_mask=attn, logits_to_keep=k).logits[:, :-1].float()
     target = labels[:, L - k + 1:]
@@ -156,23 +168,19 @@ def sft_loss(model, batch: list[dict], pad_id: int, device) -> tuple[torch.Tenso
 def main(argv=None):
     args = parse_args(argv)
     common.set_seed(args.seed)
-    if args.teacher:
-        return label_with_teacher(args)
-    train = load_sft(args.train, args.weight_tolerance)   # validate inputs before creating anything
-    val = load_sft(args.val, args.weight_tolerance)
-    val = val[: args.eval_limit] if args.eval_limit else val
+    train = load_sft(args.train, args.weight_tolerance)     # inputs checked before anything is created
+    val = load_sft(args.val, args.weight_tolerance)[: args.eval_limit or None]
     common.check_model_args(args)
     run_dir = common.open_run(args, ("metrics.jsonl", "eval_samples.jsonl"))
     model, tokenizer = common.load_policy(args, trainable=True)
     examples = [encode(tokenizer, r, args.max_len) for r in train]
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer, scheduler = common.make_optimizer(params, args, args.steps)
-    start = 1
-    if args.resume and common.latest_checkpoint(run_dir / "checkpoints") is not None:
-        start = common.load_checkpoint(common.latest_checkpoint(run_dir / "checkpoints"), model, optimizer,
-                                       scheduler)["step"] + 1
+    optimizer, scheduler = common.make_optimizer(params, args.lr, 0.0, args.steps)
+    ckpt, start = common.latest_checkpoint(run_dir / "checkpoints") if args.resume else None, 1
+    if ckpt is not None:
+        start = common.load_checkpoint(ckpt, model, optimizer, scheduler)["step"] + 1
         print(f"resumed at step {start}")
-    logger = common.MetricsLogger(run_dir, args.track, common.public_args(args))
+    logger = common.MetricsLogger(run_dir)
     print(f"run folder {run_dir} | {len(train)} train / {len(val)} val turns | "
           f"trainable parameters {sum(p.numel() for p in params):,}")
     try:
@@ -182,10 +190,9 @@ def main(argv=None):
         raise
     model.save_pretrained(run_dir / "adapter", safe_serialization=True)
     tokenizer.save_pretrained(run_dir / "adapter")
-    logger.close()
     common.plot_metrics(run_dir, {"loss": "SFT loss (rubric tokens)", "eval_parse_valid": "val: parse-valid share",
                                   "eval_weight_mae": "val: weight MAE", "eval_dominant_acc": "val: dominant dimension"})
-    print(f"rubric generator adapter: {run_dir / 'adapter'}  (02_rubric_pref_rl.py --adapter takes it); curves.png")
+    print(f"rubric generator adapter: {run_dir / 'adapter'} (02_rubric_pref_rl.py --adapter takes it); curves.png")
 
 
 def train_loop(args, run_dir, model, tokenizer, examples, val, params, optimizer, scheduler, logger, start):
@@ -198,31 +205,28 @@ def train_loop(args, run_dir, model, tokenizer, examples, val, params, optimizer
         common.append_jsonl(run_dir / "eval_samples.jsonl", [{"step": step, **s} for s in samples])
         logger.log(step, metrics)
 
-    # the batch order of every epoch depends only on (seed, epoch): a resumed run sees the same batches
+    # the batches of every epoch depend only on (seed, epoch): a resumed run sees the same batches
     schedule, epoch = [], 0
     while len(schedule) < args.steps:
-        lengths = [len(e["ids"]) for e in examples]
-        schedule += length_grouped_batches(lengths, args.batch_size, random.Random(args.seed * 1000 + epoch))
+        schedule += length_grouped_batches([len(e["ids"]) for e in examples], args.batch_size,
+                                           random.Random(args.seed * 1000 + epoch))
         epoch += 1
     if start == 1:
         run_eval(0)                                         # the untrained generator, for comparison
     model.train()
     for step in tqdm(range(start, args.steps + 1), desc="sft", initial=start - 1, total=args.steps,
                      disable=not args.progress):
-        t0 = time.time()
-        batch = [examples[i] for i in schedule[step - 1]]
-        # 1. forward/backward over micro-batches; token-mean over the whole batch's rubric tokens
+        t0, batch = time.time(), [examples[i] for i in schedule[step - 1]]
+        # 1. forward and backward over micro-batches; the token mean over the whole batch's rubric tokens
         N = sum(sum(x != -100 for x in b["labels"][1:]) for b in batch)
         optimizer.zero_grad(set_to_none=True)
         loss_sum = 0.0
         for j in range(0, len(batch), args.micro_batch_size):
-            micro = batch[j:j + args.micro_batch_size]
-            loss, n = sft_loss(model, micro, tokenizer.pad_token_id, device)
+            loss, n = sft_loss(model, batch[j:j + args.micro_batch_size], tokenizer.pad_token_id, device)
             (loss * n / N).backward()
             loss_sum += loss.item() * n
-        # 2. clip, step, schedule
-        gn = float(torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm))
-        lr = optimizer.param_groups[0]["lr"]
+        # 2. clip, step, schedule (a non-finite gradient is skipped, and counted)
+        gn, lr = float(torch.nn.utils.clip_grad_norm_(params, 1.0)), optimizer.param_groups[0]["lr"]
         if math.isfinite(gn):
             optimizer.step()
         scheduler.step()
@@ -237,7 +241,7 @@ def train_loop(args, run_dir, model, tokenizer, examples, val, params, optimizer
 
 
 # ---------------------------------------------------------------------------------------------
-# --- supporting pieces ---: data, encoding, batches, generation and evaluation, teacher labelling, CLI
+# --- supporting pieces ---: data, encoding, batches, evaluation, the criteria judge, CLI
 # ---------------------------------------------------------------------------------------------
 def check_messages(msgs, where: str) -> list[dict]:
     common.check(isinstance(msgs, list) and msgs, f"{where}: field 'messages' must be a non-empty list")
@@ -250,24 +254,21 @@ def check_messages(msgs, where: str) -> list[dict]:
     return msgs
 
 
-def load_sft(spec: str, tol: float) -> list[dict]:
-    """A JSONL path or a hub dataset owner/name[:config[:split]] (exported once to the cache as JSONL)."""
-    recs = common.read_jsonl(common.hub_dataset_file(spec, "--train/--val"), {"messages": list, "rubric": dict})
+def load_sft(path: str, tol: float) -> list[dict]:
+    recs = common.read_jsonl(path, {"messages": list, "rubric": dict})
     for r in recs:
-        check_messages(r.get("messages"), r["_where"])
-        rubric, why = parse_rubric(r.get("rubric"), tol)
-        common.check(rubric is not None, f"{r['_where']}: field 'rubric': {why}")
-        r["rubric"] = rubric
+        check_messages(r["messages"], r["_where"])
+        r["rubric"], why = parse_rubric(r["rubric"], tol)
+        common.check(why is None, f"{r['_where']}: field 'rubric': {why}")
     return recs
 
 
 def encode(tokenizer, rec: dict, max_len: int) -> dict:
-    """Prompt ids + target ids (the rubric JSON and the template's end of turn); labels mask the
+    """The prompt ids + the target ids (the rubric JSON and the template's end of turn); labels mask the
     prompt with -100. A prompt too long for max_len loses its oldest tokens (the context's start)."""
-    prompt = rubric_prompt(rec["messages"])
-    p_text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
-    full = tokenizer.apply_chat_template(prompt + [{"role": "assistant", "content": rubric_text(rec["rubric"])}],
-                                         tokenize=False)
+    p_text = prompt_text(tokenizer, rec["messages"])
+    full = tokenizer.apply_chat_template(rubric_prompt(rec["messages"]) + [
+        {"role": "assistant", "content": rubric_text(rec["rubric"])}], tokenize=False)
     common.check(full.startswith(p_text), "the chat template changes earlier turns; 01 needs one that does not")
     p_ids = tokenizer(p_text, add_special_tokens=False)["input_ids"]
     y_ids = tokenizer(full[len(p_text):], add_special_tokens=False)["input_ids"]
@@ -278,107 +279,82 @@ def encode(tokenizer, rec: dict, max_len: int) -> dict:
 
 
 def length_grouped_batches(lengths: list[int], batch_size: int, rng: random.Random) -> list[list[int]]:
-    """Shuffle, then sort within windows of 8 batches by length, cut into batches, shuffle batches:
-    little padding, still random order."""
+    """Shuffle, sort within windows of 8 batches by length, cut into batches, shuffle the batches: little
+    padding, still a random order."""
     idx = list(range(len(lengths)))
     rng.shuffle(idx)
-    window = batch_size * 8
     batches = []
-    for w in range(0, len(idx), window):
-        chunk = sorted(idx[w:w + window], key=lambda i: lengths[i])
+    for w in range(0, len(idx), batch_size * 8):
+        chunk = sorted(idx[w:w + batch_size * 8], key=lambda i: lengths[i])
         batches += [chunk[j:j + batch_size] for j in range(0, len(chunk), batch_size)]
     rng.shuffle(batches)
     return batches
 
 
-# generation and evaluation (02 uses generate_rubrics too)
-def generate_rubrics(model, tokenizer, contexts: list[list[dict]], max_new_tokens: int, temperature: float,
-                     batch_size: int = 8) -> list[tuple[str, list[int], list[int]]]:
-    """Batched generation: for each dialogue -> (text, prompt ids, generated ids). Prompts of similar
-    length share a batch (less padding); identical prompts in a batch are prefilled once, and with
-    greedy decoding (temperature 0) decoded once too: the same prompt gets the same rubric (04's K
-    rollouts of a scenario share their first turn's context)."""
-    prompts = [tokenizer(tokenizer.apply_chat_template(rubric_prompt(c), tokenize=False, add_generation_prompt=True),
-                         add_special_tokens=False)["input_ids"] for c in contexts]
-    first: dict = {}           # greedy: one decoding row per distinct prompt; sampled: every row
-    for i, p in enumerate(prompts):
-        first.setdefault(tuple(p) if temperature == 0 else i, i)
-    order = sorted(first.values(), key=lambda i: len(prompts[i]))
-    out = [None] * len(prompts)
-    for j in range(0, len(order), batch_size):
-        batch = order[j:j + batch_size]
-        replies = common.generate_batch(model, tokenizer, [prompts[i] for i in batch], max_new_tokens, temperature)
-        for i, (y, _) in zip(batch, replies):
-            out[i] = (tokenizer.decode(y, skip_special_tokens=True), prompts[i], y)
-    for i, p in enumerate(prompts):
-        if out[i] is None:
-            out[i] = out[first[tuple(p)]]
-    return out
-
-
 def evaluate(model, tokenizer, recs: list[dict], args) -> tuple[dict, list[dict]]:
-    """Greedy rubrics for held-out turns: parse-valid rate, weight MAE, dominant-dimension accuracy."""
+    """Greedy rubrics for held-out turns: the parse-valid rate, weight MAE, dominant-dimension accuracy."""
     gens = generate_rubrics(model, tokenizer, [r["messages"] for r in recs], args.max_new_tokens, 0.0,
                             args.eval_batch_size)
-    valid, mae, hit, samples = 0, [], 0, []
+    mae, hit, samples = [], 0, []
     for r, (text, _, _) in zip(recs, gens):
         rubric, why = parse_rubric(text, args.weight_tolerance)
-        ref = r["rubric"]
         if rubric is not None:
-            valid += 1
             # weight MAE = (1/3) sum_d |w_d - w*_d|
-            mae.append(sum(abs(rubric["weights"][d] - ref["weights"][d]) for d in DIMS) / 3)
-            hit += dominant(rubric) == dominant(ref)
+            mae.append(sum(abs(rubric["weights"][d] - r["rubric"]["weights"][d]) for d in DIMS) / 3)
+            hit += dominant(rubric) == dominant(r["rubric"])
         samples.append({"id": r.get("id"), "text": text, "valid": rubric is not None, "reason": why})
-    n = len(recs)
-    return {"eval_parse_valid": valid / n, "eval_weight_mae": sum(mae) / len(mae) if mae else None,
-            "eval_dominant_acc": hit / n}, samples
+    return {"eval_parse_valid": len(mae) / len(recs), "eval_weight_mae": sum(mae) / len(mae) if mae else None,
+            "eval_dominant_acc": hit / len(recs)}, samples
 
 
-# teacher labelling (--teacher api:<model> --label <dialogues>)
-def dialogues_from(path: str) -> list[tuple[str, list[dict]]]:
-    """(id, messages up to each user turn) from {"messages": [...]} or ESConv-style {"dialog": [...]}."""
-    out = []
-    for r in common.read_jsonl(path):
-        w = r["_where"]
-        if "messages" in r:
-            msgs = r["messages"]
-        elif "dialog" in r:
-            common.check(isinstance(r["dialog"], list), f"{w}: field 'dialog' must be a list")
-            msgs = []
-            for i, t in enumerate(r["dialog"]):
-                common.check(isinstance(t, dict) and t.get("speaker") in ("seeker", "supporter", "usr", "sys")
-                             and isinstance(t.get("content"), str),
-                             f"{w}: dialog[{i}] must have speaker seeker|supporter and a string content")
-                role = "user" if t["speaker"] in ("seeker", "usr") else "assistant"
-                if msgs and msgs[-1]["role"] == role:          # ESConv splits turns: merge them
-                    msgs[-1]["content"] += " " + t["content"].strip()
-                else:
-                    msgs.append({"role": role, "content": t["content"].strip()})
+# the criteria judge: s(y, c) in [0, 1] for a reply y and each criterion c (02 trains with it, 04 rewards)
+def parse_scores(text: str | None, n: int) -> list[float] | None:
+    """{"scores": [n numbers in 0-10]} (perhaps in prose) -> n scores in [0, 1], or None."""
+    scores = (common.extract_json(text) or {}).get("scores")
+    ok = isinstance(scores, list) and len(scores) == n and all(
+        isinstance(x, (int, float)) and not isinstance(x, bool) and 0 <= x <= 10 for x in scores)
+    return [x / 10 for x in scores] if ok else None
+
+
+class CriteriaJudge:
+    """score(items {context, reply, criteria}) -> per item the scores s(y, c), or None where it failed:
+    embed (offline: max(0, cos(e(y), e(c))), all-MiniLM-L6-v2) or an LLM (hf:, api:) asked for 0-10 per
+    criterion, a malformed answer asked again."""
+
+    def __init__(self, args, policy=None):     # policy: the (model, tokenizer) whose frozen base is --judge self
+        self.spec, self.retries = args.judge, args.judge_retries
+        if self.spec == "embed":
+            self.embed = common.EmbedBackend(str(common.pick_device()))
         else:
-            raise common.UserError(f"{w}: needs field 'messages' or 'dialog'")
-        common.check(isinstance(msgs, list) and msgs, f"{w}: empty dialogue")
-        for k, m in enumerate(msgs):
-            if m.get("role") == "user":
-                out.append((f"{r.get('id', w)}-t{sum(x['role'] == 'user' for x in msgs[:k + 1])}",
-                            check_messages(msgs[:k + 1], w)))
+            self.backend = common.make_chat_backend(self.spec, args, policy=policy)
+
+    def score(self, items: list[dict]) -> list[list[float] | None]:
+        if self.spec == "embed":
+            out = []
+            for it in items:
+                e = self.embed.encode([it["reply"]] + it["criteria"])        # the reply, then each criterion
+                out.append([max(0.0, float(e[0] @ e[j])) for j in range(1, len(it["criteria"]) + 1)])
+            return out
+        prompts = [[{"role": "user", "content": CRITERIA_PROMPT.format(
+            history="\n".join(common.transcript_lines(it["context"])), reply=it["reply"],
+            criteria="\n".join(f"{j + 1}. {c}" for j, c in enumerate(it["criteria"])))}] for it in items]
+        return common.ask_json(self.backend, prompts, lambda i, text: parse_scores(text, len(items[i]["criteria"])),
+                               self.retries, max_tokens=200)
+
+
+def judge_by_dimension(judge, cases: list[dict]) -> list[dict | None]:
+    """cases {"context", "reply", "criteria": {name: [criterion, ...]}} -> per case {name: [s(y, c) for each
+    criterion]}, or None where the judge failed on any of them; one judge call for every (case, name)."""
+    items, where = [], []
+    for i, c in enumerate(cases):
+        for name, criteria in c["criteria"].items():
+            items.append({"context": c["context"], "reply": c["reply"], "criteria": criteria})
+            where.append((i, name))
+    out: list[dict | None] = [{} for _ in cases]
+    for (i, name), sc in zip(where, judge.score(items) if items else []):
+        if out[i] is not None:
+            out[i] = None if sc is None else {**out[i], name: sc}
     return out
-
-
-def label_with_teacher(args):
-    """--teacher api:<model> --label <dialogues>: the teacher writes each turn's rubric; an invalid one
-    is asked again (--teacher-retries), then the turn is dropped and counted."""
-    teacher = common.make_chat_backend(args.teacher, args)
-    turns = dialogues_from(args.label)
-    common.check(not Path(args.label_out).exists(), f"--label-out {args.label_out} exists; not overwriting it")
-    rubrics = common.ask_json(teacher, [rubric_prompt(msgs) for _, msgs in turns],
-                              lambda i, text: parse_rubric(text, args.weight_tolerance)[0], args.teacher_retries,
-                              who="teacher", noun="turns", max_tokens=400)
-    kept = [i for i, rb in enumerate(rubrics) if rb is not None]
-    common.append_jsonl(args.label_out, [{"id": turns[i][0], "messages": turns[i][1], "rubric": rubrics[i]}
-                                         for i in kept])
-    print(f"labelled {len(kept)}/{len(turns)} turns into {args.label_out}; dropped {len(turns) - len(kept)} whose "
-          f"rubric stayed invalid after {args.teacher_retries} retries ({teacher.failures} failed calls)")
 
 
 def parse_args(argv=None):
@@ -386,45 +362,28 @@ def parse_args(argv=None):
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     common.add_model_args(p)
     g = p.add_argument_group("data")
-    g.add_argument("--train", default=str(HERE / "data" / "rubric_sft_train.jsonl"),
-                   help="supervision: JSONL path or hub dataset owner/name[:config[:split]]")
-    g.add_argument("--val", default=str(HERE / "data" / "rubric_sft_val.jsonl"),
-                   help="held-out turns: JSONL path or hub dataset owner/name[:config[:split]]")
-    g.add_argument("--max-len", type=int, default=1024, help="tokens per example (prompt cut from the left)")
+    g.add_argument("--train", default=str(HERE / "data" / "rubric_sft_train.jsonl"), help="supervision JSONL")
+    g.add_argument("--val", default=str(HERE / "data" / "rubric_sft_val.jsonl"), help="held-out turns JSONL")
+    g.add_argument("--max-len", type=int, default=1024, help="tokens per example (the prompt cut from the left)")
     g.add_argument("--weight-tolerance", type=float, default=0.02, help="|sum of weights - 1| allowed")
     g = p.add_argument_group("optimisation")
     g.add_argument("--steps", type=int, default=150, help="optimizer steps")
     g.add_argument("--batch-size", type=int, default=8, help="examples per step")
     g.add_argument("--micro-batch-size", type=int, default=4, help="examples per forward/backward")
-    g.add_argument("--lr", type=float, default=2e-4, help="peak learning rate (AdamW)")
-    g.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
-    g.add_argument("--warmup-ratio", type=float, default=0.05, help="share of steps with linear warmup")
-    g.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping")
+    g.add_argument("--lr", type=float, default=2e-4, help="peak learning rate (AdamW, no weight decay)")
     g = p.add_argument_group("evaluation")
     g.add_argument("--eval-every", type=int, default=50, help="evaluate on --val every N steps (and at 0)")
     g.add_argument("--eval-limit", type=int, default=0, help="evaluate on the first N val turns (0 = all)")
     g.add_argument("--eval-batch-size", type=int, default=8, help="turns per generate call")
     g.add_argument("--max-new-tokens", type=int, default=256, help="token cap of a generated rubric")
-    g = p.add_argument_group("teacher labelling (instead of training)")
-    g.add_argument("--teacher", default=None, help="api:<model> or hf:<model>: label --label into --label-out")
-    g.add_argument("--label", default=None, help="dialogues to label: JSONL with messages, or ESConv-style dialog")
-    g.add_argument("--label-out", default=None, help="where the labelled supervision JSONL goes (new file)")
-    g.add_argument("--teacher-retries", type=int, default=2, help="re-asks when the teacher's rubric is invalid")
-    common.add_backend_args(p)
-    common.add_run_args(p, "rubric-sft", save_every=50, resume="a run folder: continue from its last checkpoint")
+    common.add_run_args(p, "rubric-sft", resume="a run folder: continue from its last checkpoint", save_every=50)
     args = p.parse_args(argv)
-    c = common.check
-    c(args.steps >= 1, f"--steps must be >= 1, got {args.steps}")
-    c(args.batch_size >= 1 and args.micro_batch_size >= 1, "--batch-size and --micro-batch-size must be >= 1")
-    c(args.lr > 0, f"--lr must be > 0, got {args.lr}")
-    c(args.max_len >= 64, f"--max-len must be >= 64, got {args.max_len}")
-    c(0 <= args.weight_tolerance < 1, f"--weight-tolerance must be in [0, 1), got {args.weight_tolerance}")
-    c(args.eval_every >= 1 and args.save_every >= 1, "--eval-every and --save-every must be >= 1")
-    c(args.max_new_tokens >= 8, f"--max-new-tokens must be >= 8, got {args.max_new_tokens}")
-    if args.teacher:
-        c(args.teacher.startswith(("api:", "hf:")), f"--teacher must be api:<model> or hf:<model>, got {args.teacher}")
-        c(args.label and args.label_out, "--teacher needs --label (dialogues in) and --label-out (supervision out)")
-    common.check_backend_args(args)
+    for flag in ("steps", "batch_size", "micro_batch_size", "eval_every", "save_every"):
+        common.check(getattr(args, flag) >= 1, f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    common.check(args.lr > 0, f"--lr must be > 0, got {args.lr}")
+    common.check(args.max_len >= 64, f"--max-len must be >= 64, got {args.max_len}")
+    common.check(0 <= args.weight_tolerance < 1, f"--weight-tolerance must be in [0, 1), got {args.weight_tolerance}")
+    common.check(args.max_new_tokens >= 8, f"--max-new-tokens must be >= 8, got {args.max_new_tokens}")
     return args
 
 

@@ -1,16 +1,16 @@
 """03_rollout.py: the EMPA-style support environment and batched multi-turn rollouts.
 
 What it does
-  A policy model talks to a simulated user about a scenario. After every assistant turn a judge turns
-  (persona, history, reply) into a progress vector v_t on the three support axes, the hidden state
-  moves, and the user answers. K trajectories per scenario; all live dialogues are answered in one
-  batched generate call per turn that keeps each dialogue's KV cache, so only the new tokens (the
-  user's message) are prefilled. Run alone, it samples a few dialogues and prints them.
+  A policy model talks to a simulated user about a scenario. After every reply a judge turns (persona,
+  history, reply) into a progress vector v_t on three support axes, the user's hidden state moves, and the
+  user answers. K dialogues per scenario; every live dialogue is answered in one batched generate call per
+  turn that keeps each dialogue's KV cache, so only the new tokens (the user's message) are prefilled.
+  04 and 05 import this environment; run alone, it samples a few dialogues and prints them.
 
-Reads   scenarios JSONL (data/scenarios_{train,test}.jsonl: id, persona, situation, opening, 9 EMPA
+Reads   scenarios JSONL (data/scenarios_{train,test}.jsonl: id, persona, situation, opening, the 9 EMPA
         ratings `items` or p0 = [C, A, P], optional user_lines); data/judge_prototypes.json (embed judge).
-Writes  <run>/rollouts.jsonl: per trajectory every turn's messages, P_t, v_t, levels, distance, IDR
-        reward, the user's emotion e_t, flags (truncated, judge_failed); <run>/args.json.
+Writes  <run>/rollouts.jsonl: every turn's messages, P_t, v_t, levels, distance, IDR reward, the user's
+        emotion e_t and flags (truncated, judge_failed); <run>/args.json.
 
 Equations (EMPA; docs/reference.md sections 1-4)
   initial deficit   C = -2(C1 + C2 + 1.5 C3),  A = -2(A1 + 2 A2 + 1.5 A3),  P = -2(P1 + 2 P2 + 1.5 P3)
@@ -18,34 +18,34 @@ Equations (EMPA; docs/reference.md sections 1-4)
                     worth {0,-2,-4} on C and {0,-2,-5} on A and P;  v_t,a = progress + negative points
   state             P_t = P_{t-1} + v_t   (not clipped: it can overshoot the origin)
   distance          d(P) = sqrt( sum_a w_a * max(0, -eps - P_a)^2 ),  w = (1,1,1), eps = 1
-  reward (IDR)      r_t = d(P_{t-1}) - d(P_t)      (written to the JSONL; 04 recomputes its own)
+  reward (IDR)      r_t = d(P_{t-1}) - d(P_t)     (written to the JSONL; 04 computes its own rewards)
   direction         v* = -P0/||P0||,  dE_t = v_t . v*,  E_total = sum_t dE_t
   success           t >= min_turns and E_total >= ||P0||
-  failure           t >= min_turns and (last 5 dE all < 0  or  (std of last 5 ||P_t|| < 0.5 and
-                    >= 6 of the last 8 dE < 0 with their sum < -1));   max_turns: stop (timeout)
+  failure           t >= min_turns and (the last `collapse window` dE all < 0  or  (the sample std of the
+                    last 5 ||P_t|| < 0.5 and >= 6 of the last 8 dE < 0 with their sum < -1));  max_turns: timeout
   user emotion      e_0 = --emotion-start, e_t = min(100, max(0, e_{t-1} + clip(2.5 sum_a v_t,a, -10, 10)))
-                    (SAGE / RLVER's scale, our mapping from the levels, unless the judge states the change
-                    as 05's SAGE simulator does); with --emotion-ends the episode ends at e >= 100
+                    (SAGE / RLVER's scale; the mapping from the levels is ours, unless the judge states the
+                    change, as 05's SAGE simulator does); with --emotion-ends the episode ends at e >= 100
                     (success) or e < 10 (failure) instead of by the rules above
   --kardia-format   the policy is asked for <understanding>, <reasoning>, <emotion>, <response> sections;
                     only the response reaches the user and the judge (Kardia-R1)
 
 Judges and users (--judge, --user; what each is and is not: docs/environment.md)
-  embed / self / hf: / api:   the offline MiniLM-and-cue judge (EmbedJudge, rules in its docstring), or an
-             LLM judge with an MDEP-PR prompt (LLMJudge: malformed JSON re-asked, then the turn is judge_failed:
-             state unchanged, left out of the loss; an endpoint that answers nothing stops the run).
-  scripted / self / hf: / api:   the scenario's own lines picked by the last turn's trend (ScriptedUser), or
-             an LLM role-playing the persona in 20-50 words, told the band and trend, never the numbers.
-  self       the policy's own frozen base (its LoRA adapter off) is that LLM: no second model is loaded.
+  embed | self | hf: | api:       the offline MiniLM-and-cue judge (EmbedJudge, rules in its docstring), or an
+             LLM with an MDEP-PR prompt (LLMJudge): malformed JSON is asked again, then the turn is judge_failed
+             (the state stays, 04 leaves the turn out of the loss); an endpoint that answers nothing stops the run
+  scripted | self | hf: | api:    the scenario's own lines picked by the last turn's trend (ScriptedUser), or an
+             LLM role-playing the persona in 20-50 words, told the band and the trend, never the numbers
+  self       the policy's own frozen base (its LoRA adapter off) is that LLM: no second model is loaded
 
 Departures from EMPA
-  - Shipped scenarios keep ||P0|| in 12-26 (EMPA's: 17.5-41); training defaults are short (3 turns, gate
-    from turn 2, collapse window 3): the benchmark rules (45, 12, 5 and 8) are flags, used by 05's empa.
-  - Tokens in, tokens out: each turn appends exactly the sampled reply ids and the template's text of
-    the next user message, so training sees the very tokens that were sampled (a thinking model's <think>
-    part too: it is cut only from what the user and the judge see; the template is asked not to think).
+  1. The shipped scenarios keep ||P0|| in 12-26 (EMPA's: 17.5-41); the training defaults are short (3 turns,
+     no end before turn 2, collapse window 3); the benchmark's rules (45, 12, 5) are flags, 05's empa uses them.
+  2. Tokens in, tokens out: each turn appends exactly the sampled reply ids and the template's text of the
+     next user message, so training sees the very tokens that were sampled (a thinking model's <think> part
+     too: it is cut only from what the user and the judge see; the template is asked not to think).
 
-CPU:  python 03_rollout.py                      (SmolLM2-135M-Instruct, embed judge, scripted user)
+CPU:  python 03_rollout.py                     (SmolLM2-135M-Instruct, embed judge, scripted user)
 GPU:  python 03_rollout.py --model Qwen2.5-7B-Instruct --judge api:Qwen2.5-72B-Instruct \\
           --user api:Qwen2.5-72B-Instruct --api-base http://localhost:8000/v1 --max-turns 15
 """
@@ -54,6 +54,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import random
 import re
 import time
@@ -67,12 +68,17 @@ import common
 
 HERE = Path(__file__).resolve().parent
 AXES = ("C", "A", "P")
-# EMPA initial-deficit items: (axis, multiplier m); each adds -2 * m * level (level 0-3)
+# EMPA's initial-deficit items: (axis, multiplier m); each adds -2 * m * level (level 0-3)
 DEFICIT_ITEMS = {"C1": ("C", 1.0), "C2": ("C", 1.0), "C3": ("C", 1.5),
                  "A1": ("A", 1.0), "A2": ("A", 2.0), "A3": ("A", 1.5),
                  "P1": ("P", 1.0), "P2": ("P", 2.0), "P3": ("P", 1.5)}
 PROGRESS_POINTS = (0.0, 1.0, 3.0)                      # progress level 0, 1, 2
 NEGATIVE_POINTS = {"C": (0.0, -2.0, -4.0), "A": (0.0, -2.0, -5.0), "P": (0.0, -2.0, -5.0)}
+# the LLM judge's and user's prompts, what the user is told of the trend, the scripted user's lines when a
+# scenario brings none, the policy's system prompt and Kardia-R1's format request (data/prompts.json)
+PROMPTS = json.loads((HERE / "data" / "prompts.json").read_text(encoding="utf-8"))
+JUDGE_PROMPT, USER_PROMPT = ("\n".join(PROMPTS[k]) for k in ("mdep_judge", "user"))
+TREND_TEXT, DEFAULT_USER_LINES = PROMPTS["trend"], PROMPTS["scripted_user_lines"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -99,10 +105,10 @@ def hinge_distance(P, weights=(1.0, 1.0, 1.0), eps=1.0) -> float:
 
 
 def incremental_distance_rewards(states, weights=(1.0, 1.0, 1.0), eps=1.0) -> list[float]:
-    """states = [P0, P1, ..., PT] of one trajectory -> [r_1, ..., r_T]. weights: one (w_C, w_A, w_P)
-    for every turn, or a list of T of them (04's idr+care weights turn t's distance by its rubric)."""
+    """states = [P0, P1, ..., PT] of one trajectory -> [r_1, ..., r_T]. weights: one (w_C, w_A, w_P) for
+    every turn, or a list of T of them (04's idr+care weights turn t's distance by its rubric)."""
     per_turn = len(weights) == len(states) - 1 and all(isinstance(w, (list, tuple)) for w in weights)
-    # r_t = d(P_{t-1}) - d(P_t),  d(P) = sqrt( sum_a w_a max(0, -eps - P_a)^2 )
+    # r_t = d(P_{t-1}) - d(P_t)
     r = []
     for t in range(1, len(states)):
         w = weights[t - 1] if per_turn else weights
@@ -111,19 +117,17 @@ def incremental_distance_rewards(states, weights=(1.0, 1.0, 1.0), eps=1.0) -> li
 
 
 def episode_status(P0, dEs, states, t, args) -> str | None:
-    """'success', 'failure' or None (go on) after turn t (1-based); the EMPA rules above."""
+    """'success', 'failure' or None (go on) after turn t (1-based), by the EMPA rules above."""
     if t < args.min_turns:
         return None
-    E_total = sum(dEs)
-    if E_total >= norm(P0):
+    if sum(dEs) >= norm(P0):                                       # E_total >= ||P0||
         return "success"
     w = args.collapse_window
     if len(dEs) >= w and all(dE < 0 for dE in dEs[-w:]):
-        return "failure"  # collapsed
+        return "failure"                                           # collapsed
     if len(dEs) >= 8 and len(states) >= 5:
-        stagnant = common.mean_std([norm(P) for P in states[-5:]], ddof=1)[1] < 0.5   # sample std
-        last8 = dEs[-8:]
-        regressing = sum(dE < 0 for dE in last8) >= 6 and sum(dE for dE in last8 if dE < 0) < -1
+        stagnant = common.mean_std([norm(P) for P in states[-5:]], ddof=1)[1] < 0.5
+        regressing = sum(dE < 0 for dE in dEs[-8:]) >= 6 and sum(dE for dE in dEs[-8:] if dE < 0) < -1
         if stagnant and regressing:
             return "failure"
     return None
@@ -135,9 +139,9 @@ def levels_to_v(levels: dict) -> list[float]:
 
 
 def emotion_change(levels: dict) -> float:
-    """The simulated user's emotion change (SAGE / RLVER, docs/reference.md section 4) from the judged levels.
-    Our mapping, not the papers' (their simulator states the change itself): A+1 alone is +2.5, level 1
-    on every axis +7.5, an off-topic reply (C-1, A-1) -10."""
+    """The simulated user's emotion change (SAGE / RLVER, docs/reference.md section 4) from the judged
+    levels; our mapping, not the papers' (their simulator states it): A+1 alone is +2.5, level 1 on every
+    axis +7.5, an off-topic reply (C-1, A-1) -10."""
     # change_t = clip(2.5 * sum_axis v_t,axis, -10, 10)
     return max(-10.0, min(10.0, 2.5 * sum(levels_to_v(levels))))
 
@@ -145,13 +149,6 @@ def emotion_change(levels: dict) -> float:
 def emotion_status(e: float) -> str | None:
     # RLVER / SAGE: the episode ends at e >= 100 (success) or e < 10 (failure)
     return "success" if e >= 100 else "failure" if e < 10 else None
-
-
-def user_trend(tr, args) -> str:
-    """better / stuck / worse after the last turn, from the last change of the user's state: dE_t (EMPA),
-    or with --emotion-ends (RLVER / SAGE, where the user's state is its emotion) e_t - e_{t-1}."""
-    x = tr.emotions[-1] - tr.emotions[-2] if args.emotion_ends else tr.dEs[-1]
-    return "better" if x > 0.5 else "worse" if x < -0.5 else "stuck"
 
 
 @dataclass
@@ -162,13 +159,13 @@ class Trajectory:
     messages: list[dict]                            # the same dialogue as text
     spans: list[tuple[int, int]] = field(default_factory=list)  # [start, end) of each reply's ids
     states: list[list[float]] = field(default_factory=list)     # P_0 .. P_T
-    vs: list[list[float] | None] = field(default_factory=list)  # v_1 .. v_T (None: judge failed)
+    vs: list[list[float] | None] = field(default_factory=list)  # v_1 .. v_T (None: the judge failed)
     levels: list[dict | None] = field(default_factory=list)
     features: list[dict] = field(default_factory=list)
     dEs: list[float] = field(default_factory=list)
     truncated: list[bool] = field(default_factory=list)
     emotions: list[float] = field(default_factory=list)       # e_0 .. e_T, the user's emotion (0-100)
-    shown: list[str] = field(default_factory=list)  # what the user and judge saw of each reply
+    shown: list[str] = field(default_factory=list)  # what the user and the judge saw of each reply
     formatted: list[bool] = field(default_factory=list)  # --kardia-format: the reply had the 4 sections
     extra: dict = field(default_factory=dict)       # per-turn lists a trainer adds (04: CARE's rubrics)
     outcome: str | None = None                      # success | failure | timeout | context_limit | user_failed
@@ -182,7 +179,7 @@ class Trajectory:
         return [v is None for v in self.vs]
 
 
-def advance_state(tr, verdict: dict | None):
+def advance_state(tr: Trajectory, verdict: dict | None):
     """Turn t's judgement moves the hidden state: P_t = P_{t-1} + v_t, dE_t = v_t . v*, and the user's
     emotion e_t. A failed judgement (None) leaves both where they were and flags the turn."""
     P_prev = tr.states[-1]
@@ -196,8 +193,7 @@ def advance_state(tr, verdict: dict | None):
     tr.vs.append(v), tr.levels.append(verdict["levels"]), tr.features.append(verdict["features"])
     tr.states.append([P_prev[i] + v[i] for i in range(3)])                          # P_t = P_{t-1} + v_t
     tr.dEs.append(sum(v[i] * v_star[i] for i in range(3)))                          # dE_t = v_t . v*
-    # e_t = min(100, max(0, e_{t-1} + change_t)); the change is the judge's own when it states one
-    # (05's SAGE simulator), else derived from the levels
+    # e_t = min(100, max(0, e_{t-1} + change_t)); the judge's own change when it states one (05's SAGE)
     change = verdict["change"] if verdict.get("change") is not None else emotion_change(verdict["levels"])
     tr.emotions.append(min(100.0, max(0.0, tr.emotions[-1] + change)))
 
@@ -206,24 +202,23 @@ def advance_state(tr, verdict: dict | None):
 # The main loop: a batched multi-turn rollout (tokens in, tokens out)
 # ---------------------------------------------------------------------------------------------
 def rollout(model, tokenizer, scenarios: list[dict], judge, user, args, desc="rollout") -> list[Trajectory]:
-    """K trajectories per scenario, all dialogues advanced together, one turn at a time."""
+    """K trajectories per scenario, every dialogue advanced together, one turn at a time."""
     trajs = []
     for s in scenarios:
         msgs, ids = opening_ids(tokenizer, s, args)
-        for k in range(args.k):
-            trajs.append(Trajectory(scenario=s, k=k, ids=list(ids), messages=[dict(m) for m in msgs],
-                                    states=[list(s["p0"])], emotions=[args.emotion_start]))
+        trajs += [Trajectory(scenario=s, k=k, ids=list(ids), messages=[dict(m) for m in msgs],
+                             states=[list(s["p0"])], emotions=[args.emotion_start]) for k in range(args.k)]
     was_training = model.training
     model.eval()
-    bar = tqdm(total=args.max_turns, desc=desc, leave=False, disable=not args.progress)
-    kv, row_of = (common.TurnCache() if args.kv_reuse else None), {}   # the last turn's KV cache and its rows
-    for t in range(1, args.max_turns + 1):
+    kv, row_of = TurnCache(), {}               # the last turn's KV cache and which dialogue each row is
+    for t in tqdm(range(1, args.max_turns + 1), desc=desc, leave=False, disable=not args.progress):
         live = [tr for tr in trajs if tr.outcome is None]
         if not live:
             break
         # 1. the policy answers every live dialogue in one batched call (prefilling only what is new)
-        if kv is not None and row_of:
-            kv.keep_rows([row_of[id(tr)] for tr in live])
+        if not args.kv_reuse:
+            kv = TurnCache()
+        kv.keep_rows([row_of[id(tr)] for tr in live] if row_of else [])
         row_of = {id(tr): b for b, tr in enumerate(live)}
         cases = policy_turn(model, tokenizer, live, args, kv)
         # 2. the judge: v_t at the EMPA levels; P_t = P_{t-1} + v_t; the user's emotion e_t
@@ -236,8 +231,6 @@ def rollout(model, tokenizer, scenarios: list[dict], judge, user, args, desc="ro
                 tr.outcome = "timeout"
         # 4. the simulated user answers the dialogues that go on
         user_turn(tokenizer, [tr for tr in live if tr.outcome is None], user, args)
-        bar.update(1)
-    bar.close()
     model.train(was_training)
     return trajs
 
@@ -245,9 +238,7 @@ def rollout(model, tokenizer, scenarios: list[dict], judge, user, args, desc="ro
 def policy_turn(model, tokenizer, live: list[Trajectory], args, kv) -> list[dict]:
     """Sample every live dialogue's reply; append its ids and text; return the judge's cases."""
     cases = []
-    replies = common.generate_batch(model, tokenizer, [tr.ids for tr in live], args.max_new_tokens, args.temperature,
-                                    args.top_p, kv)
-    for tr, (reply_ids, ended) in zip(live, replies):
+    for tr, (reply_ids, ended) in zip(live, kv.generate(model, tokenizer, [tr.ids for tr in live], args)):
         text = tokenizer.decode(reply_ids, skip_special_tokens=True).strip()
         tr.spans.append((len(tr.ids), len(tr.ids) + len(reply_ids)))
         tr.ids.extend(reply_ids), tr.truncated.append(not ended)
@@ -261,10 +252,12 @@ def policy_turn(model, tokenizer, live: list[Trajectory], args, kv) -> list[dict
 
 
 def user_turn(tokenizer, going: list[Trajectory], user, args):
-    """The simulated user's next message for each dialogue that goes on, told the trend and the band."""
+    """The simulated user's next message in each dialogue that goes on, told the trend and the band."""
     asks = []
     for tr in going:
-        trend = user_trend(tr, args)
+        # better / stuck / worse: the last change of the user's state, dE_t (EMPA) or e_t - e_{t-1}
+        x = tr.emotions[-1] - tr.emotions[-2] if args.emotion_ends else tr.dEs[-1]
+        trend = "better" if x > 0.5 else "worse" if x < -0.5 else "stuck"
         band = (f"your emotion is {tr.emotions[-1]:.0f} out of 100 (0 = desperate, 100 = fully supported)"
                 if args.emotion_ends else
                 state_band(hinge_distance(tr.states[-1], eps=args.eps), hinge_distance(tr.states[0], eps=args.eps)))
@@ -279,7 +272,7 @@ def user_turn(tokenizer, going: list[Trajectory], user, args):
                         f"--max-message-chars {args.max_message_chars} (scenario {tr.scenario['id']})")
             answer = answer[: args.max_message_chars]
         tr.messages.append({"role": "user", "content": answer})
-        extra = common.next_user_ids(tokenizer, tr.messages, tr.messages[-2]["content"], not tr.truncated[-1])
+        extra = next_user_ids(tokenizer, tr.messages, tr.messages[-2]["content"], not tr.truncated[-1])
         if len(tr.ids) + len(extra) + args.max_new_tokens > args.max_context:
             tr.outcome = "context_limit"
             tr.messages.pop()
@@ -292,42 +285,59 @@ def trajectory_record(tr: Trajectory, args, rewards: list[float] | None = None, 
     d = [hinge_distance(P, eps=args.eps) for P in tr.states]
     # default reward written here: IDR r_t = d(P_{t-1}) - d(P_t); the trainer passes its own
     rewards = rewards if rewards is not None else incremental_distance_rewards(tr.states, eps=args.eps)
-    assistant_turns = [i for i, m in enumerate(tr.messages) if m["role"] == "assistant"]
-    turns = []
-    for t in range(tr.T):
-        i = assistant_turns[t]
-        turns.append({"t": t + 1, "user": tr.messages[i - 1]["content"], "assistant": tr.messages[i]["content"],
-                      "v": tr.vs[t], "levels": tr.levels[t], "state": tr.states[t + 1],
-                      "distance": round(d[t + 1], 4), "dE": round(tr.dEs[t], 4), "reward": rewards[t],
-                      "truncated": tr.truncated[t], "judge_failed": tr.vs[t] is None, "emotion": tr.emotions[t + 1],
-                      **({"shown": tr.shown[t], "formatted": tr.formatted[t]} if args.kardia_format else {}),
-                      "reply_tokens": tr.spans[t][1] - tr.spans[t][0], "judge_features": tr.features[t]})
+    replies = [i for i, m in enumerate(tr.messages) if m["role"] == "assistant"]
+    turns = [{"t": t + 1, "user": tr.messages[i - 1]["content"], "assistant": tr.messages[i]["content"],
+              "v": tr.vs[t], "levels": tr.levels[t], "state": tr.states[t + 1], "distance": round(d[t + 1], 4),
+              "dE": round(tr.dEs[t], 4), "reward": rewards[t], "truncated": tr.truncated[t],
+              "judge_failed": tr.vs[t] is None, "emotion": tr.emotions[t + 1],
+              **({"shown": tr.shown[t], "formatted": tr.formatted[t]} if args.kardia_format else {}),
+              "reply_tokens": tr.spans[t][1] - tr.spans[t][0], "judge_features": tr.features[t]}
+             for t, i in enumerate(replies[:tr.T])]
     return {"scenario_id": tr.scenario["id"], "k": tr.k, "p0": tr.scenario["p0"], "outcome": tr.outcome,
             "turns": turns, "final_distance": round(d[-1], 4), "initial_distance": round(d[0], 4),
             "E_total": round(sum(tr.dEs), 4), "final_emotion": tr.emotions[-1], "return": round(sum(rewards), 4),
             **extra}
 
 
-def print_transcript(rec: dict):
-    print(f"\n=== {rec['scenario_id']} k={rec['k']}  P0={rec['p0']}  outcome={rec['outcome']}  "
-          f"d: {rec['initial_distance']} -> {rec['final_distance']}  return={rec['return']:.3f}")
-    for tu in rec["turns"]:
-        flags = " [cut off]" * tu["truncated"] + " [judge failed]" * tu["judge_failed"]
-        print(f"  user:      {tu['user']}\n  assistant: {tu['assistant']}{flags}")
-        print(f"             v={tu['v']}  P={tu['state']}  d={tu['distance']}  r={tu['reward']:.3f}")
+def main(argv=None):
+    args = parse_args(argv)
+    common.set_seed(args.seed)
+    scenarios = load_scenarios(args.scenarios)[: args.num_scenarios or None]   # inputs checked before anything
+    common.check_model_args(args)
+    run_dir = common.open_run(args)
+    model, tokenizer = common.load_policy(args, trainable=False)
+    judge, user = make_judge(args, (model, tokenizer)), make_user(args, (model, tokenizer))
+    t0 = time.time()
+    records = [trajectory_record(tr, args) for tr in rollout(model, tokenizer, scenarios, judge, user, args)]
+    common.append_jsonl(run_dir / "rollouts.jsonl", records)
+    for rec in records if not args.quiet else []:
+        print(f"\n=== {rec['scenario_id']} k={rec['k']}  P0={rec['p0']}  outcome={rec['outcome']}  "
+              f"d: {rec['initial_distance']} -> {rec['final_distance']}  return={rec['return']:.3f}")
+        for tu in rec["turns"]:
+            flags = " [cut off]" * tu["truncated"] + " [judge failed]" * tu["judge_failed"]
+            print(f"  user:      {tu['user']}\n  assistant: {tu['assistant']}{flags}")
+            print(f"             v={tu['v']}  P={tu['state']}  d={tu['distance']}  r={tu['reward']:.3f}")
+    n, judged = len(records), [t["judge_failed"] for r in records for t in r["turns"]]
+    print(f"\n{n} trajectories in {time.time() - t0:.1f}s | mean return {sum(r['return'] for r in records) / n:.3f} "
+          f"| success {sum(r['outcome'] == 'success' for r in records)}/{n} | mean final distance "
+          f"{sum(r['final_distance'] for r in records) / n:.3f} | written to {run_dir / 'rollouts.jsonl'}")
+    print(f"judge failed on {sum(judged)}/{len(judged)} turns | user failed in "
+          f"{sum(r['outcome'] == 'user_failed' for r in records)} dialogues"
+          + "".join(f" | {k} {v}" for k, v in common.api_counts(judge, user).items()))
 
 
 # ---------------------------------------------------------------------------------------------
-# --- supporting pieces ---: scenarios, judges, users, tokens and the KV cache, records, CLI
+# --- supporting pieces ---: scenarios, judges, users, tokens and the KV cache, CLI
 # ---------------------------------------------------------------------------------------------
 def load_scenarios(path) -> list[dict]:
-    """Read and validate scenarios; each gets p0 (from `items` unless given) and default user lines."""
+    """Read and check scenarios; each gets p0 (from `items` unless given) and default user lines."""
     recs = common.read_jsonl(path, {"id": str, "persona": str, "situation": str, "opening": str})
     for r in recs:
         w = r["_where"]
         common.check(r["opening"].strip(), f"{w}: field 'opening' is empty")
         if "p0" in r:
-            common.check(isinstance(r["p0"], list) and len(r["p0"]) == 3 and all(type(x) in (int, float) and x <= 0 for x in r["p0"]),
+            common.check(isinstance(r["p0"], list) and len(r["p0"]) == 3 and
+                         all(type(x) in (int, float) and x <= 0 for x in r["p0"]),
                          f"{w}: field 'p0' must be a list of 3 numbers <= 0 (C, A, P)")
             r["p0"] = [float(x) for x in r["p0"]]
         else:
@@ -352,17 +362,10 @@ def load_scenarios(path) -> list[dict]:
     return recs
 
 
-DEFAULT_USER_LINES = {  # used by the scripted user when a scenario brings no lines of its own
-    "better": ["That actually helps a little. I hadn't looked at it that way before.",
-               "Yes, that's close to how it feels. Can I tell you what worries me most?"],
-    "stuck": ["I hear you, but I still don't know what to do with all of this.",
-              "Maybe. It still feels just as heavy as before, honestly."],
-    "worse": ["I'm not sure you're really listening to what I said.",
-              "That feels like a stock answer. Never mind."],
-}
 
 
-# judges: (scenario, history, reply) -> levels {axis: (progress 0-2, negative 0-2)} or None (failed)
+# judges: cases {scenario, history, reply} -> {"levels": {axis: (progress 0-2, negative 0-2)}, "features"}
+# or None (failed)
 class EmbedJudge:
     """Offline judge: embeddings say what a reply is *about*, cue lists what *move* it makes (every
     prototype, cue pattern and threshold is in the prototypes JSON). Rules, in order:
@@ -388,27 +391,15 @@ class EmbedJudge:
         # cues[kind][axis]: compiled patterns, kind "helpful" (the move) or "harmful" (the harm)
         self.cues = {kind: {a: [re.compile(p, re.I) for p in by_axis[a]] for a in AXES}
                      for kind, by_axis in proto["cues"].items()}
-        # every word of the cue patterns: stock phrasing, not substance (see `substance` below)
-        self.cue_vocab = self._stems(" ".join(re.sub(r"\\[a-z]|[^a-z']", " ", p.pattern)
-                                              for by_axis in self.cues.values()
-                                              for pats in by_axis.values() for p in pats))
+        # every word of the cue patterns: stock phrasing, not substance
+        self.cue_vocab = self.stems(" ".join(re.sub(r"\\[a-z]|[^a-z']", " ", p.pattern)
+                                             for by_axis in self.cues.values() for pats in by_axis.values()
+                                             for p in pats))
 
-    @staticmethod
-    def _top2(sims: torch.Tensor) -> float:
-        return sims.topk(min(2, sims.numel())).values.mean().item()
-
-    @staticmethod
-    def _sentences(text: str) -> list[str]:
-        return [s.strip() for s in re.split(r"(?<=[.!?;:])\s+|\n+", text) if s.strip()] or [text]
-
-    @staticmethod
-    def _words(text: str) -> list[str]:
-        return re.findall(r"[a-z][a-z']*", text.lower())
-
-    def _stems(self, text: str) -> set[str]:
+    def stems(self, text: str) -> set[str]:
         # detail words: no stop words, a common suffix dropped, the first 5 letters kept (yelled ~ yelling)
         out = set()
-        for w in self._words(text):
+        for w in re.findall(r"[a-z][a-z']*", text.lower()):
             if len(w) < 4 or w in self.stop:
                 continue
             for suf in ("ing", "ed", "es", "s", "ly"):
@@ -418,98 +409,80 @@ class EmbedJudge:
             out.add(w[:5])
         return out
 
-    @staticmethod
-    def _copied(text: str, sources: list[str]) -> float:
-        # the largest share of the reply's word 4-grams found verbatim in one source
-        def grams(s):
-            w = re.findall(r"\w+", s.lower())
-            return {tuple(w[i:i + 4]) for i in range(len(w) - 3)}
-        mine = grams(text)
-        return max([len(mine & grams(s)) / len(mine) for s in sources] or [0.0]) if mine else 0.0
-
     def judge(self, cases: list[dict]) -> list[dict | None]:
-        """cases: {scenario, history: [messages], reply}. Returns levels plus the features used."""
-        # embed every reply and its sentences in batches up front (encode caches per text)
+        # embed every reply and its sentences in one batch up front (encode caches per text)
         self.embed.encode([t for c in cases if c["reply"].strip()
-                           for t in [c["reply"].strip()] + self._sentences(c["reply"].strip())])
+                           for t in [c["reply"].strip()] + sentences(c["reply"])])
         out = []
         for c in cases:
             reply = c["reply"].strip()
             if not reply:  # an empty reply: nothing gained, felt as dismissive on every axis
                 out.append({"levels": {a: (0, 1) for a in AXES}, "features": {"kind": "empty"}})
                 continue
-            S = self.embed.encode(self._sentences(reply))                         # [sentences, 384]
-            x = self._about(reply, c["history"], S)       # 1-2. what the reply is about, what kind it is
-            self._moves(reply, S, x)                      # 3. what move it makes, per axis
-            out.append({"levels": self._levels(reply, x), "features": x["feats"]})
+            S = self.embed.encode(sentences(reply))                              # [sentences, 384]
+            x = self.about(reply, c["history"], S)        # 1-2. what the reply is about, what kind it is
+            self.moves(reply, S, x)                       # 3. which move it makes, per axis
+            out.append({"levels": self.levels(reply, x), "features": x["feats"]})   # 4. the levels
         return out
 
-    def _about(self, reply: str, history: list[dict], S: torch.Tensor) -> dict:
+    def about(self, reply: str, history: list[dict], S: torch.Tensor) -> dict:
         th = self.th
         users = [m["content"] for m in history if m["role"] == "user"]
         said = " ".join(users)
         earlier = [m["content"] for m in history if m["role"] == "assistant" and m["content"].strip()]
         system = [m["content"] for m in history if m["role"] == "system"]
         R = self.embed.encode([reply])[0]                                     # [384]
-        U = self.embed.encode([users[-1] if users else "", said])             # last message, all
+        U = self.embed.encode([users[-1] if users else "", said])             # the last message, everything
         # relevance: cosine to the user's last message or to everything they have said
         rel = max(float(U[0] @ R), float(U[1] @ R))
-        # specificity: how much closer it is to this user than to other people's troubles
-        # (comfort that could be said to anyone is about as close to all of them)
+        # specificity: how much closer to this user than to other people's troubles (comfort that could be
+        # said to anyone is about as close to all of them)
         spec = rel - float((self.contrast @ R).mean())
-        # grounding: detail words of the user's story that the reply picks up
-        ground = len(self._stems(reply) & self._stems(said))
-        # substance: detail words of its own, neither the user's nor cue phrasing
-        # (stock phrases filled in with the user's nouns have none)
-        substance = len(self._stems(reply) - self._stems(said) - self.cue_vocab)
+        # grounding: detail words of the user's story the reply picks up; substance: detail words of its
+        # own, neither the user's nor cue phrasing (stock phrases filled in with the user's nouns have none)
+        ground = len(self.stems(reply) & self.stems(said))
+        substance = len(self.stems(reply) - self.stems(said) - self.cue_vocab)
         # template: the share of sentences close to a generic comfort line
-        templ_sims = (self.templates @ S.T).max(0).values                    # best line per sentence
+        templ_sims = (self.templates @ S.T).max(0).values                    # the best line per sentence
         templ_share = float((templ_sims >= th["template"]).float().mean())
-        # repetition: close in meaning to, or copied from, an earlier reply; echo: copies the user's
-        # (or the system prompt's) words back
-        rep = float((self.embed.encode(earlier) @ R).max()) if earlier else 0.0
-        rep = max(rep, self._copied(reply, earlier))
-        echo = self._copied(reply, users + system)
+        # repetition: close in meaning to, or copied from, an earlier reply; echo: copies the user's (or the
+        # system prompt's) words back
+        rep = max(float((self.embed.encode(earlier) @ R).max()) if earlier else 0.0, copied_share(reply, earlier))
+        echo = copied_share(reply, users + system)
         # fluency: the share of function words (keyword lists and word salad have almost none)
-        words = self._words(reply)
+        words = re.findall(r"[a-z][a-z']*", reply.lower())
         fluency = sum(w in self.stop for w in words) / max(1, len(words))
-        # cut off: stops mid-sentence (ends on a letter, digit, comma or dash)
-        cut = reply[-1].isalnum() or reply[-1] in ",;:-("
+        cut = reply[-1].isalnum() or reply[-1] in ",;:-("      # stops mid-sentence
         # 2. what kind of reply it is
-        copied = rep >= th["repetition"] or echo >= th["copy"]
-        template = templ_share >= th["template_share"]
-        generic = spec < th["specific1"] and ground < th["ground1"]
-        off_topic = not template and rel < th["relevance1"] and ground < th["ground1"]
-        kind = ("copied" if copied else "off_topic" if off_topic else "template" if template
-                else "generic" if generic else "specific")
-        feats = {"kind": kind, "performative": kind in ("copied", "template", "generic"),
-                 "relevance": round(rel, 3), "specificity": round(spec, 3), "grounding": ground,
-                 "substance": substance, "template": round(float(templ_sims.max()), 3),
-                 "repetition": round(rep, 3), "echo": round(echo, 3), "fluency": round(fluency, 2),
-                 "cut_off": cut}
-        return {"feats": feats, "said": said, "rel": rel, "spec": spec, "ground": ground, "substance": substance,
-                "fluency": fluency, "cut": cut, "copied": copied, "template": template, "generic": generic,
-                "off_topic": off_topic, "kind": kind}
+        x = {"rel": rel, "spec": spec, "ground": ground, "substance": substance, "fluency": fluency, "cut": cut,
+             "copied": rep >= th["repetition"] or echo >= th["copy"], "template": templ_share >= th["template_share"],
+             "generic": spec < th["specific1"] and ground < th["ground1"], "said": said}
+        x["off_topic"] = not x["template"] and rel < th["relevance1"] and ground < th["ground1"]
+        x["kind"] = ("copied" if x["copied"] else "off_topic" if x["off_topic"] else "template" if x["template"]
+                     else "generic" if x["generic"] else "specific")
+        x["feats"] = {"kind": x["kind"], "performative": x["kind"] in ("copied", "template", "generic"),
+                      "relevance": round(rel, 3), "specificity": round(spec, 3), "grounding": ground,
+                      "substance": substance, "template": round(float(templ_sims.max()), 3),
+                      "repetition": round(rep, 3), "echo": round(echo, 3), "fluency": round(fluency, 2), "cut_off": cut}
+        return x
 
-    def _moves(self, reply: str, S: torch.Tensor, x: dict):
-        """Per axis: kinds of evidence (patterns) of the axis' helpful move, distinct harmful phrases
+    def moves(self, reply: str, S: torch.Tensor, x: dict):
+        """Per axis: the kinds of evidence (patterns) of its helpful move, the distinct harmful phrases
         (except those quoted from the user: "telling me 'lots of people fail' doesn't help"), and the
         embedding margin (the best sentence's likeness to helpful minus to harmful descriptions)."""
+        top2 = lambda sims: sims.topk(min(2, sims.numel())).values.mean().item()  # noqa: E731
         hits, bad, margin = {}, {}, {}
         for a in AXES:
             hits[a] = sum(bool(p.search(reply)) for p in self.cues["helpful"][a])
             bad[a] = len({m.group(0).lower() for p in self.cues["harmful"][a] for m in p.finditer(reply)}
                          - {m.group(0).lower() for p in self.cues["harmful"][a] for m in p.finditer(x["said"])})
-            margin[a] = (max(self._top2(self.help[a] @ s) for s in S)
-                         - max(self._top2(self.harm[a] @ s) for s in S))
-            x["feats"][f"cues_{a}"], x["feats"][f"harm_{a}"] = hits[a], bad[a]
-            x["feats"][f"margin_{a}"] = round(margin[a], 3)
+            margin[a] = max(top2(self.help[a] @ s) for s in S) - max(top2(self.harm[a] @ s) for s in S)
+            x["feats"].update({f"cues_{a}": hits[a], f"harm_{a}": bad[a], f"margin_{a}": round(margin[a], 3)})
         x.update(hits=hits, bad=bad, margin=margin, top=max(AXES, key=lambda a: (hits[a] > 0, margin[a])))
 
-    def _levels(self, reply: str, x: dict) -> dict:
-        """4. The levels, per axis: (progress 0-2, negative 0-2) by the rules in the class docstring."""
+    def levels(self, reply: str, x: dict) -> dict:
+        """Per axis (progress 0-2, negative 0-2) by the rules in the class docstring."""
         th, hits, bad, margin, top = self.th, x["hits"], x["bad"], x["margin"], x["top"]
-        harmful = any(bad.values())
         levels = {}
         for a in AXES:
             progress = 0
@@ -522,18 +495,17 @@ class EmbedJudge:
             elif x["generic"] and a != top:
                 pass  # could be said to anyone: only its main move counts, at level 1
             elif (hits[a] and margin[a] >= th["progress1"]) or margin[a] >= th["progress_emb"]:
-                # level 1: a cue of the move that the embedding does not contradict, or an embedding
-                # that clearly leans to this axis' helpful descriptions
-                progress = 1
+                # level 1: a cue of the move the embedding does not contradict, or a clear embedding lean;
                 # level 2 (strict): the main move, made strongly, about this user's own details with
                 # substance of its own, complete, and free of anything formulaic or harmful
+                progress = 1
                 if (a == top and hits[a] >= th["cues2"] and margin[a] >= th["progress2"]
                         and x["rel"] >= th["relevance2"] and x["spec"] >= th["specific2"]
                         and x["ground"] >= th["ground2"] and x["substance"] >= th["substance2"]
-                        and x["kind"] == "specific" and not x["cut"] and not harmful):
+                        and x["kind"] == "specific" and not x["cut"] and not any(bad.values())):
                     progress = 2
-            # negative: harmful phrases of the axis (changing the subject on C, minimising on A,
-            # lecturing or blaming on P), by count
+            # negative: the axis' harmful phrases by count (changing the subject on C, minimising on A,
+            # lecturing or blaming on P)
             negative = 2 if bad[a] >= th["harm2"][a] else 1 if bad[a] >= th["harm1"][a] else 0
             if a == "C" and (x["copied"] or x["off_topic"]):
                 negative = max(negative, 1)  # not listening: saying it again, or talking past them
@@ -543,29 +515,24 @@ class EmbedJudge:
         return levels
 
 
-JUDGE_PROMPT = """You are an expert evaluator of emotional-support conversations (MDEP-PR protocol).
-The person seeking support:
-- persona: {persona}
-- situation: {situation}
+def sentences(text: str) -> list[str]:
+    text = text.strip()
+    return [s.strip() for s in re.split(r"(?<=[.!?;:])\s+|\n+", text) if s.strip()] or [text]
 
-Conversation so far (the last line is the supporter's reply you must judge):
-{history}
 
-Rate ONLY the supporter's last reply, on three axes:
-- C (cognitive): does the person feel understood, helped to make sense of the situation?
-- A (affective): does the person feel their feelings are heard and resonated with?
-- P (proactive): does the person feel affirmed and empowered to take a step?
-For each axis give a progress level 0, 1 or 2 (2 is strict: a real reframing or real empowerment)
-and an independent negative level 0, 1 or 2 (harm: dismissive, preachy, off-topic, wrong).
-Top rule: performative empathy (ornate metaphors, formulaic repetition, generic comfort that could
-be said to anyone) earns negative levels even when there is also some progress.
+def copied_share(text: str, sources: list[str]) -> float:
+    """The largest share of the text's word 4-grams found verbatim in one source."""
+    def grams(s):
+        w = re.findall(r"\w+", s.lower())
+        return {tuple(w[i:i + 4]) for i in range(len(w) - 3)}
 
-Answer with JSON only, exactly this shape:
-{{"C": {{"progress": 0, "negative": 0}}, "A": {{"progress": 0, "negative": 0}}, "P": {{"progress": 0, "negative": 0}}}}"""
+    mine = grams(text)
+    return max([len(mine & grams(s)) / len(mine) for s in sources] or [0.0]) if mine else 0.0
+
 
 
 def parse_judge_json(text: str | None) -> dict | None:
-    """The judge's JSON (possibly wrapped in prose or a code fence) -> levels, or None if invalid."""
+    """The judge's JSON (perhaps in prose or a code fence) -> levels, or None if it is not valid."""
     obj, levels = common.extract_json(text) or {}, {}
     for a in AXES:
         lv = obj.get(a) if isinstance(obj.get(a), dict) else {}
@@ -584,13 +551,13 @@ class LLMJudge:
         prompts = [[{"role": "user", "content": JUDGE_PROMPT.format(
             persona=c["scenario"]["persona"], situation=c["scenario"]["situation"],
             history="\n".join(common.transcript_lines(c["history"]) + [f"Supporter: {c['reply']}"]))}] for c in cases]
-        # malformed output: ask again, then give up on that turn (None: judge_failed)
+        # malformed output: asked again, then that turn is given up (None: judge_failed)
         levels = common.ask_json(self.backend, prompts, lambda i, text: parse_judge_json(text), self.retries,
                                  max_tokens=200)
         return [None if lv is None else {"levels": lv, "features": {}} for lv in levels]
 
 
-# simulated users: (scenario, history, trend, band) -> the user's next message, or None (failed)
+# simulated users: items {scenario, k, history, trend, band} -> the user's next message, or None (failed)
 class ScriptedUser:
     def __init__(self, seed: int):
         self.seed = seed
@@ -606,14 +573,6 @@ class ScriptedUser:
         return out
 
 
-USER_PROMPT = """You are role-playing a person who is talking to a supporter about a problem.
-Who you are: {persona}
-What is going on: {situation}
-How the conversation is going for you: {band}
-Answer the supporter's last message as this person, in 20-50 words, in the first person. Never repeat
-something you already said, never mention being an AI or a role-play, and do not thank them unless
-it really helped."""
-
 
 class LLMUser:
     def __init__(self, backend: common.ChatBackend):
@@ -622,29 +581,27 @@ class LLMUser:
     def reply(self, items: list[dict]) -> list[str | None]:
         convs = []
         for it in items:
-            sys_msg = USER_PROMPT.format(persona=it["scenario"]["persona"],
-                                         situation=it["scenario"]["situation"], band=it["band"])
-            # roles swap: the supporter's words are the "user" turns of the role-playing model
-            hist = [{"role": "assistant" if m["role"] == "user" else "user", "content": m["content"]}
-                    for m in it["history"] if m["role"] != "system"]
-            convs.append([{"role": "system", "content": sys_msg}] + hist)
-        # an empty answer is a failed turn (no re-ask: the dialogue ends as user_failed)
+            system = USER_PROMPT.format(persona=it["scenario"]["persona"], situation=it["scenario"]["situation"],
+                                        band=it["band"])
+            # the roles swap: the supporter's words are the "user" turns of the role-playing model
+            convs.append([{"role": "system", "content": system}] + [
+                {"role": "assistant" if m["role"] == "user" else "user", "content": m["content"]}
+                for m in it["history"] if m["role"] != "system"])
+        # an empty answer is a failed turn (not asked again: the dialogue ends as user_failed)
         return common.ask_json(self.backend, convs, lambda i, a: a.strip() if a and a.strip() else None, 0,
                                who="user", noun="dialogues", max_tokens=120, temperature=0.7)
 
 
-TREND_TEXT = {"better": "the supporter's last reply helped a bit", "stuck": "the last reply did not really land",
-              "worse": "the last reply made you feel worse or unheard"}
 
 
 def state_band(d: float, d0: float) -> str:
-    """What an LLM user is told about the hidden state: a band (with the trend added), not the numbers."""
+    """What an LLM user is told of the hidden state: a band (the trend is added), not the numbers."""
     left = d / d0 if d0 > 0 else 0.0
     return ("you still feel very low and unsupported" if left > 0.75 else
             "you feel somewhat better but not there yet" if left > 0.35 else "you feel much better")
 
 
-def make_judge(args, policy=None):   # policy: the (model, tokenizer) whose base model is --judge self
+def make_judge(args, policy=None):   # policy: the (model, tokenizer) whose frozen base is --judge self
     if args.judge == "embed":
         return EmbedJudge(args.judge_prototypes, device=str(common.pick_device()))
     return LLMJudge(common.make_chat_backend(args.judge, args, args.judge_concurrency, policy), args.judge_retries)
@@ -656,11 +613,7 @@ def make_user(args, policy=None):    # policy: as for make_judge, for --user sel
     return LLMUser(common.make_chat_backend(args.user, args, args.user_concurrency, policy))
 
 
-# tokens in, tokens out: the opening, Kardia-R1's sections, what the user and judge see
-KARDIA_TOKENS = 192   # --max-new-tokens default with --kardia-format (48 cut the four sections off)
-KARDIA_SYSTEM = (" First think in this format, then answer: <understanding>what the person is going through"
-                 "</understanding><reasoning>what would help now</reasoning><emotion>the emotion to meet"
-                 "</emotion><response>your reply to the person</response>. Only the response is shown to them.")
+# tokens in, tokens out: the opening, Kardia-R1's sections, what the user and the judge see, the KV cache
 
 
 def kardia_response(text: str) -> tuple[str, bool]:
@@ -673,20 +626,22 @@ def kardia_response(text: str) -> tuple[str, bool]:
     return re.sub(r"</?(understanding|reasoning|emotion|response)>", " ", text).strip(), False
 
 
+def kardia_section(text: str, name: str) -> str:
+    """The text of one of Kardia-R1's sections (<emotion>...</emotion>) of a reply, "" when absent."""
+    m = re.search(rf"<{name}>(.*?)</{name}>", text, re.S)
+    return m.group(1).strip() if m else ""
+
+
 def seen_history(tr) -> list[dict]:
-    """The dialogue as the user and the judge see it: each reply's shown part (tr.shown: see policy_turn)."""
-    out, t = [], 0
-    for m in tr.messages:
-        if m["role"] == "assistant":
-            m, t = {"role": "assistant", "content": tr.shown[t]}, t + 1
-        out.append(m)
-    return out
+    """The dialogue as the user and the judge see it: each reply's shown part."""
+    shown = iter(tr.shown)
+    return [{"role": "assistant", "content": next(shown)} if m["role"] == "assistant" else m for m in tr.messages]
 
 
 def opening_ids(tokenizer, s: dict, args) -> tuple[list[dict], list[int]]:
-    """The first context: system prompt + the scenario's opening. An opening too long for
+    """The first context: the system prompt and the scenario's opening. An opening too long for
     --max-context is cut (its end kept, where the person's request usually is), with a warning."""
-    system = args.system_prompt + (KARDIA_SYSTEM if args.kardia_format else "")
+    system = PROMPTS["policy_system"] + (PROMPTS["kardia_system"] if args.kardia_format else "")
     msgs = [{"role": "system", "content": system}, {"role": "user", "content": s["opening"]}]
     ids = common.render_ids(tokenizer, msgs)
     over = len(ids) + args.max_new_tokens - args.max_context
@@ -702,8 +657,70 @@ def opening_ids(tokenizer, s: dict, args) -> tuple[list[dict], list[int]]:
     return msgs, ids
 
 
-DEFAULT_SYSTEM = ("You are a warm, thoughtful emotional-support companion. Listen closely, respond to "
-                  "what the person actually said, and keep each reply to two or three sentences.")
+def next_user_ids(tokenizer, messages: list[dict], reply_text: str, ended_with_eos: bool) -> list[int]:
+    """The token ids after a sampled reply: the template's close of the reply (when the model did not emit
+    it), the new user message and the generation prompt; messages ends with [reply, user]. Earlier turns
+    must render as before. The reply is found verbatim or, where the template drops the thinking of earlier
+    replies (Qwen3), without it; what only the generation prompt holds (Qwen3's empty <think></think>) stays
+    in the context as it was sampled: tokens in, tokens out."""
+    head, text = common.chat_text(tokenizer, messages[:-2]), common.chat_text(tokenizer, messages)
+    start, i, rendered = len(os.path.commonprefix([head, text])), -1, reply_text
+    if text.startswith(common.chat_text(tokenizer, messages[:-2], generation_prompt=False)):
+        for rendered in dict.fromkeys([reply_text, common.strip_thinking(reply_text)]):   # as the template wrote it
+            i = text.find(rendered, start)
+            if i >= 0:
+                break
+    common.check(i >= 0, "the model's chat template does not keep earlier turns and the assistant reply "
+                         "verbatim; the token-in/token-out rollout needs one that does")
+    after = text[i + len(rendered):]
+    if ended_with_eos and tokenizer.eos_token in after:
+        after = after[after.index(tokenizer.eos_token) + len(tokenizer.eos_token):]
+    return tokenizer(after, add_special_tokens=False)["input_ids"]
+
+
+class TurnCache:
+    """The KV cache a batched generate call leaves behind, kept for the dialogues' next turn.
+
+    Row b holds its dialogue's tokens so far, left-padded, then the sampled reply and whatever the batch
+    generated after this row's end of turn (junk, masked out): `seq` and `mask` say which columns are real.
+    The next turn appends each row's new tokens (the user's message) after a hole of padding; positions come
+    from the mask's running count, so a row sees exactly its own tokens at their own positions, as a fresh
+    prefill would, and only the new tokens are prefilled. The first turn prefills identical openings once."""
+
+    def __init__(self):
+        self.cache = self.seq = self.mask = None
+
+    def keep_rows(self, rows: list[int]):
+        """Narrow to these rows of the last call, in this order (the dialogues that go on)."""
+        if self.cache is not None:
+            index = torch.tensor(rows, device=self.seq.device)
+            self.cache.batch_select_indices(index)
+            self.seq, self.mask = self.seq[index], self.mask[index]
+
+    def generate(self, model, tokenizer, contexts: list[list[int]], args) -> list[tuple[list[int], bool]]:
+        """One reply per context (contexts[b] extends row b's real tokens); the cache is kept for the next."""
+        pad, device = tokenizer.pad_token_id, next(model.parameters()).device
+        if self.cache is None:
+            input_ids, attn = common.left_pad(contexts, pad, device)
+            cache = common.prefill_distinct(model, input_ids, attn)
+        else:
+            new = []
+            for b, c in enumerate(contexts):
+                real = self.seq[b][self.mask[b].bool()].tolist()
+                assert c[:len(real)] == real, "TurnCache: a context does not extend its cached row"
+                new.append(c[len(real):])
+            tail, tail_mask = common.left_pad(new, pad, device)
+            input_ids, attn = torch.cat([self.seq, tail], 1), torch.cat([self.mask, tail_mask], 1)
+            cache = self.cache                                # every column but the last of self.seq
+        replies, out = common.generate(model, tokenizer, input_ids, attn, args.max_new_tokens, args.temperature,
+                                       args.top_p, cache)
+        n_new = out.sequences.shape[1] - input_ids.shape[1]
+        reply_mask = torch.tensor([[1] * len(r) + [0] * (n_new - len(r)) for r, _ in replies],
+                                  dtype=attn.dtype, device=device).reshape(len(replies), n_new)
+        self.cache, self.seq, self.mask = out.past_key_values, out.sequences, torch.cat([attn, reply_mask], 1)
+        return replies
+
+
 
 
 def add_env_args(p: argparse.ArgumentParser, scenarios_default: str, k_default: int = 4):
@@ -715,43 +732,49 @@ def add_env_args(p: argparse.ArgumentParser, scenarios_default: str, k_default: 
     g.add_argument("--collapse-window", type=int, default=3, help="failure when the last N dE are all < 0 (EMPA: 5)")
     g.add_argument("--eps", type=float, default=1.0, help="hinge tolerance eps (1 high, 2 medium, 3 low)")
     g.add_argument("--judge", default="embed", help="embed | self | hf:<model-or-path> | api:<model>")
-    g.add_argument("--judge-prototypes", default=str(HERE / "data" / "judge_prototypes.json"), help="embed judge's data")
+    g.add_argument("--judge-prototypes", default=str(HERE / "data" / "judge_prototypes.json"),
+                   help="the embed judge's descriptions, cues and thresholds")
     g.add_argument("--judge-retries", type=int, default=2, help="re-asks of an LLM judge on malformed JSON")
     g.add_argument("--user", default="scripted", help="scripted | self | hf:<model-or-path> | api:<model>")
-    g.add_argument("--system-prompt", default=DEFAULT_SYSTEM, help="the policy's system message")
+    g.add_argument("--judge-concurrency", type=int, default=None, help="the judge's own --api-concurrency "
+                   "(match what its server batches, e.g. vLLM --max-num-seqs)")
+    g.add_argument("--user-concurrency", type=int, default=None, help="the simulated user's own --api-concurrency")
     g.add_argument("--emotion-start", type=float, default=30.0,
                    help="the simulated user's emotion e_0 (0-100; RLVER trains from 30, SAGE evaluates from 40)")
     g.add_argument("--emotion-ends", action="store_true",
                    help="end dialogues by RLVER's rule (emotion >= 100 success, < 10 failure) instead of EMPA's")
-    g.add_argument("--kardia-format", action="store_true",
-                   help="Kardia-R1's format: the policy writes <understanding>, <reasoning>, <emotion>, <response>; "
-                        "only the response reaches the user and the judge")
-    g.add_argument("--max-new-tokens", type=int, default=None, help="token cap of a reply (48; 192 with --kardia-format)")
+    g.add_argument("--kardia-format", action="store_true", help="Kardia-R1's format: the policy writes "
+                   "<understanding>, <reasoning>, <emotion>, <response>; only the response reaches the others")
+    g.add_argument("--max-new-tokens", type=int, default=None,
+                   help="token cap of a reply (48; 192 with --kardia-format, room for the four sections)")
     g.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (0 = greedy)")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling top-p")
-    g.add_argument("--no-kv-reuse", dest="kv_reuse", action="store_false",
-                   help="prefill each dialogue's whole context every turn, not keeping its KV cache from the "
-                        "last turn (kept, it holds that memory while the judge and user run)")
+    g.add_argument("--no-kv-reuse", dest="kv_reuse", action="store_false", help="prefill each dialogue's whole "
+                   "context every turn (kept, the last turn's KV cache holds its memory while judge and user run)")
     g.add_argument("--max-context", type=int, default=2048,
                    help="stop a dialogue (outcome context_limit) before its context passes this many tokens")
     g.add_argument("--max-message-chars", type=int, default=2000, help="simulated-user messages are cut to this")
-    g.add_argument("--no-progress", dest="progress", action="store_false", help="hide progress bars")
     common.add_backend_args(p)
 
 
-def check_env_args(args, has_policy: bool = True):
-    if args.max_new_tokens is None:        # the default: room for Kardia-R1's four sections when asked
-        args.max_new_tokens = KARDIA_TOKENS if args.kardia_format else 48
+def check_env_args(args):
+    if args.max_new_tokens is None:
+        args.max_new_tokens = 192 if args.kardia_format else 48
     for flag in ("k", "max_turns", "min_turns", "collapse_window", "max_new_tokens", "max_message_chars"):
         common.check(getattr(args, flag) >= 1, f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     common.check(args.eps >= 0, f"--eps must be >= 0, got {args.eps}")
     common.check(args.temperature >= 0, f"--temperature must be >= 0, got {args.temperature}")
     common.check(0 < args.top_p <= 1, f"--top-p must be in (0, 1], got {args.top_p}")
     for flag, offline in (("judge", "embed"), ("user", "scripted")):
-        common.check_chat_spec(f"--{flag}", getattr(args, flag), offline, has_policy)
+        spec = getattr(args, flag)
+        common.check(spec in (offline, "self") or (spec.startswith(("hf:", "api:")) and spec.partition(":")[2]),
+                     f"--{flag} must be {offline}, self, hf:<model> or api:<model>, got '{spec}'")
     common.check(args.max_context > args.max_new_tokens,
                  f"--max-context must be larger than --max-new-tokens, got {args.max_context}")
     common.check(0 <= args.emotion_start <= 100, f"--emotion-start must be in [0, 100], got {args.emotion_start}")
+    for flag in ("judge_concurrency", "user_concurrency"):
+        value = getattr(args, flag)
+        common.check(value is None or value >= 1, f"--{flag.replace('_', '-')} must be >= 1, got {value}")
     common.check_backend_args(args)
 
 
@@ -760,38 +783,12 @@ def parse_args(argv=None):
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     common.add_model_args(p)
     add_env_args(p, scenarios_default=str(HERE / "data" / "scenarios_test.jsonl"), k_default=2)
-    g = common.add_run_args(p, "rollout", progress=False)      # --no-progress: an environment flag
+    g = common.add_run_args(p, "rollout")
     g.add_argument("--num-scenarios", type=int, default=2, help="how many scenarios (0 = all)")
     g.add_argument("--quiet", action="store_true", help="do not print transcripts")
     args = p.parse_args(argv)
     check_env_args(args)
     return args
-
-
-def main(argv=None):
-    args = parse_args(argv)
-    common.set_seed(args.seed)
-    scenarios = load_scenarios(args.scenarios)  # validate inputs before creating anything
-    common.check_model_args(args)
-    run_dir = common.make_run_dir(args.out_dir, args.run_name)
-    common.save_args(run_dir, args)
-    scenarios = scenarios[: args.num_scenarios or None]
-    model, tokenizer = common.load_policy(args, trainable=False)
-    judge, user = make_judge(args, (model, tokenizer)), make_user(args, (model, tokenizer))
-    t0 = time.time()
-    trajs = rollout(model, tokenizer, scenarios, judge, user, args)
-    records = [trajectory_record(tr, args) for tr in trajs]
-    common.append_jsonl(run_dir / "rollouts.jsonl", records)
-    if not args.quiet:
-        for rec in records:
-            print_transcript(rec)
-    n, judged = len(records), [t["judge_failed"] for r in records for t in r["turns"]]
-    print(f"\n{n} trajectories in {time.time() - t0:.1f}s | mean return {sum(r['return'] for r in records) / n:.3f} | "
-          f"success {sum(r['outcome'] == 'success' for r in records)}/{n} | mean final distance "
-          f"{sum(r['final_distance'] for r in records) / n:.3f} | written to {run_dir / 'rollouts.jsonl'}")
-    print(f"judge failed on {sum(judged)}/{len(judged)} turns | user failed in "
-          f"{sum(r['outcome'] == 'user_failed' for r in records)} dialogues"
-          + "".join(f" | {k} {v}" for k, v in common.api_counts(judge, user).items()))
 
 
 if __name__ == "__main__":

@@ -1,50 +1,53 @@
 """05_eval.py: evaluate the base model and trained adapters side by side (EMPA, EQ-Bench 3, SAGE, EmoBench).
 
 What it does
-  Loads the base model once, evaluates it, then switches to each --adapters folder (peft) and evaluates
-  it the same way, with the same seeds. Suites (--suite, comma-separated; details: docs/evaluation.md):
-    empa      03's rollout on the held-out scenarios, the benchmark's rules (45 turns, no end before turn 12,
-              collapse window 5, --max-context 8192 capped at the window): outcomes, EPM sub-metrics and index.
-    eqbench3  scenario_prompts.txt: each scenario's fixed user turns played to the model, the judge scores
-              the task's six criteria 0-20 (role-play and drafting, or analysis: ids 401-420).
+  Loads the base model once, evaluates it, then switches to each --adapters folder (peft) and evaluates it
+  the same way, with the same seeds. Suites (--suite, comma-separated; details: docs/evaluation.md):
+    empa      03's rollout on held-out scenarios, by the benchmark's rules (45 turns, no end before turn 12,
+              collapse window 5, --max-context 8192 capped at the window): outcomes, the EPM sub-metrics and
+              index, and each adapter against the base, paired dialogue by dialogue (same scenario, k, seed):
+              the IDR return d(P0) - d(P_T), the collapse share and the cut-off share, with a 95% t interval
+              over scenarios (a scenario's K dialogues are not independent) and a verdict line each.
+    eqbench3  scenario_prompts.txt: each scenario's fixed user turns played to the model, then the judge
+              scores the task's criteria 0-20 (role-play and drafting; analysis: ids 401-420).
     sage      SAGE / RLVER profiles on 03's rollout: emotion from 40, at most +-10 a turn, 10 turns.
     emobench  EmoBench EU (emotion and cause) and EA (best response or action), multiple choice.
   Every finished case is appended to cases.jsonl at once, so --resume RUN skips it after a kill;
   --max-cases N samples N cases per suite and file, stratified by language and category, by --seed.
 
-Reads   --scenarios, --eqbench3 (a scenario_prompts.txt; a 4-scenario sample ships), --sage-profiles
-        (JSONL: id, player, scene, main_cha, cha_group, task, first_talk?), --emobench-eu/-ea (JSONL with
-        EmoBench's fields, or a hub dataset owner/name[:config[:split]]); UTF-8, a BOM or CRLF is fine.
-Writes  runs/<name>-<time>/: args.json, cases.jsonl, transcripts.jsonl, results.json, results.md (the
-        table), distance_per_turn.png, emotion_per_turn.png, and with --rubrics-from (04's rollouts.jsonl
-        of a --reward care run) rubric_by_turn / rubric_by_emotion (.png and .json).
+Imports 03_rollout: the environment (scenarios, the batched rollout, judges, users, the EMPA state).
+Reads   --scenarios, --eqbench3 (a scenario_prompts.txt; a 4-scenario sample ships), --sage-profiles (JSONL:
+        id, player, scene, main_cha, cha_group, task, first_talk?), --emobench-eu / -ea (JSONL with EmoBench's
+        fields); UTF-8, a byte-order mark or CRLF is fine.
+Writes  runs/<name>-<time>/: args.json, cases.jsonl, transcripts.jsonl, results.json, results.md (the table
+        and the comparison), distance_per_turn.png, emotion_per_turn.png.
 
 Equations (docs/reference.md sections 3, 4, 6; r0 = ||P0||, rho_max = sqrt(12), alpha_s = 1.5, beta = 1.2)
-  EPM-Index  = 0.4 Outcome + 0.2 Efficiency + 0.4 Stability, each the mean of three indices, per case,
-               then averaged over cases:
+  EPM-Index  = 0.4 Outcome + 0.2 Efficiency + 0.4 Stability, each the mean of three indices, per case:
   Outcome    RDI = (||P0|| - ||P_T||) / ||P0||  -> (RDI + 1)/2 * 100;   E_total = sum_t v_t . v*  ->
              max(0, E_total)/(beta r0) * 100;   S_net = sum_t sum_axis v_t,axis -> max(0, S_net)/(alpha_s r0) * 100
   Efficiency rho = E_total / T -> max(0, rho)/rho_max * 100;   S_proj = (1/T) sum_t v_t . u_t ->
              max(0, S_proj)/rho_max * 100;   tau = sum_t ||v_t|| / ||P0 - P_T|| -> (3 - tau)/2 * 100
-  Stability  R_pos = share of turns with dE_t > 0 -> R_pos * 100;   Align = (1/T) sum_t dE_t/||v_t||
-             (0 when v_t = 0) -> (Align + 1)/2 * 100;   R_pen = (1/T) sum_t sum_axis |negative level| ->
-             (3 - R_pen)/3 * 100
-  EQ-Bench 3 score = 5 * mean over tasks of (mean of the task's criterion scores, each 0-20)
-  SAGE       e_0 = 40, e_t = min(100, max(0, e_{t-1} + clip(change_t, -10, 10))); ends at e >= 100
-             (success), e < 10 (failure) or after --sage-turns; Sentient score = mean final emotion
+  Stability  R_pos = the share of turns with dE_t > 0 -> R_pos * 100;   Align = (1/T) sum_t dE_t/||v_t|| (0 when
+             v_t = 0) -> (Align + 1)/2 * 100;   R_pen = (1/T) sum_t sum_axis |negative level| -> (3 - R_pen)/3 * 100
+  EQ-Bench 3 score = 5 * the mean over tasks of (the mean of the task's criterion scores, each 0-20)
+  SAGE       e_0 = 40, e_t = min(100, max(0, e_{t-1} + clip(change_t, -10, 10))); ends at e >= 100 (success),
+             e < 10 (failure) or after --sage-turns; Sentient score = the mean final emotion
   EmoBench   accuracy; an EU item is correct only when the emotion and the cause are both right
-  95% CI     mean +- 1.96 * sd / sqrt(n) over cases (sample sd), shown when n >= 2
+  95% CI     mean +- t_{0.975, n-1} * sd / sqrt(n) over n independent units: scenarios (EMPA: a scenario's
+             dialogues averaged first), tasks, profiles, items; none below 2 units
 
 Choices and departures (numbered as in docs/evaluation.md, where each is in full)
   1. S_proj's u_t = v* (--s-proj step: -P_{t-1}/||P_{t-1}||); R_pen counts levels (--r-pen points).
-  2. tau undefined (P_T = P0): its index is 0; no index is clamped.  3. Judge-failed turns are left out;
-     a case with no judged turn, or whose user failed, is excluded and counted.  4. SAGE runs on 03's
-     rollout; offline its emotion change comes from the levels (English only); without first_talk the
-     user opens with what an LLM user writes from the profile (offline: a line naming main_cha), never
-     the scene.  5. EQ-Bench 3 offline is a PROXY of the embed judge's levels; analysis tasks are not
-     scored.  6. EmoBench scores options by mean log-probability, each prompt computed once.
+  2. tau undefined (P_T = P0): its index is 0; no index is clamped.  3. Judge-failed turns are left out; a
+     case with no judged turn, or whose user failed, is excluded and counted.  4. SAGE runs on 03's rollout;
+     offline its emotion change comes from the levels (English only); without first_talk the user opens with
+     what an LLM user writes from the profile (offline: a line naming main_cha), never the scene.
+  5. EQ-Bench 3 offline is a PROXY of the embed judge's levels; analysis tasks are not scored.
+  6. EmoBench scores each option by its mean log-probability as the answer, each prompt computed once.
 
 CPU:  python 05_eval.py --adapters runs/mica-20261130-120000/adapter      (SmolLM2, embed judge, scripted user)
+      make demo: after 04's 4 steps, --suite empa on 4 held-out scenarios x K=4 with the training rules
 GPU:  python 05_eval.py --model Qwen2.5-7B-Instruct --adapters runs/mica-A/adapter runs/grpo-B/adapter \\
           --judge api:Qwen2.5-72B-Instruct --user api:Qwen2.5-72B-Instruct --api-base http://localhost:8000/v1 \\
           --eqbench3 path/to/scenario_prompts.txt --emobench-eu EU.jsonl --emobench-ea EA.jsonl --max-new-tokens 512
@@ -52,6 +55,7 @@ GPU:  python 05_eval.py --model Qwen2.5-7B-Instruct --adapters runs/mica-A/adapt
 from __future__ import annotations
 
 import argparse
+import copy
 import importlib
 import json
 import math
@@ -69,25 +73,24 @@ from tqdm import tqdm
 
 import common
 
-pref = importlib.import_module("02_rubric_pref_rl")  # the rubric weight tables and plots (04's rubrics)
-env = importlib.import_module("03_rollout")          # the environment: scenarios, judges, users, rollout
+env = importlib.import_module("03_rollout")   # the environment: scenarios, judges, users, the rollout
 HERE = Path(__file__).resolve().parent
 SUITES = ("empa", "eqbench3", "sage", "emobench")
 RHO_MAX, ALPHA_S, BETA = math.sqrt(12), 1.5, 1.2
 EPM_KEYS = ("EPM", "Outcome", "Efficiency", "Stability", "RDI_idx", "E_total_idx", "S_net_idx", "rho_idx", "S_proj_idx",
             "tau_idx", "R_pos_idx", "Align_idx", "R_pen_idx", "turns", "final_distance")    # summarised per case
+# the base-versus-adapter measures of the EMPA suite: (key, label, is higher better)
+PAIRED = (("idr_return", "IDR return", True), ("collapse", "collapse share", False), ("cut_off", "cut-off share", False))
 EQ_PROXY = "EQ-Bench 3 (offline proxy)"   # the column when the embed judge's levels stood in for the criteria
-# EmoBench's question templates ("en", "zh"), EQ-Bench 3's criteria (roleplay / analysis) and the axis that
-# stands in for each in the offline proxy, the judges' and SAGE's prompts (lists of lines), the offline
-# SAGE opening and the scripted user's lines for Chinese SAGE profiles
-TEXTS = json.loads((HERE / "data" / "eval" / "prompts.json").read_text(encoding="utf-8-sig"))
+# EmoBench's question templates ("en", "zh"), EQ-Bench 3's criteria (roleplay / analysis) and the axis that stands
+# in for each in the offline proxy, the judges' and SAGE's prompts (lists of lines), SAGE's offline opening
+TEXTS = json.loads((HERE / "data" / "prompts.json").read_text(encoding="utf-8"))
 TEXTS.update({k: "\n".join(TEXTS[k]) for k in ("eqbench3_judge", "sage_judge", "sage_first_message")})
 ROLEPLAY_CRITERIA, ANALYSIS_CRITERIA = (tuple(TEXTS["eqbench3_criteria"][k]) for k in ("roleplay", "analysis"))
-CRITERION_AXIS = TEXTS["eqbench3_proxy_axis"]
 
 
 # ---------------------------------------------------------------------------------------------
-# The equations: EPM metrics (EMPA), one function per index group, then the index
+# The equations: EPM metrics (EMPA), one function per index group, the index; the t interval
 # ---------------------------------------------------------------------------------------------
 def epm_outcome(P0, vs) -> dict:
     r0 = env.norm(P0)
@@ -99,13 +102,9 @@ def epm_outcome(P0, vs) -> dict:
     # RDI = (||P0|| - ||P_T||) / ||P0||   -> (RDI + 1)/2 * 100
     RDI = (r0 - env.norm(P_T)) / r0
     # E_total = sum_t v_t . v*            -> max(0, E_total)/(beta r0) * 100
-    E_total = 0.0
-    for v in vs:
-        E_total += sum(v[i] * v_star[i] for i in range(3))
+    E_total = sum(sum(v[i] * v_star[i] for i in range(3)) for v in vs)
     # S_net = sum_t sum_axis v_t,axis     -> max(0, S_net)/(alpha_s r0) * 100
-    S_net = 0.0
-    for v in vs:
-        S_net += sum(v)
+    S_net = sum(sum(v) for v in vs)
     return {"RDI": RDI, "E_total": E_total, "S_net": S_net, "RDI_idx": (RDI + 1) / 2 * 100,
             "E_total_idx": max(0.0, E_total) / (BETA * r0) * 100, "S_net_idx": max(0.0, S_net) / (ALPHA_S * r0) * 100}
 
@@ -114,10 +113,7 @@ def epm_efficiency(P0, vs, s_proj="goal") -> dict:
     T, r0 = len(vs), env.norm(P0)
     v_star = [-x / r0 for x in P0]
     # rho = E_total / T                   -> max(0, rho)/rho_max * 100
-    E_total = 0.0
-    for v in vs:
-        E_total += sum(v[i] * v_star[i] for i in range(3))
-    rho = E_total / T
+    rho = sum(sum(v[i] * v_star[i] for i in range(3)) for v in vs) / T
     # S_proj = (1/T) sum_t v_t . u_t,  u_t = v* ("goal") or -P_{t-1}/||P_{t-1}|| ("step", 0 at the origin)
     S, P_prev = 0.0, list(P0)
     for v in vs:
@@ -125,13 +121,11 @@ def epm_efficiency(P0, vs, s_proj="goal") -> dict:
         u = v_star if s_proj == "goal" else ([-x / n for x in P_prev] if n > 0 else [0.0, 0.0, 0.0])
         S += sum(v[i] * u[i] for i in range(3))
         P_prev = [P_prev[i] + v[i] for i in range(3)]
-    S_proj = S / T
     # tau = sum_t ||v_t|| / ||P0 - P_T||  -> (3 - tau)/2 * 100; undefined when P_T = P0: index 0
-    path = sum(env.norm(v) for v in vs)
     net = env.norm([P_prev[i] - P0[i] for i in range(3)])
-    tau = path / net if net > 1e-12 else None
-    return {"rho": rho, "S_proj": S_proj, "tau": tau, "rho_idx": max(0.0, rho) / RHO_MAX * 100,
-            "S_proj_idx": max(0.0, S_proj) / RHO_MAX * 100, "tau_idx": (3 - tau) / 2 * 100 if tau is not None else 0.0}
+    tau = sum(env.norm(v) for v in vs) / net if net > 1e-12 else None
+    return {"rho": rho, "S_proj": S / T, "tau": tau, "rho_idx": max(0.0, rho) / RHO_MAX * 100,
+            "S_proj_idx": max(0.0, S / T) / RHO_MAX * 100, "tau_idx": (3 - tau) / 2 * 100 if tau is not None else 0.0}
 
 
 def epm_stability(P0, vs, levels, r_pen="levels") -> dict:
@@ -145,12 +139,9 @@ def epm_stability(P0, vs, levels, r_pen="levels") -> dict:
         # Align = (1/T) sum_t dE_t / ||v_t|| (0 if v_t = 0) -> (Align + 1)/2 * 100
         align += dE / env.norm(v) if env.norm(v) > 0 else 0.0
         # R_pen = (1/T) sum_t sum_axis |negative level|     -> (3 - R_pen)/3 * 100  (or its points)
-        for a in env.AXES:
-            neg = lv[a][1]
-            pen += neg if r_pen == "levels" else -env.NEGATIVE_POINTS[a][neg]
-    R_pos, Align, R_pen = pos / T, align / T, pen / T
-    return {"R_pos": R_pos, "Align": Align, "R_pen": R_pen, "R_pos_idx": R_pos * 100,
-            "Align_idx": (Align + 1) / 2 * 100, "R_pen_idx": (3 - R_pen) / 3 * 100}
+        pen += sum(lv[a][1] if r_pen == "levels" else -env.NEGATIVE_POINTS[a][lv[a][1]] for a in env.AXES)
+    return {"R_pos": pos / T, "Align": align / T, "R_pen": pen / T, "R_pos_idx": pos / T * 100,
+            "Align_idx": (align / T + 1) / 2 * 100, "R_pen_idx": (3 - pen / T) / 3 * 100}
 
 
 def epm_index(P0, vs, levels, r_pen="levels", s_proj="goal") -> dict:
@@ -164,13 +155,18 @@ def epm_index(P0, vs, levels, r_pen="levels", s_proj="goal") -> dict:
     return m
 
 
-def mean_ci(xs) -> tuple[float, float | None]:
-    # mean +- 1.96 * sd / sqrt(n), sd with ddof = 1; no interval below 2 cases
-    n = len(xs)
-    if n < 2:
-        return sum(xs) / n, None
+# Student's t: the 0.975 quantile by degrees of freedom (a 95% two-sided interval); between rows the smaller
+# df is used (a little wide, never narrow)
+T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
+        12: 2.179, 15: 2.131, 20: 2.086, 30: 2.042, 60: 2.000, 120: 1.980}
+
+
+def t_interval(xs) -> tuple[float, float | None]:
+    # mean +- t_{0.975, n-1} * sd / sqrt(n) over n independent units (sd with ddof = 1); none below 2 units
+    if len(xs) < 2:
+        return sum(xs) / len(xs), None
     mean, sd = common.mean_std(xs, ddof=1)
-    return mean, 1.96 * sd / math.sqrt(n)
+    return mean, T975[max(df for df in T975 if df <= len(xs) - 1)] * sd / math.sqrt(len(xs))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -179,15 +175,15 @@ def mean_ci(xs) -> tuple[float, float | None]:
 def main(argv=None):
     args = parse_args(argv)
     common.set_seed(args.seed)
-    # 1. read and validate every input before anything is created
+    # 1. read and check every input before anything is created
     data = load_suite_data(args)
-    common.check_model_args(args)       # --model, --adapter, an hf: judge / user, bitsandbytes for 4-bit
+    common.check_model_args(args)
     # 2. the run folder (new, or the one to resume: its finished cases are skipped)
     run_dir = common.open_run(args, ("cases.jsonl", "transcripts.jsonl"))
     done = {k for k, r in last_records(run_dir).items() if not r.get("failed")}
     if args.resume:
         print(f"resume {run_dir}: {len(done)} finished cases are skipped")
-    # 3. the base model, loaded once, then judge and user (for the suites that need them; self: that base)
+    # 3. the base model, loaded once, then the judge and the user (self: that base)
     model, tok = common.load_policy(args, trainable=False)
     judge = env.make_judge(args, (model, tok)) if {"empa", "eqbench3", "sage"} & set(args.suites) else None
     user = env.make_user(args, (model, tok)) if {"empa", "sage"} & set(args.suites) else None
@@ -200,7 +196,7 @@ def main(argv=None):
         for label, adapter in [("base", None)] + [(a, a) for a in args.adapters]:
             # 4. switch to this model's adapter (peft keeps the base weights, one adapter active)
             if adapter is not None:
-                model = common.switch_adapter(model, adapter, f"a{args.adapters.index(adapter)}")
+                model = switch_adapter(model, adapter, f"a{args.adapters.index(adapter)}")
             for suite in args.suites:
                 # 5. the suite's unfinished cases, in batches; each batch is saved as soon as it is done
                 units = data[suite]
@@ -209,7 +205,7 @@ def main(argv=None):
                            disable=not args.progress)
                 for start in range(0, len(todo), args.batch_size):
                     batch = todo[start:start + args.batch_size]
-                    # same seed per batch for every model: paired comparisons
+                    # the same seed per batch for every model: paired comparisons
                     torch.manual_seed(zlib.crc32(f"{args.seed}|{suite}|{case_ids(suite, batch[0], 1)[0]}".encode()))
                     cases, transcripts = run_suite(suite, model, tok, batch, judge, user, args)
                     tag = {"model": label, "suite": suite}
@@ -218,12 +214,42 @@ def main(argv=None):
                     bar.update(len(batch))
                 bar.close()
     except common.UserError as e:
-        # e.g. the judge's endpoint went down: keep what was finished, then stop with the one message
+        # the judge's endpoint went down, say: keep what was finished, then stop with the one message
         write_results(run_dir, args)
         raise common.UserError(f"{e}; the finished cases are saved: continue with --resume {run_dir}") from None
-    # 6. aggregate: results.json, results.md, plots; print the table
-    table = write_results(run_dir, args)
-    print(f"\n{table}\n\nwritten to {run_dir} (results.md, results.json, cases.jsonl, plots)")
+    # 6. aggregate: results.json, results.md, plots; print the table and the comparison
+    print(f"\n{write_results(run_dir, args)}\n\nwritten to {run_dir} (results.md, results.json, cases.jsonl, plots)")
+
+
+def compare_with_base(records: list[dict], adapters: list[str]) -> tuple[list[str], dict]:
+    """EMPA, each adapter against the base, paired by case (the same scenario, k and seed): per measure the
+    means, the difference, its 95% t interval over scenarios, and a verdict. A case failed in either is out."""
+    by = {(r["model"], r["case"]): r for r in records if r["suite"] == "empa" and not r.get("failed")}
+    lines, out = [], {}
+    for a in adapters:
+        both = sorted(c for m, c in by if m == "base" and (a, c) in by)
+        scenarios = sorted({c.split("#")[0] for c in both})
+        if len(both) < 2:
+            continue
+        lines.append(f"held out: {a} vs base on {len(scenarios)} scenarios, {len(both)} dialogues paired by "
+                     f"scenario, k and seed")
+        for key, label, higher in PAIRED:
+            b, t = [by["base", c][key] for c in both], [by[a, c][key] for c in both]
+            # the paired difference, averaged within each scenario first: the scenarios are the independent units
+            per_scenario = [statistics.mean(by[a, c][key] - by["base", c][key] for c in both if c.split("#")[0] == s)
+                            for s in scenarios]
+            diff, half = t_interval(per_scenario)
+            lo, hi = (diff - half, diff + half) if half is not None else (diff, diff)
+            verdict = ("not separated (fewer than 2 scenarios)" if half is None else
+                       "ahead beyond the spread" if (lo > 0 if higher else hi < 0) else
+                       "behind beyond the spread" if (hi < 0 if higher else lo > 0) else "not separated")
+            lines.append(f"  {label:14s} base {statistics.mean(b):+.3f}, adapter {statistics.mean(t):+.3f} "
+                         f"(means over {len(both)} dialogues); adapter - base {diff:+.3f}, 95% t CI over "
+                         f"{len(scenarios)} scenarios [{lo:+.3f}, {hi:+.3f}]: {verdict}")
+            out.setdefault(a, {})[key] = {"base": statistics.mean(b), "adapter": statistics.mean(t), "diff": diff,
+                                          "ci": [lo, hi], "scenarios": len(scenarios), "dialogues": len(both),
+                                          "verdict": verdict}
+    return lines, out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -236,22 +262,26 @@ def case_ids(suite, unit, k) -> list[str]:
 
 def run_suite(suite, model, tok, batch, judge, user, args) -> tuple[list[dict], list[dict]]:
     if suite != "emobench":
-        return {"empa": empa_cases, "eqbench3": eqbench3_cases, "sage": sage_cases}[suite](model, tok, batch, judge, user, args)
-    return [c for kind in ("EU", "EA") for c in emobench_cases([it for it in batch if it["case"].startswith(kind + "-")],
-                                                               kind, lambda qs: answer_mcq(model, tok, qs, args), args.mcq)], []
+        return {"empa": empa_cases, "eqbench3": eqbench3_cases, "sage": sage_cases}[suite](
+            model, tok, batch, judge, user, args)
+    choose = lambda qs: [max(range(len(s)), key=s.__getitem__)  # noqa: E731  the best mean log-probability
+                         for s in option_logliks(model, tok, qs, args.batch_size)]
+    return [c for kind in ("EU", "EA") for c in emobench_cases(
+        [it for it in batch if it["case"].startswith(kind + "-")], kind, choose)], []
 
 
-# the suites: each evaluates a batch of cases and returns their records
 def empa_cases(model, tok, scenarios, judge, user, args) -> tuple[list[dict], list[dict]]:
-    """03's rollout with the benchmark rules; one case per (scenario, k)."""
-    trajs = env.rollout(model, tok, scenarios, judge, user, args, desc="empa turns")
+    """03's rollout by the benchmark's rules; one case per (scenario, k)."""
     cases, transcripts = [], []
-    for tr in trajs:
+    for tr in env.rollout(model, tok, scenarios, judge, user, args, desc="empa turns"):
         rec = env.trajectory_record(tr, args)
         judged = [(v, lv) for v, lv in zip(tr.vs, tr.levels) if v is not None]
         case = {"case": f"{tr.scenario['id']}#{tr.k}", "outcome": tr.outcome, "turns": tr.T,
                 "judged_turns": len(judged), "final_distance": rec["final_distance"],
                 "distances": [rec["initial_distance"]] + [t["distance"] for t in rec["turns"]],
+                # the paired measures: the pure IDR's sum d(P0) - d(P_T), a collapse, the share of cut-off replies
+                "idr_return": rec["initial_distance"] - rec["final_distance"], "collapse": float(tr.outcome == "failure"),
+                "cut_off": sum(tr.truncated) / max(1, tr.T),
                 "failed": ("judge failed on every turn" if not judged else
                            "user failed" if tr.outcome == "user_failed" else None)}
         if judged:
@@ -270,15 +300,14 @@ def eqbench3_cases(model, tok, tasks, judge, user, args) -> tuple[list[dict], li
     unscored = [not llm and t["kind"] == "analysis" for t in tasks]
     convs, cut = [[] for _ in tasks], list(unscored)       # cut: no further turns are played
     for i in range(max(len(t["prompts"]) for t in tasks)):
-        live = [j for j, t in enumerate(tasks) if i < len(t["prompts"]) and not cut[j]]
-        ctx = []
-        for j in list(live):
-            ids = common.render_ids(tok, convs[j] + [{"role": "user", "content": tasks[j]["prompts"][i]}])
-            if len(ids) + args.max_new_tokens > args.max_context:
-                cut[j] = True                         # later turns do not fit: judged on what was played
-                live.remove(j)
-            else:
-                ctx.append(ids)
+        live, ctx = [], []
+        for j, t in enumerate(tasks):
+            ids = common.render_ids(tok, convs[j] + [{"role": "user", "content": t["prompts"][i]}]) \
+                if i < len(t["prompts"]) and not cut[j] else None
+            if ids is not None and len(ids) + args.max_new_tokens > args.max_context:
+                cut[j], ids = True, None             # later turns do not fit: judged on what was played
+            if ids is not None:
+                live.append(j), ctx.append(ids)
         replies = common.generate_batch(model, tok, ctx, args.max_new_tokens, args.temperature, args.top_p) if live else []
         for j, (reply_ids, _) in zip(live, replies):
             convs[j] += [{"role": "user", "content": tasks[j]["prompts"][i]},
@@ -294,7 +323,7 @@ def eqbench3_cases(model, tok, tasks, judge, user, args) -> tuple[list[dict], li
                                  args.judge_retries, who="eqbench3 judge", noun="cases")
     else:
         scores = eqbench3_proxy_scores(convs, criteria, judge)
-    # 3. score = 5 * mean of the task's criterion scores
+    # 3. score = 5 * the mean of the task's criterion scores
     cases, transcripts = [], []
     for t, c, s, skip in zip(tasks, convs, scores, unscored):
         s = s if c else None
@@ -311,26 +340,24 @@ def eqbench3_cases(model, tok, tasks, judge, user, args) -> tuple[list[dict], li
 
 
 def eqbench3_proxy_scores(convs, criteria, judge) -> list[dict | None]:
-    """Offline proxy (not EQ-Bench): MDEP-PR levels of every reply -> per axis clip(10 + 5 (progress -
-    negative), 0, 20) -> each criterion the mean of its axis over the replies. A reply that is not language
-    (the judge's fluency check: gibberish, keyword salad) scores as an empty one: negative 1 on every axis."""
-    fluency_min = getattr(judge, "th", {}).get("fluency", 0.0)
-    cases, owner = [], []
+    """The offline proxy (not EQ-Bench): the MDEP-PR levels of every reply -> per axis clip(10 + 5 (progress -
+    negative), 0, 20) -> each criterion the mean of its stand-in axis over the replies. A reply that is not
+    language (the judge's fluency check: gibberish, keyword salad) scores as an empty one: negative 1 everywhere."""
+    fluency_min, cases, owner = getattr(judge, "th", {}).get("fluency", 0.0), [], []
     for j, c in enumerate(convs):
         for i in range(1, len(c), 2):
             cases.append({"scenario": {"id": str(j), "persona": "", "situation": ""}, "history": c[:i],
                           "reply": c[i]["content"]})
             owner.append(j)
-    verdicts = judge.judge(cases) if cases else []
     per_axis = [{a: [] for a in env.AXES} for _ in convs]
-    for j, v in zip(owner, verdicts):
+    for j, v in zip(owner, judge.judge(cases) if cases else []):
         if v is not None:
             not_language = v["features"].get("fluency", 1.0) < fluency_min
             for a in env.AXES:
                 progress, negative = (0, 1) if not_language else v["levels"][a]
                 per_axis[j][a].append(max(0.0, min(20.0, 10.0 + 5.0 * (progress - negative))))
-    # each criterion: the mean over the replies of its stand-in axis (None: no reply judged)
-    return [{x: statistics.mean(per_axis[j][CRITERION_AXIS[x]]) for x in cr} if all(per_axis[j].values()) else None
+    axis = TEXTS["eqbench3_proxy_axis"]      # the criterion's stand-in axis; None: no reply judged
+    return [{x: statistics.mean(per_axis[j][axis[x]]) for x in cr} if all(per_axis[j].values()) else None
             for j, cr in enumerate(criteria)]
 
 
@@ -338,18 +365,17 @@ def sage_scenario(p: dict, written: str | None = None) -> dict:
     """A profile as 03's rollout and users see a scenario; p0 = 0 (the user's state is its emotion). The user
     opens with first_talk, else what an LLM user wrote (sage_openings), else a short line naming main_cha:
     never with the scene, the simulator's private background."""
-    zh = p["language"] == "zh"                        # set by load_sage_profiles
     offline = TEXTS["sage_offline_opening"][p["language"]].format(name=p["main_cha"].strip())
     opening, source = ((p["first_talk"], "first_talk") if (p.get("first_talk") or "").strip() else
                        (written, "user model") if written else (offline, "offline line"))
     return {"id": p["id"], "persona": p["player"], "situation": f"{p['scene']} {p['task']}", "profile": p,
             "opening": opening, "opening_from": source, "p0": [0.0, 0.0, 0.0],
-            "user_lines": TEXTS["sage_zh_lines"] if zh else env.DEFAULT_USER_LINES}
+            "user_lines": TEXTS["sage_zh_lines"] if p["language"] == "zh" else env.DEFAULT_USER_LINES}
 
 
 def sage_openings(profiles, user, args) -> dict:
-    """{id: the first message} of the profiles without first_talk, written by the LLM user (any user with
-    a chat backend) from the profile, as SAGE's simulator does; re-asked (--judge-retries) when empty or
+    """{id: the first message} of the profiles without first_talk, written by the LLM user (any user with a
+    chat backend) from the profile, as SAGE's simulator does; asked again (--judge-retries) when empty or
     reciting the scene. Missing where there is no LLM user or no usable answer (sage_scenario's line)."""
     backend, need = getattr(user, "backend", None), [p for p in profiles if not (p.get("first_talk") or "").strip()]
     if backend is None or not need:
@@ -385,18 +411,17 @@ class SageJudge:
 
 
 def sage_cases(model, tok, profiles, judge, user, args) -> tuple[list[dict], list[dict]]:
-    """03's rollout with SAGE's rules: one dialogue per profile, e_0 = --sage-start, at most --sage-turns,
-    ending at e >= 100 or e < 10. The change is the LLM judge's (SageJudge), or offline derived from the
-    embed judge's levels: change_t = clip(2.5 * sum_axis v_t,axis, -10, 10) (03's emotion_change)."""
+    """03's rollout by SAGE's rules: one dialogue per profile, e_0 = --sage-start, at most --sage-turns, ending
+    at e >= 100 or e < 10. The change is the LLM judge's (SageJudge), or offline the embed judge's levels:
+    change_t = clip(2.5 * sum_axis v_t,axis, -10, 10) (03's emotion_change)."""
     sage_args = argparse.Namespace(**{**vars(args), "k": 1, "max_turns": args.sage_turns,
                                       "emotion_start": args.sage_start, "emotion_ends": True})
     if isinstance(judge, env.LLMJudge):
         judge = SageJudge(judge.backend, args.judge_retries)
     written = sage_openings(profiles, user, args)
-    trajs = env.rollout(model, tok, [sage_scenario(p, written.get(p["id"])) for p in profiles], judge, user, sage_args,
-                        desc="sage turns")
     cases, transcripts = [], []
-    for tr in trajs:
+    for tr in env.rollout(model, tok, [sage_scenario(p, written.get(p["id"])) for p in profiles], judge, user,
+                          sage_args, desc="sage turns"):
         changes = [e1 - e0 for e0, e1, v in zip(tr.emotions, tr.emotions[1:], tr.vs) if v is not None]
         failed = "user failed" if tr.outcome == "user_failed" else "judge failed on every turn" if not changes else None
         cases.append({"case": tr.scenario["id"], "opening": tr.scenario["opening_from"], "outcome": tr.outcome,
@@ -406,70 +431,88 @@ def sage_cases(model, tok, profiles, judge, user, args) -> tuple[list[dict], lis
     return cases, transcripts
 
 
-def mcq_prompt(item, question, options, mode, emotion=None) -> str:
+def mcq_prompt(item, question, options, emotion=None) -> str:
     T = TEXTS["emobench"]["zh" if item["language"].lower().startswith(("zh", "ch")) else "en"]
     lettered = "\n".join(f"{chr(65 + i)}. {o}" for i, o in enumerate(options))
     qtype = item.get("question type", "").strip().lower()
     text = T[question].format(scenario=item["scenario"], subject=item["subject"], emotion=emotion or T["this"],
                               qtype=T["qtypes"].get(qtype, qtype))           # EA's type in the prompt's language
-    return text + T["choices"].format(choices=lettered) + T[mode]
+    return text + T["choices"].format(choices=lettered) + T["loglik"]
 
 
-def emobench_cases(items, kind, choose, mode="loglik") -> list[dict]:
-    """choose(questions) -> the chosen option index (or None) per {prompt, options} question. EU asks the
-    emotion, then the cause naming the chosen emotion; it is correct only when both are right."""
+def emobench_cases(items, kind, choose) -> list[dict]:
+    """choose(questions) -> the chosen option index per {prompt, options} question. EU asks the emotion, then
+    the cause naming the chosen emotion; it is correct only when both are right."""
     head = lambda it: {"case": it["case"], "task": kind, "language": it["language"], "failed": None,  # noqa: E731
                        "category": it["category"] if kind == "EA" else it["coarse_category"]}
     if not items:
         return []
     if kind == "EA":
-        picks = choose([{"prompt": mcq_prompt(it, "EA", it["choices"], mode), "options": it["choices"]} for it in items])
-        return [{**head(it), "pred": None if p is None else it["choices"][p], "answered": p is not None,
-                 "correct": int(p is not None and it["choices"][p] == it["label"])} for it, p in zip(items, picks)]
-    emo = choose([{"prompt": mcq_prompt(it, "emotion", it["emotion_choices"], mode), "options": it["emotion_choices"]}
-                  for it in items])
-    named = [None if p is None else it["emotion_choices"][p] for it, p in zip(items, emo)]
-    cause = choose([{"prompt": mcq_prompt(it, "cause", it["cause_choices"], mode, e), "options": it["cause_choices"]}
+        picks = choose([{"prompt": mcq_prompt(it, "EA", it["choices"]), "options": it["choices"]} for it in items])
+        return [{**head(it), "pred": it["choices"][p], "answered": True, "correct": int(it["choices"][p] == it["label"])}
+                for it, p in zip(items, picks)]
+    named = [it["emotion_choices"][p] for it, p in zip(items, choose(
+        [{"prompt": mcq_prompt(it, "emotion", it["emotion_choices"]), "options": it["emotion_choices"]} for it in items]))]
+    cause = choose([{"prompt": mcq_prompt(it, "cause", it["cause_choices"], e), "options": it["cause_choices"]}
                     for it, e in zip(items, named)])
     out = []
     for it, e, c in zip(items, named, cause):
-        emotion_ok = e == it["emotion_label"]
-        cause_ok = c is not None and it["cause_choices"][c] == it["cause_label"]
-        out.append({**head(it), "pred": [e, None if c is None else it["cause_choices"][c]],
-                    "answered": e is not None and c is not None, "emotion_correct": int(emotion_ok),
+        emotion_ok, cause_ok = e == it["emotion_label"], it["cause_choices"][c] == it["cause_label"]
+        out.append({**head(it), "pred": [e, it["cause_choices"][c]], "answered": True, "emotion_correct": int(emotion_ok),
                     "cause_correct": int(cause_ok), "correct": int(emotion_ok and cause_ok)})
     return out
 
 
-def parse_choice(text: str, options: list[str]) -> int | None:
-    """A generated answer -> option index: a leading letter, else the option's text, else a lone letter."""
-    text, letters = text.strip(), "".join(chr(65 + i) for i in range(len(options)))
-    m = re.match(rf"^\(?([{letters}])(?:[).:\s]|$)", text)
-    if m:
-        return ord(m.group(1)) - 65
-    hits = [i for i, o in enumerate(options) if o.strip().lower() in text.lower()]
-    if len(hits) == 1:
-        return hits[0]
-    m = re.search(rf"\b([{letters}])\b", text)
-    return ord(m.group(1)) - 65 if m else None
-
-
 @torch.no_grad()
-def answer_mcq(model, tok, questions, args) -> list[int | None]:
-    """loglik: the option with the highest mean log-probability (common.option_logliks); generate: greedy, letter parsed."""
-    if args.mcq == "loglik":
-        return [max(range(len(s)), key=s.__getitem__) for s in common.option_logliks(model, tok, questions, args.batch_size)]
-    ctx = [common.render_ids(tok, [{"role": "user", "content": q["prompt"]}]) for q in questions]
-    replies = common.generate_batch(model, tok, ctx, 16, 0.0)
-    return [parse_choice(tok.decode(ids, skip_special_tokens=True), q["options"])
-            for (ids, _), q in zip(replies, questions)]
+def option_logliks(model, tokenizer, questions: list[dict], batch_size: int) -> list[list[float]]:
+    """Multiple choice, {prompt, options} -> score(option) = (1/|o|) sum_j log pi(o_j | prompt, o_<j): the option
+    as the assistant's answer to the prompt as a user message. Each prompt is computed once: its forward pass
+    gives log pi(o_1 | prompt) and a KV cache, and its options run on copies of that cache, at most batch_size
+    at a time (right-padded): n options cost |prompt| + sum |o| tokens instead of n |prompt| + sum |o|."""
+    device, out = next(model.parameters()).device, []
+    for q in questions:
+        prompt = common.render_ids(tokenizer, [{"role": "user", "content": q["prompt"]}])
+        P, scores = len(prompt), []
+        head = model(input_ids=torch.tensor([prompt], device=device), use_cache=True, logits_to_keep=1)
+        first = head.logits[0, -1].float().log_softmax(-1)                 # log pi(. | prompt): scores o_1
+        opts = [tokenizer(o, add_special_tokens=False)["input_ids"] for o in q["options"]]
+        for start in range(0, len(opts), batch_size):
+            ids, attn, _ = common.right_pad(opts[start:start + batch_size], tokenizer.pad_token_id, device=device)
+            B, L = ids.shape
+            cache = copy.deepcopy(head.past_key_values)
+            cache.batch_select_indices(torch.zeros(B, dtype=torch.long, device=device))   # the prompt, B times
+            logits = model(input_ids=ids, attention_mask=torch.cat([attn.new_ones(B, P), attn], 1),
+                           position_ids=torch.arange(P, P + L, device=device).expand(B, L),
+                           past_key_values=cache, use_cache=True).logits      # [B, L, V]: position j predicts o_{j+1}
+            # sum_j log pi(o_j | prompt, o_<j): o_1 from the prompt's last position, o_j (j >= 2) from o_{j-1}'s
+            rest = logits[:, :-1].float().log_softmax(-1).gather(-1, ids[:, 1:, None]).squeeze(-1)    # [B, L-1]
+            scores += ((first[ids[:, 0]] + (rest * attn[:, 1:]).sum(1)) / attn.sum(1)).tolist()
+        out.append(scores)
+    return out
+
+
+def switch_adapter(model, path, name: str):
+    """The peft adapter folder `path` onto the model (the base, or a PeftModel holding others) as `name`, made
+    the active one for inference; the base weights are shared, not copied."""
+    from peft import PeftModel
+
+    try:
+        if isinstance(model, PeftModel):
+            model.load_adapter(path, adapter_name=name, is_trainable=False)
+        else:
+            model = PeftModel.from_pretrained(model, path, adapter_name=name, is_trainable=False)
+    except (RuntimeError, ValueError, KeyError, OSError) as e:
+        raise common.UserError(f"--adapters {path}: cannot be loaded onto {model.__class__.__name__} "
+                               f"({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
+    model.set_adapter(name)
+    return model.eval()
 
 
 # loaders: EQ-Bench 3 text, SAGE profiles, EmoBench EU / EA
 def load_eqbench3(path) -> tuple[list[dict], dict]:
-    """scenario_prompts.txt -> tasks {id, category, title, kind, prompts, _where} and counts. Headers are
-    8 '#' then `id | category | title` (spacing, extra or missing fields tolerated); turn markers are 7 '#'
-    then `Prompt<N>` or `<N>`. Lines outside a prompt and scenarios without prompts are counted, skipped."""
+    """scenario_prompts.txt -> tasks {id, category, title, kind, prompts, _where} and counts. Headers are 8 '#'
+    then `id | category | title` (spacing, extra or missing fields tolerated); turn markers are 7 '#' then
+    `Prompt<N>` or `<N>`. Lines outside a prompt and scenarios without prompts are counted, skipped."""
     tasks, stats, cur, prompt = [], {"ignored_lines": 0, "empty_scenarios": 0, "duplicates": 0}, None, None
     for lineno, line in common.text_lines(path):
         head = re.match(r"^\s*#{8}(?!#)\s*(.*)$", line)
@@ -477,10 +520,10 @@ def load_eqbench3(path) -> tuple[list[dict], dict]:
         if head:
             parts = [x.strip() for x in head.group(1).split("|")]
             category = parts[1] if len(parts) > 2 else ""
-            title = " | ".join(parts[2:]) if len(parts) > 2 else (parts[1] if len(parts) == 2 else "")
             sid = parts[0] or f"line{lineno}"
             kind = ("analysis" if (sid.isdigit() and 401 <= int(sid) <= 420) or "analys" in category.lower()
                     else "drafting" if "draft" in category.lower() else "roleplay")
+            title = " | ".join(parts[2:]) if len(parts) > 2 else (parts[1] if len(parts) == 2 else "")
             tasks.append(cur := {"id": sid, "category": category, "title": title, "kind": kind, "prompts": [],
                                  "_where": f"{path}:{lineno}"})
             prompt = None
@@ -521,13 +564,11 @@ EMOBENCH_FIELDS = {  # the public files' fields (EA's "question type" with its s
            "subject": str, "choices": list, "label": str}}
 
 
-def load_emobench(spec: str, kind: str) -> list[dict]:
-    path = common.hub_dataset_file(spec, f"--emobench-{kind.lower()}")
+def load_emobench(path: str, kind: str) -> list[dict]:
     recs = common.read_jsonl(path, EMOBENCH_FIELDS[kind], unique=("language", "qid"))
-    pairs = [("emotion_choices", "emotion_label"), ("cause_choices", "cause_label")] if kind == "EU" \
-        else [("choices", "label")]
     for r in recs:
-        for choices, label in pairs:
+        for choices, label in ([("emotion_choices", "emotion_label"), ("cause_choices", "cause_label")]
+                               if kind == "EU" else [("choices", "label")]):
             ok = len(r[choices]) >= 2 and all(isinstance(c, str) and c.strip() for c in r[choices])
             common.check(ok, f"{r['_where']}: field '{choices}' must be a list of 2+ non-empty strings")
             common.check(r[label] in r[choices], f"{r['_where']}: field '{label}' is not one of '{choices}'")
@@ -538,14 +579,12 @@ def load_emobench(spec: str, kind: str) -> list[dict]:
 # LLM judge answers: JSON out of free text
 def parse_criteria(text, criteria) -> dict | None:
     """{criterion: 0-20} for every criterion, or None."""
-    obj = common.extract_json(text)
+    obj, out = common.extract_json(text), {}
     if obj is None:
         return None
-    out = {}
     for c in criteria:
         x = obj.get(c)
-        if isinstance(x, str) and re.fullmatch(r"\s*\d+(\.\d+)?\s*", x):
-            x = float(x)
+        x = float(x) if isinstance(x, str) and re.fullmatch(r"\s*\d+(\.\d+)?\s*", x) else x
         if not isinstance(x, (int, float)) or isinstance(x, bool) or not 0 <= x <= 20:
             return None
         out[c] = float(x)
@@ -566,43 +605,54 @@ def parse_change(text) -> float | None:
 
 # results: the last record of every (model, suite, case), summaries, the table, plots
 def last_records(run_dir: Path) -> dict:
-    return {(r["model"], r["suite"], r["case"]): r for r in common.read_records(run_dir / "cases.jsonl")}
+    """The last record of every (model, suite, case) in cases.jsonl (lines end at "\\n" only: a U+2028 that
+    json.dumps leaves inside a string is text, not a line end)."""
+    path = run_dir / "cases.jsonl"
+    lines = path.read_text(encoding="utf-8").split("\n") if path.exists() else []
+    return {(r["model"], r["suite"], r["case"]): r for r in (json.loads(x) for x in lines if x.strip())}
 
 
 def summarize(cases: list[dict], suite: str) -> dict:
+    """Means and 95% t intervals over the suite's independent units (EMPA: per scenario first)."""
     ok = [c for c in cases if not c.get("failed")]
     s = {"n": len(ok), "failed": len(cases) - len(ok)}
     if not ok:
         return s
-    if suite == "empa":
-        for key in EPM_KEYS:
-            s[key] = mean_ci([c[key] for c in ok])
-        s["success"] = mean_ci([float(c["outcome"] == "success") for c in ok])
+    if suite == "empa":                                    # a scenario's K dialogues are one unit
+        scenarios = {}
+        for c in ok:
+            scenarios.setdefault(c["case"].split("#")[0], []).append(c)
+
+        def over_scenarios(value):
+            return t_interval([statistics.mean(value(c) for c in cs) for cs in scenarios.values()])
+
+        s.update({key: over_scenarios(lambda c: c[key]) for key in EPM_KEYS}, units=len(scenarios))
+        s["success"] = over_scenarios(lambda c: float(c["outcome"] == "success"))
         s["outcomes"] = {o: sum(c["outcome"] == o for c in ok) for o in sorted({c["outcome"] for c in ok})}
     elif suite == "eqbench3":
         scored = [c for c in ok if "score" in c]      # offline, analysis tasks are kept but not scored
         s.update(n=len(scored), unscored=len(ok) - len(scored), proxy=any(c.get("proxy") for c in scored))
         if scored:
-            s["score"] = mean_ci([c["score"] for c in scored])
+            s["score"] = t_interval([c["score"] for c in scored])
             s["by_kind"] = {k: statistics.mean(c["score"] for c in scored if c["kind"] == k)
                             for k in sorted({c["kind"] for c in scored})}
     elif suite == "sage":
-        s.update(sentient=mean_ci([c["final_emotion"] for c in ok]), successes=sum(c["final_emotion"] >= 100 for c in ok),
-                 failures=sum(c["final_emotion"] < 10 for c in ok))
+        s.update(sentient=t_interval([c["final_emotion"] for c in ok]),
+                 successes=sum(c["final_emotion"] >= 100 for c in ok), failures=sum(c["final_emotion"] < 10 for c in ok))
     else:
-        s["unanswered"] = sum(not c["answered"] for c in ok)
         for task in ("EU", "EA"):
             xs = [c for c in ok if c["task"] == task]
             if xs:
-                s[task], s[task + "_n"] = mean_ci([100.0 * c["correct"] for c in xs]), len(xs)
+                s[task], s[task + "_n"] = t_interval([100.0 * c["correct"] for c in xs]), len(xs)
                 for by in ("category", "language"):
                     s[f"{task}_by_{by}"] = {v: 100.0 * statistics.mean(c["correct"] for c in xs if c[by] == v)
                                             for v in sorted({c[by] for c in xs})}
     return s
 
 
-def fmt(mci, n=None) -> str:
-    return f"{mci[0]:.2f}" + (f" ± {mci[1]:.2f}" if mci[1] is not None else "") + (f" (n={n})" if n is not None else "")
+def fmt(mean_half, n=None) -> str:
+    return (f"{mean_half[0]:.2f}" + (f" ± {mean_half[1]:.2f}" if mean_half[1] is not None else "")
+            + (f" (n={n})" if n is not None else ""))
 
 
 def results_table(summary: dict, suites) -> str:
@@ -615,10 +665,9 @@ def results_table(summary: dict, suites) -> str:
         cells = []
         for suite in suites:
             s = by_suite.get(suite, {"n": 0, "failed": 0})
-            miss = ["-"] * len(cols[suite])
-            failed = f"; {s['failed']} failed" if s["failed"] else ""
+            failed, miss = f"; {s['failed']} failed" if s["failed"] else "", ["-"] * len(cols[suite])
             if suite == "empa":
-                cells += [fmt(s["EPM"], s["n"]) + failed, fmt((100 * s["success"][0], None))] if s["n"] else miss
+                cells += [fmt(s["EPM"], s["n"]) + failed, f"{100 * s['success'][0]:.2f}"] if s["n"] else miss
             elif suite == "eqbench3":
                 unscored = f"; {s['unscored']} analysis not scored (needs an LLM judge)" if s.get("unscored") else ""
                 cells += [(fmt(s["score"], s["n"]) if s["n"] else "-") + failed + unscored]
@@ -630,71 +679,67 @@ def results_table(summary: dict, suites) -> str:
     return "\n".join(lines)
 
 
-def plot_rubrics(records: list[dict], run_dir: Path, label: str) -> list[str]:
-    """Mean rubric weights (C, A, P) by turn index and by the user's emotion band (SAGE's), from 04's
-    rollouts.jsonl (turns carry `rubric` {"weights": {dimension: w}} and `emotion`), with 02's tables
-    and plot. Returns the files written."""
-    bands = [(0, "F < 10"), (10, "C >= 10"), (40, "B >= 40"), (70, "A >= 70"), (100, "S >= 100")]
-    by_turn, by_emotion = [], []
-    for rec in records:
-        for tu in rec.get("turns", []):
-            w = (tu.get("rubric") or {}).get("weights")
-            if isinstance(w, dict) and set(pref.DIMS) <= set(w):
-                by_turn.append((tu["t"], w))
-                if tu.get("emotion") is not None:
-                    by_emotion.append(([name for low, name in bands if tu["emotion"] >= low][-1], w))
-    written = []
-    for name, rows, xlabel in (("rubric_by_turn", by_turn, "turn"), ("rubric_by_emotion", by_emotion, "user emotion band")):
-        if rows:
-            table = pref.mean_weights_by(rows)
-            if name == "rubric_by_emotion":
-                table = {b: table[b] for _, b in bands if b in table}
-            common._atomic_write_text(run_dir / f"{name}.json", json.dumps(table, indent=1))
-            pref.plot_weights({label: table}, xlabel, run_dir / f"{name}.png")
-            written += [f"{name}.png", f"{name}.json"]
-    return written
-
-
 def write_results(run_dir: Path, args) -> str:
     records = list(last_records(run_dir).values())
     models = ["base"] + list(args.adapters) + sorted({r["model"] for r in records} - {"base", *args.adapters})
     summary = {m: {s: summarize([r for r in records if r["model"] == m and r["suite"] == s], s) for s in args.suites}
                for m in models if any(r["model"] == m for r in records)}
     table = results_table(summary, args.suites)
+    compared, comparison = compare_with_base(records, args.adapters)
     md = ["# Evaluation", "", f"command: `python 05_eval.py {' '.join(sys.argv[1:])}`", "", table, "",
-          "mean ± 95% CI (1.96 sd / sqrt n) over cases; n = cases kept; failed cases are excluded and counted."]
+          "mean ± 95% t interval over independent units (EMPA: scenarios, their K dialogues averaged first; "
+          "EQ-Bench 3: tasks; SAGE: profiles; EmoBench: items); n = cases kept; failed cases are excluded and counted."]
     if EQ_PROXY in table:
         md += ["", f"{EQ_PROXY}: MDEP-PR levels stand in for the criteria (not EQ-Bench); analysis needs an LLM judge."]
     rows = [(m, by["empa"]) for m, by in summary.items() if by.get("empa", {}).get("n")]
     if rows:
-        md += ["", "EMPA details (means over cases; the indices are 0-100 scaled)", "",
+        md += ["", "EMPA details (means over scenarios; the indices are 0-100 scaled)", "",
                "| model | outcomes | " + " | ".join(k.replace("_idx", "") for k in EPM_KEYS[1:]) + " |",
                "|---" * (len(EPM_KEYS) + 1) + "|"]
         md += [f"| {m} | {json.dumps(e['outcomes'])} | " + " | ".join(f"{e[k][0]:.2f}" for k in EPM_KEYS[1:]) + " |"
                for m, e in rows]
-    line = lambda d, p: ", ".join(f"{k} {v:.{p}f}" for k, v in d.items())  # noqa: E731
+    md += ["", "```", *compared, "```"] if compared else []
     for m, by in summary.items():
         q, b = by.get("eqbench3", {}), by.get("emobench", {})
+        line = lambda d, p: ", ".join(f"{k} {v:.{p}f}" for k, v in d.items())  # noqa: E731
         md += ["", f"{m}, EQ-Bench 3 by task kind: {line(q['by_kind'], 2)}"] if q.get("n") else []
-        if b.get("unanswered"):
-            md += ["", f"{m}, EmoBench: {b['unanswered']} items without a parsable answer (counted wrong)"]
         for t in (t for t in ("EU", "EA") if t in b):
-            md += ["", f"{m}, EmoBench {t} accuracy % by category: {line(b[t + '_by_category'], 1)}; "
-                       f"by language: {line(b[t + '_by_language'], 1)}"]
-    common._atomic_write_text(run_dir / "results.md", "\n".join(md) + "\n")
-    common._atomic_write_text(run_dir / "results.json", json.dumps(
+            md += ["", f"{m}, EmoBench {t} accuracy % by category: {line(b[t + '_by_category'], 1)}; by language: "
+                       f"{line(b[t + '_by_language'], 1)}"]
+    common.atomic_write(run_dir / "results.md", "\n".join(md) + "\n")
+    common.atomic_write(run_dir / "results.json", json.dumps(
         {"args": common.public_args(args), "columns": table.split("\n")[0].strip("| ").split(" | "),
-         "summary": summary, "cases": records}, indent=1, ensure_ascii=False, default=str))
-    # plots: distance per turn (EMPA), emotion per turn (SAGE), rubric weights when the rollouts carry them
+         "summary": summary, "comparison": comparison, "cases": records}, indent=1, ensure_ascii=False, default=str))
     for suite, key, ylabel, name in (("empa", "distances", "hinge distance d(P_t)", "distance_per_turn.png"),
                                      ("sage", "emotions", "user emotion e_t", "emotion_per_turn.png")):
         series = {m: runs for m in models if (runs := [r[key] for r in records if r["model"] == m and r["suite"] == suite
                                                        and not r.get("failed")])}
         if series:
-            common.plot_series(series, "turn (0 = before the first reply)", ylabel, run_dir / name)
-    for path in args.rubrics_from:    # 04's rollouts.jsonl: its CARE rubrics by turn and by user emotion
-        print(f"rubric plots of {path}: " + ", ".join(plot_rubrics(common.read_records(Path(path)), run_dir, Path(path).parent.name)))
-    return table
+            plot_series(series, ylabel, run_dir / name)
+    return table + ("\n\n" + "\n".join(compared) if compared else "")
+
+
+def plot_series(series: dict, ylabel: str, path: Path):
+    """series: {model: [one list of values by turn per case]} -> per turn the mean and a +-1 sd band over the
+    cases still going, one line per model (a PNG at path)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for label, runs in series.items():
+        rows = [[r[t] for r in runs if len(r) > t] for t in range(max(len(r) for r in runs))]
+        means = [sum(v) / len(v) for v in rows]
+        sds = [common.mean_std(v)[1] if len(v) > 1 else 0.0 for v in rows]
+        ax.plot(range(len(rows)), means, label=f"{label} (n={len(runs)})")
+        ax.fill_between(range(len(rows)), [m - s for m, s in zip(means, sds)], [m + s for m, s in zip(means, sds)],
+                        alpha=0.2)
+    ax.set_xlabel("turn (0 = before the first reply)"), ax.set_ylabel(ylabel)
+    ax.set_title(f"{ylabel}: mean and ±1 sd over the cases still going"), ax.legend(fontsize=8)
+    ax.xaxis.get_major_locator().set_params(integer=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def parse_args(argv=None):
@@ -711,22 +756,19 @@ def parse_args(argv=None):
                    "by --seed and stratified by language and category (EMPA, EQ-Bench: by kind); 0 = all")
     g.add_argument("--batch-size", type=int, default=8, help="cases generated together (EmoBench: options scored "
                    "together after their shared prompt); saved after each batch")
-    g.add_argument("--r-pen", choices=["levels", "points"], default="levels", help="EPM R_pen counts negative levels or points")
+    g.add_argument("--r-pen", choices=["levels", "points"], default="levels", help="EPM R_pen counts negative "
+                   "levels or points")
     g.add_argument("--s-proj", choices=["goal", "step"], default="goal",
                    help="EPM S_proj direction u_t: goal v* = -P0/||P0||, or step -P_{t-1}/||P_{t-1}||")
-    for flag, name, what in (("--eqbench3", "eqbench3_sample.txt", "EQ-Bench 3 scenario_prompts.txt (the default is "
-                              "a 4-scenario sample written for this project)"),
+    for flag, name, what in (("--eqbench3", "eqbench3_sample.txt", "EQ-Bench 3 scenario_prompts.txt (the default: a "
+                              "4-scenario sample written for this project)"),
                              ("--sage-profiles", "sage_profiles.jsonl", "SAGE profiles JSONL"),
-                             ("--emobench-eu", "emobench_eu.jsonl", "EmoBench EU: JSONL or hub dataset owner/name[:config[:split]]"),
-                             ("--emobench-ea", "emobench_ea.jsonl", "EmoBench EA: JSONL or hub dataset owner/name[:config[:split]]")):
+                             ("--emobench-eu", "emobench_eu.jsonl", "EmoBench EU JSONL"),
+                             ("--emobench-ea", "emobench_ea.jsonl", "EmoBench EA JSONL")):
         g.add_argument(flag, default=str(HERE / "data" / "eval" / name), help=what)
     g.add_argument("--sage-turns", type=int, default=10, help="SAGE: turns before the episode stops")
     g.add_argument("--sage-start", type=float, default=40.0, help="SAGE: the user's starting emotion (0-100)")
-    g.add_argument("--rubrics-from", nargs="*", default=[],
-                   help="04 rollouts.jsonl files (--reward care runs): plot their rubric weights by turn and emotion")
-    g.add_argument("--mcq", choices=["loglik", "generate"], default="loglik",
-                   help="EmoBench: mean log-prob of each option, or a greedy answer with the letter parsed")
-    common.add_run_args(p, "eval", resume="a run folder of this script: finish its unfinished cases", progress=False)
+    common.add_run_args(p, "eval", resume="a run folder of this script: finish its unfinished cases")
     args = p.parse_args(argv)
     env.check_env_args(args)
     c = common.check
@@ -745,7 +787,7 @@ def parse_args(argv=None):
 
 
 def load_suite_data(args) -> dict:
-    """Every input the chosen suites need, validated (errors name file:line and field), sampled (--max-cases)."""
+    """Every input the chosen suites need, checked (errors name file:line and field), sampled (--max-cases)."""
     data = {}
     if "empa" in args.suites:
         data["empa"] = sample_cases(env.load_scenarios(args.scenarios), args, "empa", lambda s: (s.get("kind", ""),))
@@ -765,9 +807,9 @@ def load_suite_data(args) -> dict:
 
 
 def sample_cases(units: list, args, name: str, strata) -> list:
-    """--max-cases n of the units, stratified: strata(unit) -> (language, category, ...); each level
-    shares out its quota by largest remainder, quota_g = floor(n |g| / |all|) and the leftover to the
-    largest fractions (ties drawn by --seed); within a stratum a seeded draw. Kept in file order."""
+    """--max-cases n of the units, stratified: strata(unit) -> (language, category, ...); each level shares out
+    its quota by largest remainder, quota_g = floor(n |g| / |all|) and the leftover to the largest fractions
+    (ties drawn by --seed); within a stratum a seeded draw. Kept in file order."""
     n, rng = args.max_cases, random.Random(f"{args.seed}|{name}")
     if not n or n >= len(units):
         return units

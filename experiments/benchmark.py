@@ -206,7 +206,7 @@ def bare_forward_backward(model, tok, trajs, args):
     device = next(model.parameters()).device
     model.train()
     for micro in micro_batches(trajs, args):
-        ids, attn, mask = trainer.pref.collate(trainer.as_samples(micro), tok.pad_token_id, device)
+        ids, attn, mask = trainer.collate(trainer.as_samples(micro), tok.pad_token_id, device)
         labels = ids.masked_fill(mask == 0, -100)
         model(input_ids=ids, attention_mask=attn, labels=labels).loss.backward()
     model.zero_grad(set_to_none=True)
@@ -220,13 +220,15 @@ def bench_update(a, model, tok, trajs, args):
     advs = [A for g in groups.values()
             for A in trainer.mica_advantages([trainer.turn_rewards(tr, args) for tr in g], args.alpha, args.gamma)]
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
+    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=trainer.WEIGHT_DECAY)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    t_ours, t_ref = timed_pair(lambda: trainer.pref.ppo_update(model, tok, opt, sched, trainer.as_samples(flat, advs), args),
-                               lambda: bare_forward_backward(model, tok, flat, args), a.repeats)
-    cells = [(len(m) * max(len(tr.ids) for tr in m), sum(len(tr.ids) for tr in m)) for m in micro_batches(flat, args)]
+    t_ours, t_ref = timed_pair(
+        lambda: trainer.ppo_update(model, tok, opt, sched, trainer.as_samples(flat, advs), args),
+        lambda: bare_forward_backward(model, tok, flat, args), a.repeats)
+    cells = [(len(m) * max(len(tr.ids) for tr in m), sum(len(tr.ids) for tr in m))
+             for m in micro_batches(flat, args)]
     padding = 1 - sum(real for _, real in cells) / sum(all_ for all_, _ in cells)
-    scored = sum(trainer.pref.n_scored(s) for s in trainer.as_samples(flat))
+    scored = sum(s.n_tokens() for s in trainer.as_samples(flat))
     return {"figure": f"2. update: one 04 step vs bare forward + backward ({len(flat)} trajectories)",
             "ours": f"{t_ours:.3g} s", "reference": f"{t_ref:.3g} s", "ratio": t_ours / t_ref,
             "goal": "<= 1.3x", "met": t_ours / t_ref <= 1.3,
@@ -243,7 +245,8 @@ def ours_grpo_step(model, tok, prompts, judge, user, args, opt, sched):
     groups = [[tr for tr in trajs if tr.scenario is s] for s in prompts]
     rewards = [[trainer.turn_rewards(tr, args) for tr in g] for g in groups]
     advs = [A for r in rewards for A in trainer.grpo_advantages(r)]
-    return trainer.pref.ppo_update(model, tok, opt, sched, trainer.as_samples([tr for g in groups for tr in g], advs), args)
+    return trainer.ppo_update(model, tok, opt, sched, trainer.as_samples([tr for g in groups for tr in g], advs),
+                              args)
 
 
 def trl_grpo_seconds(a, prompts, judge, args, out_dir) -> tuple[float | None, str]:
@@ -284,7 +287,7 @@ def trl_grpo_seconds(a, prompts, judge, args, out_dir) -> tuple[float | None, st
     model = AutoModelForCausalLM.from_pretrained(
         path, dtype=torch.bfloat16 if cuda else torch.float32,
         attn_implementation="sdpa")                                # as common.load_policy picks
-    data = Dataset.from_list([{"prompt": [{"role": "system", "content": args.system_prompt},
+    data = Dataset.from_list([{"prompt": [{"role": "system", "content": trainer.env.PROMPTS["policy_system"]},
                                           {"role": "user", "content": s["opening"]}], "scenario_id": s["id"]}
                               for s in prompts])
     n = len(prompts) * args.k
@@ -293,12 +296,12 @@ def trl_grpo_seconds(a, prompts, judge, args, out_dir) -> tuple[float | None, st
         gradient_accumulation_steps=n // args.micro_batch_size, num_generations=args.k,
         max_completion_length=args.max_new_tokens, generation_kwargs={"min_new_tokens": args.max_new_tokens},
         temperature=args.temperature, top_p=args.top_p, max_steps=1 + a.repeats, learning_rate=args.lr,
-        weight_decay=args.weight_decay, lr_scheduler_type="constant", warmup_steps=0,
-        max_grad_norm=args.max_grad_norm, beta=0.0, epsilon=args.clip_low, epsilon_high=args.clip_high,
+        weight_decay=trainer.WEIGHT_DECAY, lr_scheduler_type="constant", warmup_steps=0,
+        max_grad_norm=trainer.MAX_GRAD_NORM, beta=0.0, epsilon=args.clip_low, epsilon_high=args.clip_high,
         num_iterations=1, loss_type="dapo", scale_rewards="group", gradient_checkpointing=args.gradient_checkpointing,
         bf16=cuda, use_cpu=not cuda, shuffle_dataset=False, seed=a.seed, report_to="none", logging_steps=10_000,
         save_strategy="no", disable_tqdm=True, dataloader_num_workers=0)
-    lora = LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
+    lora = LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=0.0,     # as common.load_policy
                       target_modules=args.lora_targets.split(","), task_type="CAUSAL_LM")
     timer = StepTimer()
     trl_trainer = GRPOTrainer(model=model, reward_funcs=judge_reward, args=config, train_dataset=data,
@@ -314,7 +317,7 @@ def bench_peer(a, model, tok, scenarios, judge, user, out_dir):
     if len(prompts) * args.k % args.micro_batch_size:
         args.micro_batch_size = 1            # TRL needs the completions to split into equal micro-batches
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
+    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=trainer.WEIGHT_DECAY)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     torch.manual_seed(a.seed)
     t_ours, _ = timed(lambda: ours_grpo_step(model, tok, prompts, judge, user, args, opt, sched), a.repeats)
@@ -421,7 +424,7 @@ def memory_estimate(s: dict, r: int = 16, act: int = 2, live: int = 64, context:
     n_linear, n_lora, n_emb = param_counts(s, r)
     nf4 = 0.5 + 1 / 64 + 4 / (64 * 256)       # 4 bits + 8-bit absmax per 64 + fp32 per 256 absmax
     tokens, scored = micro * context, micro * min(turns * reply, context)
-    chunk = min(scored, common.LOGIT_CHUNK // V)      # common.token_logprobs runs the LM head in chunks of rows
+    chunk = min(scored, common.LOGIT_CHUNK // V)     # common.token_logprobs runs the LM head in chunks of rows
     per_kv = 2 * L * kv * act                         # K and V of every layer, per token
     prefill = live * USER_MESSAGE_TOKENS
     rows = judge_rows or live
@@ -439,7 +442,8 @@ def memory_estimate(s: dict, r: int = 16, act: int = 2, live: int = 64, context:
         ("update: the layer recomputed in backward (layer_saved_bytes)",
          f"{tokens} tokens x {layer_saved_bytes(s, r, act)} bytes", tokens * layer_saved_bytes(s, r, act), "update"),
         (f"update: one chunk of logits, {a} + fp32 + its fp32 gradient (all {scored} scored at once: "
-         f"{scored * V * (act + 8) / 1e9:.2g} GB)", f"{chunk} rows x V x ({act} + 4 + 4)", chunk * V * (act + 8), "update"),
+         f"{scored * V * (act + 8) / 1e9:.2g} GB)", f"{chunk} rows x V x ({act} + 4 + 4)", chunk * V * (act + 8),
+         "update"),
         (f"rollout: KV cache ({a}), {live} dialogues", f"{live} x {context} tokens x {per_kv / 1e3:.4g} KB",
          live * context * per_kv, "rollout"),
         ("rollout: one layer's MLP intermediates (gate, up, product) for a turn's prefill",
@@ -479,10 +483,11 @@ def estimate_table(name: str, cfg: dict, a) -> str:
     lines += [f"| {c} | {f} | {b / 1e9:.2f} | {b0 / 1e9:.2f} | {w} |"
               for (c, f, b, w), (_, _, b0, _) in zip(now, before)]
     p, p0 = estimate_peaks(now), estimate_peaks(before)
-    lines += [f"| **peak, served judge (api:)**: always + max(update, rollout) | {p['always']:.1f} + max({p['update']:.1f}, "
-              f"{p['rollout']:.1f}) | **{p['peak_api']:.1f}** | {p0['peak_api']:.1f} | |",
-              f"| **peak, --judge self**: always + max(update, rollout, self) | {p['always']:.1f} + max({p['update']:.1f}, "
-              f"{p['rollout']:.1f}, {p['self']:.1f}) | **{p['peak_self']:.1f}** | {p0['peak_self']:.1f} | |"]
+    lines += [f"| **peak, served judge (api:)**: always + max(update, rollout) | {p['always']:.1f} + "
+              f"max({p['update']:.1f}, {p['rollout']:.1f}) | **{p['peak_api']:.1f}** | {p0['peak_api']:.1f} | |",
+              f"| **peak, --judge self**: always + max(update, rollout, self) | {p['always']:.1f} + "
+              f"max({p['update']:.1f}, {p['rollout']:.1f}, {p['self']:.1f}) | **{p['peak_self']:.1f}** | "
+              f"{p0['peak_self']:.1f} | |"]
     return "\n".join(lines)
 
 
@@ -523,7 +528,8 @@ def machine() -> str:
     except ImportError:
         versions["trl"] = "not installed"
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else \
-        f"CPU, {os.cpu_count()} cores ({platform.processor() or platform.machine()}), {torch.get_num_threads()} torch threads"
+        f"CPU, {os.cpu_count()} cores ({platform.processor() or platform.machine()}), " \
+        f"{torch.get_num_threads()} torch threads"
     return (f"{datetime.datetime.now():%Y-%m-%d %H:%M} | {device} | Python {platform.python_version()} | "
             + " | ".join(f"{k} {v}" for k, v in versions.items()))
 

@@ -39,7 +39,8 @@ def main():
     p.add_argument("--model", default=None, help="generator base model for 01 and 02 (default: theirs, SmolLM2)")
     p.add_argument("--seeds", default="0,1,2", help="comma-separated seeds")
     p.add_argument("--sft-steps", type=int, default=160, help="01_rubric_sft.py --steps (docs/results.md's table: 160)")
-    p.add_argument("--rl-steps", type=int, default=16, help="02_rubric_pref_rl.py --steps (docs/results.md's table: 16)")
+    p.add_argument("--rl-steps", type=int, default=16,
+                   help="02_rubric_pref_rl.py --steps (docs/results.md's table: 16)")
     p.add_argument("--report-limit", type=int, default=0, help="held-out pairs / turns used (0 = all)")
     p.add_argument("--extra-sft", default="--lr 1e-3 --eval-every 1000 --eval-limit 30 --micro-batch-size 1",
                    help="extra flags for 01, quoted; replaces the default (docs/results.md's table's settings)")

@@ -370,6 +370,30 @@ def table(rows: list[dict], estimators: list[dict], threshold: float, uniform: f
     return "\n".join(lines) + "\n" + note
 
 
+def plot_series(series: dict, xlabel: str, ylabel: str, path) -> None:
+    """series: {label: [one list of values by evaluation per seed]} -> the mean per evaluation and a +-1 sd
+    band over the seeds, one line per label (a PNG at path). 05_eval.plot_series draws the same for dialogue
+    turns, with its x axis named so; this one names its own."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for label, runs in series.items():
+        rows = [[r[t] for r in runs if len(r) > t] for t in range(max(len(r) for r in runs))]
+        means = [sum(v) / len(v) for v in rows]
+        sds = [common.mean_std(v)[1] if len(v) > 1 else 0.0 for v in rows]
+        ax.plot(range(len(rows)), means, label=f"{label} (n={len(runs)})")
+        ax.fill_between(range(len(rows)), [m - s for m, s in zip(means, sds)], [m + s for m, s in zip(means, sds)],
+                        alpha=0.2)
+    ax.set_xlabel(xlabel), ax.set_ylabel(ylabel)
+    ax.set_title(f"{ylabel}: mean and ±1 sd over the runs still going")
+    ax.xaxis.get_major_locator().set_params(integer=True)
+    ax.legend(fontsize=8), fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def run_job(job):
     estimator, seed, train_set, test, args = job
     return train(estimator, seed, train_set, test, args)
@@ -382,8 +406,10 @@ def parse_args(argv=None):
     p.add_argument("--alphas", default="0.0,0.4,1.0", help="MICA's alphas (weight of the turn-level advantage)")
     p.add_argument("--quick", action="store_true",
                    help="a look in under a minute: 3 seeds unless --seeds is given, 60 steps, evaluation every "
-                        "10 steps on 4 held-out dialogues per scenario (8 for the final one); flags given explicitly win")
-    p.add_argument("--out", default=str(ROOT / "runs" / "credit"), help="folder for credit.md, credit.png, credit.jsonl")
+                        "10 steps on 4 held-out dialogues per scenario (8 for the final one); flags given "
+                        "explicitly win")
+    p.add_argument("--out", default=str(ROOT / "runs" / "credit"),
+                   help="folder for credit.md, credit.png, credit.jsonl")
     p.add_argument("--workers", type=int, default=1, help="processes that train (seed, estimator) pairs at once")
     g = p.add_argument_group("environment (03's rules)")
     g.add_argument("--train", default=str(ROOT / "data" / "scenarios_train.jsonl"), help="training scenarios")
@@ -406,15 +432,16 @@ def parse_args(argv=None):
     g.add_argument("--threshold-frac", type=float, default=0.5,
                    help="steps to threshold: this fraction of the way from the uniform policy to the search ceiling")
     g.add_argument("--beam-width", type=int, default=32,
-                   help="beam of the search ceiling (32 already finds the maximum, d(P0), on every shipped test scenario)")
+                   help="beam of the search ceiling (32 already finds the maximum, d(P0), on every shipped test "
+                        "scenario)")
     args = p.parse_args(argv)
     if args.quick:                                    # new defaults; flags given explicitly still win
         p.set_defaults(seeds=3, steps=60, eval_every=10, eval_k=4, final_eval_k=8)
         args = p.parse_args(argv)
     if args.min_turns is None:
         args.min_turns = max(1, round(args.max_turns * 12 / 45))
-    for name in ("seeds", "steps", "k", "scenarios_per_step", "eval_every", "eval_k", "final_eval_k", "beam_width", "workers",
-                 "max_turns", "collapse_window"):
+    for name in ("seeds", "steps", "k", "scenarios_per_step", "eval_every", "eval_k", "final_eval_k", "beam_width",
+                 "workers", "max_turns", "collapse_window"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.k < 2:
@@ -456,9 +483,8 @@ def main(argv=None):
     with open(out / "credit.jsonl", "w") as f:
         for r in rows:
             f.write(json.dumps(r) + "\n")
-    common.plot_series({e["name"]: [r["curve"] for r in rows if r["estimator"] == e["name"]] for e in estimators},
-                       f"evaluation (every {args.eval_every} training steps)", "held-out IDR return",
-                       out / "credit.png")
+    plot_series({e["name"]: [r["curve"] for r in rows if r["estimator"] == e["name"]] for e in estimators},
+                f"evaluation (every {args.eval_every} training steps)", "held-out IDR return", out / "credit.png")
     text = table(rows, estimators, threshold, uniform, greedy, ceiling, args, time.time() - t0)
     (out / "credit.md").write_text(text)
     print("\n" + text)

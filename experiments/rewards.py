@@ -60,7 +60,8 @@ def parse_args(argv=None):
     p.add_argument("--seeds", default="0,1,2", help="comma-separated training seeds")
     p.add_argument("--estimators", default="mica,grpo,reinforce_pp", help="04's --advantage values, comma-separated")
     p.add_argument("--rewards", default="idr,idr+care,rlver", help="04's --reward specs, comma-separated")
-    p.add_argument("--rubric-model", default=None, help="the frozen CARE generator for rewards with care (a 02 adapter)")
+    p.add_argument("--rubric-model", default=None,
+                   help="the frozen CARE generator for rewards with care (a 02 adapter)")
     p.add_argument("--steps", type=int, default=20, help="training steps per cell (the fixed budget)")
     p.add_argument("--train-args", default="", help="extra flags for every 04_mica_train.py run, quoted")
     p.add_argument("--test", default=str(ROOT / "data" / "scenarios_test.jsonl"), help="held-out scenarios")
@@ -70,7 +71,8 @@ def parse_args(argv=None):
     p.add_argument("--parallel", type=int, default=1, help="cells run at once (each then uses 1 CPU thread)")
     p.add_argument("--out-dir", default=str(ROOT / "runs" / "rewards"), help="where runs, results and the table go")
     p.add_argument("--report-only", action="store_true",
-                   help="run nothing: tabulate the cells of these seeds, estimators and rewards already in results.jsonl")
+                   help="run nothing: tabulate the cells of these seeds, estimators and rewards already in "
+                        "results.jsonl")
     args = p.parse_args(argv)
     args.estimators = [e.strip() for e in args.estimators.split(",") if e.strip()]
     args.rewards = [r.strip() for r in args.rewards.split(",") if r.strip()]

@@ -2,7 +2,8 @@
 
   01 SFT of the rubric generator -> 02 preference RL of it -> 04 MICA training with --reward idr+care,
   02's generator writing each turn's rubric -> 05 evaluation of the base and the trained adapter on the
-  offline suites (EMPA, EQ-Bench 3 proxy, SAGE, EmoBench samples).
+  offline suites (EMPA, EQ-Bench 3 proxy, SAGE, EmoBench samples), with 05's held-out comparison of the
+  adapter against the base on EMPA (paired by scenario, k and seed; a 95% t interval over scenarios).
 
 Each stage runs as a user runs it (a subprocess, the flags printed), into one folder, and each adapter
 is handed to the next stage. The budgets are tiny: this shows that the stages fit together and what each
@@ -37,9 +38,9 @@ BUDGETS = {
         "02": ["--steps", "2", "--contexts-per-step", "2", "--g", "4", "--minibatch-size", "4",
                "--max-new-tokens", "144", "--report-limit", "3"],
         "04": ["--steps", "2", "--scenarios-per-step", "2", "--k", "4", "--minibatch-size", "4",
-               "--max-turns", "2", "--rubric-max-new-tokens", "144", "--heldout-scenarios", "2",
-               "--save-every", "2"],
-        "05": ["--suite", "empa,eqbench3,sage,emobench", "--max-cases", "1", "--max-turns", "3",
+               "--max-turns", "2", "--rubric-max-new-tokens", "144", "--save-every", "2"],
+        # 2 cases a suite, EMPA's K = 2: the held-out comparison needs 2+ scenarios (its independent units)
+        "05": ["--suite", "empa,eqbench3,sage,emobench", "--max-cases", "2", "--k", "2", "--max-turns", "3",
                "--min-turns", "2", "--sage-turns", "3", "--max-new-tokens", "48"],
     },
     "tiny": {
@@ -48,9 +49,8 @@ BUDGETS = {
         "02": ["--steps", "1", "--contexts-per-step", "2", "--g", "2", "--minibatch-size", "4",
                "--max-new-tokens", "12", "--report-limit", "2"],
         "04": ["--steps", "2", "--scenarios-per-step", "2", "--k", "2", "--minibatch-size", "2",
-               "--max-turns", "2", "--max-new-tokens", "6", "--rubric-max-new-tokens", "12",
-               "--heldout-scenarios", "1", "--save-every", "1"],
-        "05": ["--suite", "empa,eqbench3,sage,emobench", "--max-cases", "1", "--max-turns", "2",
+               "--max-turns", "2", "--max-new-tokens", "6", "--rubric-max-new-tokens", "12", "--save-every", "1"],
+        "05": ["--suite", "empa,eqbench3,sage,emobench", "--max-cases", "2", "--k", "2", "--max-turns", "2",
                "--min-turns", "1", "--sage-turns", "2", "--max-new-tokens", "6"],
     },
 }
@@ -78,7 +78,8 @@ def main(argv=None):
     # 3. MICA with the adaptive reward: IDR + CARE's rubric score, 02's generator frozen
     mica = stage(out, "04", "04_mica_train.py", model + flags["04"] + shared +
                  ["--run-name", "04-mica", "--reward", "idr+care", "--rubric-model", str(pref / "adapter")])
-    # 4. evaluation: the base model, then the trained adapter, on the offline suites
+    # 4. evaluation: the base model, then the trained adapter, on the offline suites; EMPA's held-out
+    # comparison of the adapter with the base (05's results.json "comparison")
     ev = stage(out, "05", "05_eval.py", model + flags["05"] + shared +
                ["--run-name", "05-eval", "--adapters", str(mica / "adapter")])
     text = summary(out, sft, pref, mica, ev)
@@ -97,7 +98,8 @@ def stage(out: Path, nn: str, script: str, flags: list[str]) -> Path:
                             env=dict(os.environ, HF_HUB_OFFLINE="1")).returncode
     if rc != 0:
         tail = (out / f"{nn}.log").read_text(errors="replace")[-3000:]
-        sys.exit(f"{tail}\npipeline: stage {nn} ({script}) failed with exit code {rc}; its log: {out / (nn + '.log')}")
+        sys.exit(f"{tail}\npipeline: stage {nn} ({script}) failed with exit code {rc}; "
+                 f"its log: {out / (nn + '.log')}")
     runs = sorted(out.glob(f"{flags[flags.index('--run-name') + 1]}-*"))
     print(f"  done in {(dt.datetime.now() - t0).total_seconds():.0f} s: {runs[-1]}", flush=True)
     return runs[-1]
@@ -107,27 +109,40 @@ def metrics(run: Path) -> list[dict]:
     return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
 
 
+def heldout(ev: Path, adapter: Path) -> str:
+    """05's paired comparison of the adapter with the base on EMPA's held-out scenarios (results.json's
+    "comparison"): the IDR return's difference with its 95% t interval over scenarios, and the verdict."""
+    c = json.loads((ev / "results.json").read_text()).get("comparison", {}).get(str(adapter), {}).get("idr_return")
+    if not c:
+        return "no held-out comparison (fewer than 2 EMPA dialogues paired with the base)"
+    ci = (f"95% CI [{c['ci'][0]:+.2f}, {c['ci'][1]:+.2f}] (t over {c['scenarios']} scenarios)" if c["scenarios"] > 1
+          else "no interval (1 scenario)")
+    return (f"held-out EMPA IDR return adapter - base {c['diff']:+.2f}, {ci}, {c['dialogues']} paired dialogues: "
+            f"{c['verdict']}")
+
+
 def summary(out: Path, sft: Path, pref: Path, mica: Path, ev: Path) -> str:
     """One markdown block: each stage's folder, headline number and picture."""
     evals = [m for m in metrics(sft) if "eval_parse_valid" in m]
     first, last = evals[0], evals[-1]
     rep = json.loads((pref / "report.json").read_text())
-    held = json.loads((mica / "heldout.json").read_text())["summary"]["return"]
     steps = metrics(mica)
+    compared = heldout(ev, mica / "adapter")
     rel = lambda p: os.path.relpath(p, out)  # noqa: E731
     L = [f"# Pipeline {out.name}", "", "| stage | run folder | headline | picture |", "|---|---|---|---|",
-         f"| 01 rubric SFT | {rel(sft)} | parse-valid {first['eval_parse_valid']:.2f} -> {last['eval_parse_valid']:.2f}, "
+         f"| 01 rubric SFT | {rel(sft)} | parse-valid {first['eval_parse_valid']:.2f} -> "
+         f"{last['eval_parse_valid']:.2f}, "
          f"dominant-dimension accuracy {first['eval_dominant_acc']:.2f} -> {last['eval_dominant_acc']:.2f} "
          f"(step {first['step']} -> {last['step']}) | {rel(sft / 'curves.png')} |",
-         f"| 02 rubric preference RL | {rel(pref)} | held-out preference recovery {rep['before']['recovery_acc']:.2f} -> "
-         f"{rep['after']['recovery_acc']:.2f}, parse-valid {rep['before']['parse_valid']:.2f} -> "
-         f"{rep['after']['parse_valid']:.2f} | {rel(pref / 'weights_by_turn.png')} |",
+         f"| 02 rubric preference RL | {rel(pref)} | held-out preference recovery "
+         f"{rep['before']['recovery_acc']:.2f} -> {rep['after']['recovery_acc']:.2f}, parse-valid "
+         f"{rep['before']['parse_valid']:.2f} -> {rep['after']['parse_valid']:.2f} | "
+         f"{rel(pref / 'weights_by_turn.png')} |",
          f"| 04 MICA, idr+care | {rel(mica)} | return {steps[0]['return_mean']:.2f} (step 1) -> "
-         f"{steps[-1]['return_mean']:.2f} (step {steps[-1]['step']}); held-out IDR return trained - base "
-         f"{held['diff'][0]:+.2f}, 95% CI [{held['diff'][1]:+.2f}, {held['diff'][2]:+.2f}]; rubrics that did not parse "
+         f"{steps[-1]['return_mean']:.2f} (step {steps[-1]['step']}); rubrics that did not parse "
          f"(the uniform one used): {sum(m.get('rubric_invalid', 0) for m in steps)} of "
          f"{round(sum(m['trajectories'] * m['turns_mean'] for m in steps))} | {rel(mica / 'curves.png')} |",
-         f"| 05 evaluation | {rel(ev)} | the table below | {rel(ev / 'distance_per_turn.png')} |",
+         f"| 05 evaluation | {rel(ev)} | {compared}; the table below | {rel(ev / 'distance_per_turn.png')} |",
          "", (ev / "results.md").read_text().strip(), "",
          "Tiny budgets: this shows the stages fitting together, not what they can learn."]
     return "\n".join(L)

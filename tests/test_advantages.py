@@ -2,6 +2,7 @@
 import math
 
 import pytest
+import torch
 
 import common
 
@@ -86,17 +87,21 @@ def test_clipped_surrogate_and_kl(trainer):
     logp = torch.log(torch.tensor([1.5, 0.5, 1.0]))   # ratios 1.5, 0.5, 1.0 against logp_old = 0
     old = torch.zeros(3)
     A = torch.tensor([1.0, -1.0, 2.0])
-    loss, clipped, ratio = trainer.pref.clipped_surrogate(logp, old, A, 0.2, 0.28)
+    loss, clipped, ratio = trainer.clipped_surrogate(logp, old, A, 0.2, 0.28)
     approx(ratio.tolist(), [1.5, 0.5, 1.0])
     # ratio 1.5, A>0: min(1.5, 1.28) -> -1.28 (clipped); ratio 0.5, A<0: max(0.5, 0.8) -> 0.8 (clipped)
     approx(loss.tolist(), [-1.28, 0.8, -2.0])
     assert clipped.tolist() == [1.0, 1.0, 0.0]
-    kl = trainer.pref.k3_kl(torch.tensor([0.0, -1.0]), torch.tensor([0.0, 0.0]))
+    kl = trainer.k3_kl(torch.tensor([0.0, -1.0]), torch.tensor([0.0, 0.0]))
     approx(kl.tolist(), [0.0, math.exp(1) - 1 - 1])
 
 
-def test_cosine_schedule(trainer):
-    assert common.cosine_with_warmup(0, 100, 5) == pytest.approx(0.2)
-    assert common.cosine_with_warmup(5, 100, 5) == pytest.approx(1.0)
-    assert common.cosine_with_warmup(100, 100, 5) == pytest.approx(0.0)
-    assert common.cosine_with_warmup(52.5, 100, 5) == pytest.approx(0.5)
+def test_cosine_schedule():
+    # the LambdaLR factor of common.make_optimizer: 100 steps, 5% warmup (5 steps)
+    _, sched = common.make_optimizer([torch.nn.Parameter(torch.zeros(1))], lr=1e-3, weight_decay=0.0,
+                                     total_steps=100, warmup_ratio=0.05)
+    factor = sched.lr_lambdas[0]
+    assert factor(0) == pytest.approx(0.2)
+    assert factor(5) == pytest.approx(1.0)
+    assert factor(100) == pytest.approx(0.0)
+    assert factor(52.5) == pytest.approx(0.5)

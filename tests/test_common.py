@@ -304,38 +304,44 @@ def test_write_jsonl_helper_round_trip(tmp_path):
 # ---------------------------------------------------------------------------------------------
 # 4. run folders and args
 # ---------------------------------------------------------------------------------------------
-def test_make_run_dir_same_second_gives_new_folders(tmp_path, monkeypatch):
+def run_args(out_dir, run_name, **over):
+    return argparse.Namespace(out_dir=str(out_dir), run_name=run_name, **over)
+
+
+def test_open_run_same_second_gives_new_folders(tmp_path, monkeypatch):
     class FrozenDT(datetime.datetime):
         @classmethod
         def now(cls, tz=None):
             return cls(2024, 5, 6, 7, 8, 9)
 
-    monkeypatch.setattr(common, "_dt", types.SimpleNamespace(datetime=FrozenDT))
-    a = common.make_run_dir(str(tmp_path / "runs"), "mica")
-    b = common.make_run_dir(str(tmp_path / "runs"), "mica")
-    c = common.make_run_dir(str(tmp_path / "runs"), "mica")
+    monkeypatch.setattr(common, "dt", types.SimpleNamespace(datetime=FrozenDT))
+    a = common.open_run(run_args(tmp_path / "runs", "mica"))
+    b = common.open_run(run_args(tmp_path / "runs", "mica"))
+    c = common.open_run(run_args(tmp_path / "runs", "mica"))
     assert a.name == "mica-20240506-070809"
     assert b.name == "mica-20240506-070809-1"
     assert c.name == "mica-20240506-070809-2"
     assert a.is_dir() and b.is_dir() and c.is_dir()
-    assert list(a.iterdir()) == []
+    assert [f.name for f in a.iterdir()] == ["args.json"]   # a fresh folder: nothing but its args
 
 
-def test_make_run_dir_real_clock(tmp_path):
-    a = common.make_run_dir(tmp_path, "x")
-    b = common.make_run_dir(tmp_path, "x")
+def test_open_run_real_clock(tmp_path):
+    a = common.open_run(run_args(tmp_path, "x"))
+    b = common.open_run(run_args(tmp_path, "x"))
     assert a != b and a.is_dir() and b.is_dir() and a.name.startswith("x-") and b.name.startswith("x-")
 
 
-def test_save_args_redacts_key(tmp_path, capsys):
-    args = argparse.Namespace(api_key=KEY, model="m", lr=0.001, out=tmp_path)
-    common.save_args(tmp_path, args)
-    saved = json.loads((tmp_path / "args.json").read_text())
-    assert saved == {"api_key": "<redacted>", "model": "m", "lr": 0.001, "out": str(tmp_path)}
-    assert KEY not in (tmp_path / "args.json").read_text()
+def test_open_run_saves_args_with_the_key_redacted(tmp_path, capsys):
+    args = run_args(tmp_path / "runs", "r", api_key=KEY, model="m", lr=0.001, out=tmp_path)
+    run_dir = common.open_run(args)
+    saved = json.loads((run_dir / "args.json").read_text())
+    assert saved == {"out_dir": str(tmp_path / "runs"), "run_name": "r", "api_key": "<redacted>", "model": "m",
+                     "lr": 0.001, "out": str(tmp_path)}
+    assert KEY not in (run_dir / "args.json").read_text()
     out = capsys.readouterr().out
     assert "| api_key | <redacted> |" in out and KEY not in out
-    assert [f.name for f in tmp_path.iterdir()] == ["args.json"]  # no temp file left behind
+    assert [f.name for f in run_dir.iterdir()] == ["args.json"]  # no temp file left behind
+    assert args.api_key == KEY  # the namespace itself is left alone
 
 
 # ---------------------------------------------------------------------------------------------

@@ -54,7 +54,7 @@ def test_two_processes_keep_one_adapter_and_log_every_trajectory(tiny_model, tmp
 
     base = AutoModelForCausalLM.from_pretrained(tiny_model)
     saved = PeftModel.from_pretrained(base, str(run / "adapter"), is_trainable=True)
-    assert common.adapter_sha256(saved) == dp["adapter_sha256"][0]
+    assert trainer.adapter_sha256(saved) == dp["adapter_sha256"][0]
     # metrics: each rank rolled out 1 scenario x K=2; the log counts all 4 trajectories of a step
     metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     rollouts = [json.loads(x) for x in (run / "rollouts.jsonl").read_text().splitlines()]
@@ -78,14 +78,17 @@ def fixed_update(trainer, model_path, share=(0, 1)):
     env = trainer.env
     import common
 
-    args = argparse.Namespace(model=model_path, adapter=None, lora_r=4, lora_alpha=8, lora_dropout=0.0,
-                              lora_targets="q_proj,v_proj", load_in_4bit="off", gradient_checkpointing=False,
-                              attn_implementation="auto", trust_remote_code=False, minibatch_size=64,
-                              micro_batch_size=1, ppo_epochs=1, temperature=1.0, clip_low=0.2, clip_high=0.28,
-                              kl_coef=0.0, max_grad_norm=1.0)
+    args = argparse.Namespace(model=model_path, adapter=None, lora_r=4, lora_alpha=8, lora_targets="q_proj,v_proj",
+                              load_in_4bit="off", gradient_checkpointing=False, trust_remote_code=False,
+                              minibatch_size=64, micro_batch_size=1, ppo_epochs=1, temperature=1.0, clip_low=0.2,
+                              clip_high=0.28, kl_coef=0.0)
     torch.manual_seed(0)
     model, tok = common.load_policy(args, trainable=True)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    # plain SGD at lr 1: the LoRA B weights after the step are minus the summed gradient (its norm, ~0.15, is
+    # under the clip), so the comparison below checks the gradients themselves. AdamW's first step moves an
+    # entry by lr g / (|g| + 1e-8): where the +- advantages cancel a gradient entry to ~1e-8, float32 rounding
+    # in the order the 4 gradients are summed (one process vs two) became a 2e-6 weight difference
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     trajs, advs = [], []
     for n, (prompt_len, reply_len, adv) in enumerate([(5, 3, 1.0), (7, 9, -0.5), (4, 2, 0.3), (6, 12, -1.2)]):
@@ -94,7 +97,7 @@ def fixed_update(trainer, model_path, share=(0, 1)):
                                     spans=[(prompt_len, prompt_len + reply_len)]))
         advs.append([adv])
     r, w = share
-    out = trainer.pref.ppo_update(model, tok, opt, sched, trainer.as_samples(trajs[r::w], advs[r::w]), args)
+    out = trainer.ppo_update(model, tok, opt, sched, trainer.as_samples(trajs[r::w], advs[r::w]), args)
     weights = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
     return weights, out
 
@@ -113,8 +116,11 @@ def test_one_update_over_two_processes_equals_one_process(tiny_model, tmp_path, 
 
 if __name__ == "__main__":      # the 2-process side of the test above, started by accelerate launch
     trainer = importlib.import_module("04_mica_train")
-    common.init_distributed()
-    rank, n = common.world()
+    # join the launcher's process group as 04's main does (gloo on CPUs, NCCL with one GPU per process)
+    if torch.cuda.is_available():
+        torch.cuda.set_device(common.pick_device())
+    torch.distributed.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    rank, n = trainer.world()
     weights, out = fixed_update(trainer, sys.argv[1], share=(rank, n))
     if rank == 0:
         torch.save({"weights": weights, "train_tokens": out["train_tokens"], "loss": out["loss"]}, sys.argv[2])

@@ -82,7 +82,8 @@ def test_load_scenarios_errors_name_file_line_field(env, tmp_path, line, message
 
 
 def test_parse_judge_json(env):
-    ok = '{"C": {"progress": 1, "negative": 0}, "A": {"progress": 2, "negative": 0}, "P": {"progress": 0, "negative": 1}}'
+    ok = ('{"C": {"progress": 1, "negative": 0}, "A": {"progress": 2, "negative": 0}, '
+          '"P": {"progress": 0, "negative": 1}}')
     assert env.parse_judge_json(ok) == {"C": (1, 0), "A": (2, 0), "P": (0, 1)}
     assert env.parse_judge_json("Sure! ```json\n" + ok + "\n```") == {"C": (1, 0), "A": (2, 0), "P": (0, 1)}
     assert env.parse_judge_json(ok[:-5]) is None                          # truncated

@@ -39,9 +39,9 @@ def test_epm_tau_undefined_and_ci():
     # there and back: P_T = P0, tau undefined -> saved as None, index 0
     m = ev.epm_efficiency(P0, [[1, 1, 1], [-1, -1, -1]])
     assert m["tau"] is None and m["tau_idx"] == 0.0
-    mean, half = ev.mean_ci([1.0, 2.0, 3.0, 4.0])
-    assert mean == 2.5 and half == pytest.approx(1.96 * math.sqrt(5 / 3) / 2)
-    assert ev.mean_ci([7.0]) == (7.0, None)
+    mean, half = ev.t_interval([1.0, 2.0, 3.0, 4.0])        # Student t over 4 units: t_{0.975, 3} = 3.182
+    assert mean == 2.5 and half == pytest.approx(3.182 * math.sqrt(5 / 3) / 2)
+    assert ev.t_interval([7.0]) == (7.0, None)
 
 
 def test_eqbench3_sample_and_irregular_text(tmp_path):
@@ -85,7 +85,8 @@ def test_sage_profiles_including_chinese(tmp_path):
     assert ev.sage_scenario(no_first, "儿子又不回来过年了。")["opening"] == "儿子又不回来过年了。"
     assert ev.sage_scenario(profiles[0])["user_lines"] is ev.env.DEFAULT_USER_LINES
     en = {**profiles[0], "first_talk": "  "}                         # blank first_talk: not used
-    assert ev.sage_scenario(en)["opening"] == "Hi, I'm Dev. Can I talk to you about something? It's been weighing on me."
+    assert ev.sage_scenario(en)["opening"] == \
+        "Hi, I'm Dev. Can I talk to you about something? It's been weighing on me."
     for p in profiles + [en]:                                        # no dialogue opens with (part of) its scene
         assert p["scene"][:40] not in ev.sage_scenario(p)["opening"]
     bad = {k: v for k, v in zh.items() if k not in ("task", "_where")}
@@ -107,7 +108,7 @@ def test_emobench_loaders(tmp_path):
     write_jsonl(tmp_path / "ea2.jsonl", [{k: v for k, v in item.items() if k != "question type"}])
     with pytest.raises(common.UserError, match=r"ea2.jsonl:1: missing field 'question type'"):
         ev.load_emobench(str(tmp_path / "ea2.jsonl"), "EA")
-    with pytest.raises(common.UserError, match="not a hub dataset name"):
+    with pytest.raises(common.UserError, match="no_such_file.jsonl: no such file"):    # paths only, no hub names
         ev.load_emobench("no_such_file.jsonl", "EU")
 
 
@@ -127,30 +128,32 @@ def as_read(result, path) -> str:
 
 
 @pytest.mark.parametrize("loader", ["eqbench3", "eqbench3_header_first", "sage", "emobench_eu", "emobench_ea",
-                                    "scenarios", "read_records"])
+                                    "scenarios", "read_jsonl"])
 def test_every_loader_reads_a_bom_and_a_crlf_file_as_the_plain_one(tmp_path, loader):
     source = {"eqbench3": SAMPLES / "eqbench3_sample.txt", "eqbench3_header_first": SAMPLES / "eqbench3_sample.txt",
               "sage": SAMPLES / "sage_profiles.jsonl", "emobench_eu": SAMPLES / "emobench_eu.jsonl",
               "emobench_ea": SAMPLES / "emobench_ea.jsonl", "scenarios": ROOT / "data" / "scenarios_test.jsonl",
-              "read_records": SAMPLES / "sage_profiles.jsonl"}[loader]
+              "read_jsonl": SAMPLES / "sage_profiles.jsonl"}[loader]
     text = source.read_text(encoding="utf-8")
     if loader == "eqbench3_header_first":             # the public file opens with a header: a BOM there lost it
         text = text[text.index("######## 1 |"):]
-    if loader == "read_records":                      # U+2028 inside a record is no line end
+    if loader == "read_jsonl":                        # U+2028 inside a record is no line end
         text += json.dumps({"id": "x", "note": "a\u2028b"}, ensure_ascii=False) + "\n"
     read = {"eqbench3": ev.load_eqbench3, "eqbench3_header_first": ev.load_eqbench3, "sage": ev.load_sage_profiles,
-            "emobench_eu": lambda p: ev.load_emobench(str(p), "EU"), "emobench_ea": lambda p: ev.load_emobench(str(p), "EA"),
-            "scenarios": ev.env.load_scenarios, "read_records": common.read_records}[loader]
+            "emobench_eu": lambda p: ev.load_emobench(str(p), "EU"),
+            "emobench_ea": lambda p: ev.load_emobench(str(p), "EA"),
+            "scenarios": ev.env.load_scenarios, "read_jsonl": common.read_jsonl}[loader]
     files = variants(tmp_path, source.name, text)
     got = {tag: as_read(read(p), p) for tag, p in files.items()}
     assert got["bom"] == got["plain"] and got["crlf"] == got["plain"] and got["bom_crlf"] == got["plain"]
     n = {"eqbench3": 4, "eqbench3_header_first": 4, "sage": 4, "emobench_eu": 6, "emobench_ea": 6, "scenarios": 8,
-         "read_records": 5}[loader]
+         "read_jsonl": 5}[loader]
     result = read(files["bom_crlf"])
     assert len(result[0] if loader.startswith("eqbench3") else result) == n
     if loader.startswith("eqbench3"):
-        assert result[1]["prompts"] == 7 and result[0][0]["id"] == "1" and result[0][0]["category"] == "Workplace Dilemma"
-    if loader == "read_records":
+        assert result[1]["prompts"] == 7 and result[0][0]["id"] == "1"
+        assert result[0][0]["category"] == "Workplace Dilemma"
+    if loader == "read_jsonl":
         assert result[-1]["note"] == "a\u2028b"
 
 
@@ -172,12 +175,12 @@ def test_json_errors_name_the_column_once(tmp_path):
 
 def test_the_chinese_ea_prompt_names_the_question_type_in_chinese():
     ea = ev.load_emobench(str(SAMPLES / "emobench_ea.jsonl"), "EA")
-    zh = {it["question type"]: ev.mcq_prompt(it, "EA", it["choices"], "loglik") for it in ea if it["language"] == "zh"}
+    zh = {it["question type"]: ev.mcq_prompt(it, "EA", it["choices"]) for it in ea if it["language"] == "zh"}
     assert "最有效的回应是什么" in zh["Response"] and "最有效的行动是什么" in zh["Action"]
     for prompt in zh.values():                       # the question line has no English in it
         question = prompt.splitlines()[1]
         assert question.startswith("问题：") and not any("a" <= ch.lower() <= "z" for ch in question)
-    en = [ev.mcq_prompt(it, "EA", it["choices"], "loglik") for it in ea if it["language"] == "en"]
+    en = [ev.mcq_prompt(it, "EA", it["choices"]) for it in ea if it["language"] == "en"]
     assert "the most effective action for Lena?" in en[0]
 
 
@@ -203,7 +206,8 @@ def test_max_cases_samples_by_language_and_category(tmp_path, capsys):
     for order in (None, 1, 2):                       # the file's order does not change the counts
         p = write_jsonl(tmp_path / f"ea{order}.jsonl", public_like_items(order))
         for seed in (0, 7):
-            args = ev.parse_args(["--suite", "emobench", "--emobench-ea", str(p), "--max-cases", "20", "--seed", str(seed)])
+            args = ev.parse_args(["--suite", "emobench", "--emobench-ea", str(p), "--max-cases", "20",
+                                  "--seed", str(seed)])
             taken = [it for it in ev.load_suite_data(args)["emobench"] if it["case"].startswith("EA-")]
             got = {k: sum((it["language"], it["category"]) == k for it in taken) for k in want}
             assert got == want, (order, seed)
@@ -223,11 +227,13 @@ def test_the_offline_proxy_scores_empty_and_gibberish_replies_clearly_below_a_su
     task = ev.load_eqbench3(SAMPLES / "eqbench3_sample.txt")[0][0]
     replies = {"empty": "", "gibberish": "blorp fzzt quaxle wub wub zindo prrk.",
                "keyword salad": "meeting manager mock-ups VP launch Greg credit onboarding redesign weeks",
-               "supportive": "I'm thinking that Greg took credit for six weeks of my work on the onboarding redesign, and I "
-                             "feel hurt and angry, but I also want to handle it well. He is probably feeling pressure to "
-                             "look good for the VP. I'll reply: 'Happy to send them. Before I do, can we talk about how the "
-                             "redesign was presented? I'd like my role to be visible.'"}
-    convs = [[{"role": "user", "content": task["prompts"][0]}, {"role": "assistant", "content": r}] for r in replies.values()]
+               "supportive": "I'm thinking that Greg took credit for six weeks of my work on the onboarding "
+                             "redesign, and I feel hurt and angry, but I also want to handle it well. He is "
+                             "probably feeling pressure to look good for the VP. I'll reply: 'Happy to send them. "
+                             "Before I do, can we talk about how the redesign was presented? I'd like my role to "
+                             "be visible.'"}
+    convs = [[{"role": "user", "content": task["prompts"][0]}, {"role": "assistant", "content": r}]
+             for r in replies.values()]
     scores = ev.eqbench3_proxy_scores(convs, [ev.ROLEPLAY_CRITERIA] * len(convs), judge)
     score = {k: 5 * sum(s.values()) / len(s) for k, s in zip(replies, scores)}
     assert score["empty"] == 25.0 and score["keyword salad"] == 25.0       # negative 1 on every axis: 5/20 each
@@ -259,15 +265,16 @@ def test_emobench_shared_prompt_scoring_gives_the_old_choices_on_the_sample(tiny
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
     eu = ev.load_emobench(str(SAMPLES / "emobench_eu.jsonl"), "EU")
     ea = ev.load_emobench(str(SAMPLES / "emobench_ea.jsonl"), "EA")
-    questions = ([{"prompt": ev.mcq_prompt(it, "EA", it["choices"], "loglik"), "options": it["choices"]} for it in ea]
-                 + [{"prompt": ev.mcq_prompt(it, "emotion", it["emotion_choices"], "loglik"),
+    questions = ([{"prompt": ev.mcq_prompt(it, "EA", it["choices"]), "options": it["choices"]} for it in ea]
+                 + [{"prompt": ev.mcq_prompt(it, "emotion", it["emotion_choices"]),
                      "options": it["emotion_choices"]} for it in eu]
-                 + [{"prompt": ev.mcq_prompt(it, "cause", it["cause_choices"], "loglik", it["emotion_label"]),
+                 + [{"prompt": ev.mcq_prompt(it, "cause", it["cause_choices"], it["emotion_label"]),
                      "options": it["cause_choices"]} for it in eu])
     old = old_option_logliks(model, tok, questions)
     for batch_size in (1, 3, 8):                     # options in one batch, or split across several
-        new = common.option_logliks(model, tok, questions, batch_size)
-        assert [max(range(len(s)), key=s.__getitem__) for s in new] == [max(range(len(s)), key=s.__getitem__) for s in old]
+        new = ev.option_logliks(model, tok, questions, batch_size)
+        assert [max(range(len(s)), key=s.__getitem__) for s in new] == \
+            [max(range(len(s)), key=s.__getitem__) for s in old]
         for a, b in zip(new, old):
             assert a == pytest.approx(b, rel=1e-4, abs=1e-5)
 
@@ -283,7 +290,8 @@ def test_emobench_scoring_with_a_fake_scorer():
         picks = []
         for q in questions:
             it = next(x for x in eu + ea if x["scenario"] in q["prompt"])
-            gold = it.get("label") or (it["emotion_label"] if q["options"] == it["emotion_choices"] else it["cause_label"])
+            gold = it.get("label") or (it["emotion_label"] if q["options"] == it["emotion_choices"]
+                                       else it["cause_label"])
             wrong = (it["case"] == "EU-en-2" and q["options"] == it["cause_choices"]) or it["case"] == "EA-zh-3"
             picks.append((q["options"].index(gold) + 1) % len(q["options"]) if wrong else q["options"].index(gold))
         return picks
@@ -328,16 +336,14 @@ def test_an_llm_user_writes_the_first_message_without_reciting_the_scene():
 
 
 def test_option_loglik_matches_a_direct_computation(tiny_model):
-    import argparse
-
     import torch
     from transformers import AutoModelForCausalLM
 
     tok = common.load_tokenizer(tiny_model)
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
-    q = {"prompt": "I feel so alone since my dad died.", "options": ["That sounds really painful.", "What happened next?",
-                                                                      "alone", "我很难过"]}
-    got = common.option_logliks(model, tok, [q, q], batch_size=3)      # the options in padded batches of 3 and 1
+    q = {"prompt": "I feel so alone since my dad died.",
+         "options": ["That sounds really painful.", "What happened next?", "alone", "我很难过"]}
+    got = ev.option_logliks(model, tok, [q, q], batch_size=3)      # the options in padded batches of 3 and 1
     prompt = ev.common.render_ids(tok, [{"role": "user", "content": q["prompt"]}])
     want = []
     with torch.no_grad():
@@ -346,10 +352,6 @@ def test_option_loglik_matches_a_direct_computation(tiny_model):
             logp = model(torch.tensor([prompt + ids])).logits[0].log_softmax(-1)
             want.append(sum(logp[len(prompt) - 1 + j, x].item() for j, x in enumerate(ids)) / len(ids))
     assert got[0] == pytest.approx(want, abs=1e-4) and got[1] == pytest.approx(want, abs=1e-4)
-    args = argparse.Namespace(mcq="loglik", batch_size=8, temperature=1.0, top_p=1.0, max_new_tokens=48)
-    assert ev.answer_mcq(model, tok, [q], args) == [max(range(4), key=want.__getitem__)]
-    args.mcq = "generate"                      # greedy, parsed: an index or None (random weights rarely answer)
-    assert ev.answer_mcq(model, tok, [q], args)[0] in (None, 0, 1, 2, 3)
 
 
 def test_judge_answer_parsing():
@@ -364,39 +366,6 @@ def test_judge_answer_parsing():
     assert ev.parse_change('{"change": -25}') == -10.0                                  # clipped
     assert ev.parse_change('analysis... change: +3') == 3.0
     assert ev.parse_change('{"change": "a lot"}') is None and ev.parse_change("") is None
-    opts = ["Joy", "Anger", "Fear"]
-    assert ev.parse_choice("B. Anger", opts) == 1 and ev.parse_choice("(C)", opts) == 2
-    assert ev.parse_choice("I think it is anger.", opts) == 1 and ev.parse_choice("none", opts) is None
-
-
-def test_rubric_plots_only_when_turns_carry_rubrics(tmp_path):
-    assert ev.plot_rubrics([{"turns": [{"t": 1, "emotion": 40}]}], tmp_path, "run") == []
-    w = lambda c, a, p: {"weights": {"cognitive": c, "affective": a, "proactive": p}}  # noqa: E731
-    recs = [{"turns": [{"t": 1, "emotion": 40, "rubric": w(0.2, 0.6, 0.2)}, {"t": 2, "emotion": 75, "rubric": w(0.5, 0.3, 0.2)}]},
-            {"turns": [{"t": 1, "emotion": 45, "rubric": w(0.4, 0.4, 0.2)}]}]
-    out = ev.plot_rubrics(recs, tmp_path, "run")
-    assert out == ["rubric_by_turn.png", "rubric_by_turn.json", "rubric_by_emotion.png", "rubric_by_emotion.json"]
-    by_turn = json.loads((tmp_path / "rubric_by_turn.json").read_text())
-    assert by_turn == {"1": {"n": 2, "w": [0.3, 0.5, 0.2]}, "2": {"n": 1, "w": [0.5, 0.3, 0.2]}}
-    assert list(json.loads((tmp_path / "rubric_by_emotion.json").read_text())) == ["B >= 40", "A >= 70"]
-    assert (tmp_path / "rubric_by_turn.png").stat().st_size > 1000
-
-
-def test_eval_plots_the_rubrics_of_a_real_04_care_run(tiny_model, tmp_path):
-    """04 --reward care writes each turn's rubric (a dict of weights) into rollouts.jsonl; 05 tabulates
-    and plots exactly that file (--rubric uniform: every weight 1/3, so the table is known)."""
-    p = run_script("04_mica_train.py", "--model", tiny_model, "--reward", "care", "--rubric", "uniform", "--steps", "1",
-                   "--scenarios-per-step", "1", "--k", "2", "--max-turns", "2", "--max-new-tokens", "4",
-                   "--out-dir", tmp_path / "train", "--no-progress")
-    assert p.returncode == 0, p.stderr[-3000:]
-    rollouts = next((tmp_path / "train").iterdir()) / "rollouts.jsonl"
-    recs = [json.loads(x) for x in rollouts.read_text().splitlines()]
-    assert isinstance(recs[0]["turns"][0]["rubric"]["weights"], dict)
-    out = ev.plot_rubrics(recs, tmp_path, "mica")
-    assert "rubric_by_turn.png" in out and "rubric_by_emotion.png" in out
-    table = json.loads((tmp_path / "rubric_by_turn.json").read_text())
-    assert table["1"] == {"n": 2, "w": [0.3333, 0.3333, 0.3333]}
-    assert sum(v["n"] for v in table.values()) == sum(len(r["turns"]) for r in recs)
 
 
 @pytest.mark.parametrize("flags, make, message", [
@@ -404,9 +373,11 @@ def test_eval_plots_the_rubrics_of_a_real_04_care_run(tiny_model, tmp_path):
     (["--adapters", "/no/such/adapter"], None, "--adapters /no/such/adapter: no adapter_config.json"),
     (["--sage-start", "150"], None, "--sage-start must be in [0, 100]"),
     (["--adapter", "x"], None, "05_eval.py takes --adapters"),
-    (["--suite", "sage", "--sage-profiles", "{p}"], '{"id": 1}\n{"id": 2, oops}\n', "p.jsonl:1: missing field 'player'"),
+    (["--suite", "sage", "--sage-profiles", "{p}"], '{"id": 1}\n{"id": 2, oops}\n',
+     "p.jsonl:1: missing field 'player'"),
     (["--suite", "sage", "--sage-profiles", "{p}"], None, "p.jsonl:2: not valid JSON"),
-    (["--suite", "emobench", "--emobench-eu", "{p}"], '{"qid": "1", "language": 3}\n', "p.jsonl:1: field 'language' must be str"),
+    (["--suite", "emobench", "--emobench-eu", "{p}"], '{"qid": "1", "language": 3}\n',
+     "p.jsonl:1: field 'language' must be str"),
     (["--suite", "eqbench3", "--eqbench3", "{p}"], "just text\n", "no scenarios with prompts"),
 ])
 def test_bad_inputs_exit_2_with_one_message(tmp_path, capsys, flags, make, message):
@@ -478,7 +449,8 @@ def test_eval_script_all_suites_with_an_adapter_then_resume(tiny_model, tiny_ada
     sage = [r for r in recs if r["suite"] == "sage"]                # the profile without first_talk: not its scene
     assert {r["case"]: r["opening"] for r in sage if r["model"] == "base"}["sage-zh-2"] == "offline line"
     # the adapter is really applied: its EmoBench log-likelihood choices are not the base's, or EMPA differs
-    same = lambda a, b: {k: v for k, v in a.items() if k != "model"} == {k: v for k, v in b.items() if k != "model"}  # noqa: E731
+    same = lambda a, b: ({k: v for k, v in a.items() if k != "model"}  # noqa: E731
+                         == {k: v for k, v in b.items() if k != "model"})
     assert not all(same(by[("base", s, c)], by[(tiny_adapter, s, c)]) for (m, s, c) in by if m == "base")
     table = (run / "results.md").read_text(encoding="utf-8")
     assert "| model | EMPA EPM-Index | EMPA success % | EQ-Bench 3 (offline proxy) | SAGE Sentient" in table
@@ -488,12 +460,15 @@ def test_eval_script_all_suites_with_an_adapter_then_resume(tiny_model, tiny_ada
     assert res["summary"]["base"]["sage"]["n"] == 4 and len(res["cases"]) == len(recs)
     assert "EQ-Bench 3 (offline proxy)" in res["columns"] and res["summary"]["base"]["eqbench3"]["proxy"]
     assert (res["summary"]["base"]["eqbench3"]["n"], res["summary"]["base"]["eqbench3"]["unscored"]) == (3, 1)
+    # the adapter against the base on EMPA, paired by scenario (04's held-out comparison lives here now)
+    assert f"held out: {tiny_adapter} vs base on 4 scenarios, 4 dialogues paired" in p.stdout
+    assert res["comparison"][tiny_adapter]["idr_return"]["scenarios"] == 4
     transcripts = [json.loads(x) for x in (run / "transcripts.jsonl").read_text(encoding="utf-8").splitlines()]
     profiles = {p["id"]: p for p in ev.load_sage_profiles(SAMPLES / "sage_profiles.jsonl")}
     for t in (t for t in transcripts if t["suite"] == "sage"):      # no SAGE dialogue opens with its scene
         assert profiles[t["case"]]["scene"][:40] not in t["turns"][0]["user"]
     assert (run / "distance_per_turn.png").exists() and (run / "emotion_per_turn.png").exists()
-    assert not (run / "rubric_by_turn.png").exists() and "| EmoBench EA % |" in p.stdout   # no --rubrics-from
+    assert "| EmoBench EA % |" in p.stdout
 
     # a kill mid-way: the last 10 cases lost, one half-written line left; --resume cuts it (common.open_run)
     # and redoes only those

@@ -46,7 +46,8 @@ def assert_clean_failure(p, out_dir: Path, *names):
 def test_04_fails_cleanly_on_a_model_it_cannot_load(case, tiny_model, tmp_path):
     model, says = {
         "alias": ("Qwen2.5-7B-Instruct", ["is a known alias of the hub id Qwen/Qwen2.5-7B-Instruct",
-                                          "not in the local Hugging Face cache", "hf download Qwen/Qwen2.5-7B-Instruct"]),
+                                          "not in the local Hugging Face cache",
+                                          "hf download Qwen/Qwen2.5-7B-Instruct"]),
         "config_only": (None, ["has a config.json but no weights", "*.safetensors"]),
         "unknown": ("no-such-model-xyz", ["not found", "not a known alias", "Qwen2.5-7B-Instruct"]),
         "hub_id": ("someone/no-such-model", ["not found", "hf download someone/no-such-model"]),
@@ -124,7 +125,7 @@ def test_resolve_reads_a_cached_alias_and_names_what_the_cache_lacks(tiny_model,
 # ---------------------------------------------------------------------------------------------
 # 2. 4-bit memory: bf16 activations and KV cache, fp32 LoRA
 # ---------------------------------------------------------------------------------------------
-def test_cast_for_kbit_training_keeps_lora_fp32_and_runs_the_rest_in_bf16(tiny_model):
+def test_cast_for_kbit_training_keeps_lora_fp32_and_runs_the_rest_in_bf16(tiny_model, trainer):
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
     from transformers import AutoModelForCausalLM
 

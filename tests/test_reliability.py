@@ -147,7 +147,7 @@ def test_several_random_kills_then_resume_equal_an_uninterrupted_run(tiny_model,
         proc.send_signal(signal.SIGKILL)
         proc.wait()
         run = only_run(tmp_path / "cut")
-        for ck in (run / "checkpoints").iterdir():      # a visible checkpoint is always complete
+        for ck in (run / "checkpoints").glob("*"):      # a visible checkpoint is always complete
             if ck.name.startswith("step_"):
                 assert (ck / "state.json").exists() and (ck / "trainer_state.pt").exists()
                 assert (ck / "adapter" / "adapter_model.safetensors").exists()
@@ -248,7 +248,7 @@ def test_a_1mb_message_is_cut_with_a_warning(tiny_model, tmp_path):
 
 
 def test_a_huge_user_message_is_cut_with_a_warning(tiny_model, tmp_path, fault_server):
-    server = fault_server(rate=0.0, user_answer="no. " * 300_000)               # 1.2 MB from the user LLM (stripped: 1,199,999)
+    server = fault_server(rate=0.0, user_answer="no. " * 300_000)   # 1.2 MB from the user LLM (stripped: 1,199,999)
     p = run_script("03_rollout.py", "--model", tiny_model, "--num-scenarios", "1", "--k", "2", "--quiet",
                    "--user", "api:user", "--api-base", server.base, "--out-dir", tmp_path, *TINY)
     assert p.returncode == 0, p.stderr[-3000:]
@@ -278,11 +278,10 @@ def test_nothing_to_score_skips_the_update_without_nan(trainer, env, tiny_model)
 
     import common
 
-    args = argparse.Namespace(model=tiny_model, adapter=None, lora_r=4, lora_alpha=8, lora_dropout=0.0,
-                              lora_targets="q_proj,v_proj", load_in_4bit="off", gradient_checkpointing=False,
-                              attn_implementation="auto", trust_remote_code=False, minibatch_size=4,
-                              micro_batch_size=2, ppo_epochs=1, temperature=1.0, clip_low=0.2, clip_high=0.28,
-                              kl_coef=0.0, max_grad_norm=1.0)
+    args = argparse.Namespace(model=tiny_model, adapter=None, lora_r=4, lora_alpha=8, lora_targets="q_proj,v_proj",
+                              load_in_4bit="off", gradient_checkpointing=False, trust_remote_code=False,
+                              minibatch_size=4, micro_batch_size=2, ppo_epochs=1, temperature=1.0, clip_low=0.2,
+                              clip_high=0.28, kl_coef=0.0)
     model, tok = common.load_policy(args, trainable=True)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
@@ -291,7 +290,7 @@ def test_nothing_to_score_skips_the_update_without_nan(trainer, env, tiny_model)
                             vs=[None])                                  # the judge failed on its one turn
     empty = env.Trajectory(scenario={}, k=1, ids=list(ids), messages=[], spans=[(len(ids), len(ids))],
                            vs=[[0.0, 0.0, 0.0]])                         # an empty reply: no tokens
-    out = trainer.pref.ppo_update(model, tok, opt, sched, trainer.as_samples([failed, empty], [[1.0], [-1.0]]), args)
+    out = trainer.ppo_update(model, tok, opt, sched, trainer.as_samples([failed, empty], [[1.0], [-1.0]]), args)
     assert out["skipped_updates"] == 1 and out["train_tokens"] == 0
     assert all(torch.isfinite(p).all() for p in model.parameters())
     # a non-finite reward (e.g. a broken custom judge) is replaced, so no NaN reaches the advantages

@@ -40,7 +40,7 @@ def test_next_user_ids_reproduces_the_template(env, tiny, reply, ended, user):
     ids = common.render_ids(tok, msgs) + (tok(reply, add_special_tokens=False)["input_ids"] if reply else [])
     ids += [tok.eos_token_id] if ended else []
     full = msgs + [{"role": "assistant", "content": reply}, {"role": "user", "content": user}]
-    ids += common.next_user_ids(tok, full, reply, ended)
+    ids += env.next_user_ids(tok, full, reply, ended)
     assert tok.decode(ids) == tok.apply_chat_template(full, tokenize=False, add_generation_prompt=True)
 
 
@@ -69,7 +69,7 @@ def test_rollout_states_rewards_and_spans(env, trainer, tiny):
         # the user's lines follow the trend: turn 1 dE > 0.5 -> better
         assert tr.messages[3]["content"] == "That helps."
     # the loss mask covers exactly the reply tokens
-    ids, attn, mask = trainer.pref.collate(trainer.as_samples(trajs), tok.pad_token_id, "cpu")
+    ids, attn, mask = trainer.collate(trainer.as_samples(trajs), tok.pad_token_id, "cpu")
     assert int(mask.sum()) == sum(e - s for tr in trajs for s, e in tr.spans)
     assert int(attn.sum()) == sum(len(tr.ids) for tr in trajs)
 
@@ -85,9 +85,9 @@ def test_failed_judgement_is_flagged_and_left_out(env, trainer, tiny):
     targs = argparse.Namespace(idr_weights=(1, 1, 1), eps=1.0, truncation_penalty=0.0, reward_weights={"idr": 1.0})
     r = trainer.turn_rewards(tr, targs)
     assert r[1] == pytest.approx((r[0] + r[2]) / 2)             # filled with the mean valid reward
-    ids, attn, mask = trainer.pref.collate(trainer.as_samples(trajs), tok.pad_token_id, "cpu")
+    ids, attn, mask = trainer.collate(trainer.as_samples(trajs), tok.pad_token_id, "cpu")
     s, e = tr.spans[1]
-    assert int(mask[0, s:e].sum()) == 0 and trainer.pref.n_scored(trainer.as_samples([tr])[0]) == int(mask[0].sum())
+    assert int(mask[0, s:e].sum()) == 0 and trainer.as_samples([tr])[0].n_tokens() == int(mask[0].sum())
     rec = env.trajectory_record(tr, args)
     assert rec["turns"][1]["judge_failed"] and rec["turns"][1]["v"] is None
 
@@ -122,7 +122,7 @@ def test_token_logprobs_match_full_forward(trainer, tiny, env):
     args = env_args(env, k=2, max_turns=2, min_turns=12, max_new_tokens=5)
     trajs = env.rollout(model, tok, [SCEN], StubJudge([{"C": (1, 0), "A": (1, 0), "P": (1, 0)}]),
                         env.ScriptedUser(0), args)
-    ids, attn, mask = trainer.pref.collate(trainer.as_samples(trajs), tok.pad_token_id, "cpu")
+    ids, attn, mask = trainer.collate(trainer.as_samples(trajs), tok.pad_token_id, "cpu")
     with torch.no_grad():
         lp = common.token_logprobs(model, ids, attn, mask)
         full = torch.log_softmax(model(input_ids=ids, attention_mask=attn).logits.float(), -1)
@@ -137,7 +137,7 @@ def test_token_logprobs_in_chunks_equal_in_one_piece(trainer, tiny, env, monkeyp
     args = env_args(env, k=2, max_turns=2, min_turns=12, max_new_tokens=5)
     trajs = env.rollout(model, tok, [SCEN], StubJudge([{"C": (1, 0), "A": (1, 0), "P": (1, 0)}]),
                         env.ScriptedUser(0), args)
-    ids, attn, mask = trainer.pref.collate(trainer.as_samples(trajs), tok.pad_token_id, "cpu")
+    ids, attn, mask = trainer.collate(trainer.as_samples(trajs), tok.pad_token_id, "cpu")
     out = []
     for chunk in (common.LOGIT_CHUNK, 3 * model.config.vocab_size):       # one piece; 3 rows a chunk
         monkeypatch.setattr(common, "LOGIT_CHUNK", chunk)
@@ -226,7 +226,7 @@ def test_kardia_format_and_reward(env, trainer):
         is False                                                                          # empty response
     assert env.kardia_response("plain reply") == ("plain reply", False)
 
-    assert trainer.kardia_section(good, "emotion") == "fear" and trainer.kardia_section("plain reply", "emotion") == ""
+    assert env.kardia_section(good, "emotion") == "fear" and env.kardia_section("plain reply", "emotion") == ""
 
     class Fake:   # the reply's four axes score 1, 0.5, 0.5, 1; emotion accuracy 1 if "fear" is named, else 0
         def __init__(self):
@@ -240,12 +240,15 @@ def test_kardia_format_and_reward(env, trainer):
     import types
 
     tr = types.SimpleNamespace(T=2, scenario={"persona": "a nurse", "profile": {"MBTI": "INFJ"}},
-                               messages=[{"role": "user", "content": "u"}, {"role": "assistant", "content": good},
-                                         {"role": "user", "content": "I am scared"}, {"role": "assistant", "content": "x"}],
+                               messages=[{"role": "user", "content": "u"},
+                                         {"role": "assistant", "content": good},
+                                         {"role": "user", "content": "I am scared"},
+                                         {"role": "assistant", "content": "x"}],
                                shown=["That sounds frightening.", "x"], formatted=[True, False])
     reply_axes, emotion_axis = trainer.kardia_criteria(tr.scenario, "I am scared")
     assert [c.split(":")[0] for c in reply_axes] == ["Relevance", "Empathy", "Persona consistency", "Safety"]
-    assert "MBTI: INFJ" in reply_axes[2] and emotion_axis.startswith("Emotion accuracy") and "I am scared" in emotion_axis
+    assert "MBTI: INFJ" in reply_axes[2]
+    assert emotion_axis.startswith("Emotion accuracy") and "I am scared" in emotion_axis
     assert "(grief)" in trainer.kardia_criteria({"emotion": "grief"}, "...")[1]      # the scenario's emotion wins
     judge = Fake()
     # turn 1: (1 + 0.5 + 0.5 + 1 + 1 [fear named]) / 5 = 0.8; turn 2: no sections -> emotion 0, format -1
@@ -304,7 +307,10 @@ def test_care_weights_the_distance_and_uniform_is_mica(trainer):
     # affective-heavy rubric: w = 3 * (0.2, 0.6, 0.2) = (0.6, 1.8, 0.6); turn 1 moves A by +3
     aff = {"weights": {"cognitive": 0.2, "affective": 0.6, "proactive": 0.2}}
     tr.extra["rubrics"] = [aff] * 3
-    d = lambda P: (0.6 * max(0, -1 - P[0]) ** 2 + 1.8 * max(0, -1 - P[1]) ** 2 + 0.6 * max(0, -1 - P[2]) ** 2) ** 0.5  # noqa: E731
+
+    def d(P):
+        return (0.6 * max(0, -1 - P[0]) ** 2 + 1.8 * max(0, -1 - P[1]) ** 2 + 0.6 * max(0, -1 - P[2]) ** 2) ** 0.5
+
     assert trainer.reward_parts(tr, args)["idr"] == pytest.approx([d(states[t]) - d(states[t + 1]) for t in range(3)])
     assert trainer.reward_parts(tr, args)["idr"][0] > 2.828          # the affective move counts more
     # --care-distance plain keeps MICA's potential difference: the rewards telescope to d(P0) - d(P_T)
@@ -363,20 +369,19 @@ def test_the_clip_engages_on_the_second_minibatch(trainer, tiny_model):
     minibatch's ratio leaves [1 - clip_low, 1 + clip_high], and the clip counts those tokens; with one
     minibatch (pi_old = pi) nothing is ever clipped."""
     torch.manual_seed(0)
-    args = argparse.Namespace(model=tiny_model, adapter=None, lora_r=4, lora_alpha=8, lora_dropout=0.0,
-                              lora_targets="q_proj,v_proj", load_in_4bit="off", gradient_checkpointing=False,
-                              attn_implementation="auto", trust_remote_code=False, minibatch_size=4,
-                              micro_batch_size=2, ppo_epochs=1, temperature=1.0, clip_low=0.01, clip_high=0.01,
-                              kl_coef=0.0, max_grad_norm=1.0)
+    args = argparse.Namespace(model=tiny_model, adapter=None, lora_r=4, lora_alpha=8, lora_targets="q_proj,v_proj",
+                              load_in_4bit="off", gradient_checkpointing=False, trust_remote_code=False,
+                              minibatch_size=4, micro_batch_size=2, ppo_epochs=1, temperature=1.0, clip_low=0.01,
+                              clip_high=0.01, kl_coef=0.0)
     out = {}
     for minibatch_size in (8, 4):
         model, tok = common.load_policy(argparse.Namespace(**{**vars(args), "minibatch_size": minibatch_size}))
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.05)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
         ids = tok("I feel so alone since my dad died. That sounds really painful.")["input_ids"]
-        samples = [trainer.pref.Sample(ids, [(4, len(ids))], [1.0 if i % 2 else -1.0]) for i in range(8)]
+        samples = [trainer.Sample(ids, [(4, len(ids))], [1.0 if i % 2 else -1.0]) for i in range(8)]
         args.minibatch_size = minibatch_size
-        out[minibatch_size] = trainer.pref.ppo_update(model, tok, opt, sched, samples, args)
+        out[minibatch_size] = trainer.ppo_update(model, tok, opt, sched, samples, args)
     assert out[8]["optimizer_steps"] == 1 and out[8]["clip_frac"] == 0.0 and out[8]["ratio_max"] == pytest.approx(1.0)
     assert out[4]["optimizer_steps"] == 2 and out[4]["clip_frac"] > 0       # tokens after the first step
     assert out[4]["ratio_min"] < 0.99 or out[4]["ratio_max"] > 1.01
@@ -384,5 +389,5 @@ def test_the_clip_engages_on_the_second_minibatch(trainer, tiny_model):
 
 def test_max_new_tokens_default_leaves_room_for_kardias_four_sections(env):
     assert env.parse_args([]).max_new_tokens == 48
-    assert env.parse_args(["--kardia-format"]).max_new_tokens == env.KARDIA_TOKENS == 192
+    assert env.parse_args(["--kardia-format"]).max_new_tokens == 192
     assert env.parse_args(["--kardia-format", "--max-new-tokens", "64"]).max_new_tokens == 64   # a flag given wins

@@ -1,4 +1,5 @@
-"""CARE's rubric: the one parser, the generator's SFT (01) and teacher labelling, as a user runs them."""
+"""CARE's rubric: the one parser, the generator's SFT (01) and teacher labelling (scripts/label_rubrics.py),
+as a user runs them."""
 import importlib
 import json
 from pathlib import Path
@@ -43,7 +44,8 @@ def test_generate_rubrics_greedy_decodes_each_distinct_prompt_once(tiny_model, m
     b = [{"role": "user", "content": "My sister stopped calling me and I do not know why."}]
     rows = []
     real = sft.common.generate_batch
-    monkeypatch.setattr(sft.common, "generate_batch", lambda m, t, prompts, *a: rows.append(len(prompts)) or real(m, t, prompts, *a))
+    monkeypatch.setattr(sft.common, "generate_batch",
+                        lambda m, t, prompts, *a: rows.append(len(prompts)) or real(m, t, prompts, *a))
     out = sft.generate_rubrics(model, tok, [a, b, a, a], 8, 0.0, batch_size=8)
     assert rows == [2] and out[0] == out[2] == out[3] and out[0][1] != out[1][1]
     alone = sft.generate_rubrics(model, tok, [a, b], 8, 0.0, batch_size=8)
@@ -63,7 +65,8 @@ def test_generate_rubrics_greedy_decodes_each_distinct_prompt_once(tiny_model, m
     ({"weights": GOOD["weights"]}, "missing 'criteria' object"),
     ({**GOOD, "weights": {"cognitive": 0.5, "affective": 0.5}}, "weights: missing dimension 'proactive'"),
     ({**GOOD, "weights": {"cognitive": -0.2, "affective": 0.7, "proactive": 0.5}}, "weights.cognitive is negative"),
-    ({**GOOD, "weights": {"cognitive": "0.3", "affective": 0.5, "proactive": 0.2}}, "weights.cognitive must be a number"),
+    ({**GOOD, "weights": {"cognitive": "0.3", "affective": 0.5, "proactive": 0.2}},
+     "weights.cognitive must be a number"),
     ({**GOOD, "weights": {"cognitive": 0.5, "affective": 0.5, "proactive": 0.5}}, "weights sum to 1.500, not 1"),
     ({**GOOD, "weights": {**GOOD["weights"], "humour": 0.0}}, "weights: unknown dimension 'humour'"),
     ({**GOOD, "criteria": {**GOOD["criteria"], "proactive": []}}, "criteria.proactive must be a list of 1-4"),
@@ -163,7 +166,7 @@ def test_teacher_labels_dialogues_and_drops_invalid(tmp_path, fault_server):
                                {"speaker": "seeker", "content": "Since the move."},
                                {"speaker": "supporter", "content": "Moving is hard."}]}])
     out = tmp_path / "sup.jsonl"
-    p = run_script("01_rubric_sft.py", "--teacher", "api:teacher", "--label", dialogs, "--label-out", out,
+    p = run_script("scripts/label_rubrics.py", "--teacher", "api:teacher", "--label", dialogs, "--label-out", out,
                    "--api-base", server.base, "--api-backoff", "0.01")
     assert p.returncode == 0, p.stderr[-3000:]
     recs = lines(out)
@@ -174,16 +177,24 @@ def test_teacher_labels_dialogues_and_drops_invalid(tmp_path, fault_server):
     # a teacher that never writes a valid rubric: everything dropped, with the count, nothing invalid written
     bad = fault_server(rate=0.0, user_answer='{"weights": {"cognitive": 1}}')
     out2 = tmp_path / "sup2.jsonl"
-    p = run_script("01_rubric_sft.py", "--teacher", "api:teacher", "--label", dialogs, "--label-out", out2,
-                   "--api-base", bad.base, "--teacher-retries", "1")
+    p = run_script("scripts/label_rubrics.py", "--teacher", "api:teacher", "--label", dialogs, "--label-out",
+                   out2, "--api-base", bad.base, "--teacher-retries", "1")
     assert p.returncode == 0 and "labelled 0/3 turns" in p.stdout and "dropped 3" in p.stdout
     assert bad.requests == 3 * 2 and (not out2.exists() or out2.read_text() == "")
+
+
+def test_parse_scores():
+    assert sft.parse_scores('Sure: {"scores": [10, 5, 0]}', 3) == [1.0, 0.5, 0.0]
+    assert sft.parse_scores('{"scores": [10, 5]}', 3) is None
+    assert sft.parse_scores('{"scores": [11, 5, 0]}', 3) is None
+    assert sft.parse_scores('{"score": [1, 2, 3]}', 3) is None and sft.parse_scores(None, 1) is None
 
 
 @pytest.mark.parametrize("record, message", [
     ({"messages": [{"role": "user", "content": "hi"}], "rubric": {**GOOD, "weights": {"cognitive": 1}}},
      "d.jsonl:1: field 'rubric': weights: missing dimension 'affective'"),
-    ({"messages": [{"role": "assistant", "content": "hi"}], "rubric": GOOD}, "d.jsonl:1: messages must end with a user"),
+    ({"messages": [{"role": "assistant", "content": "hi"}], "rubric": GOOD},
+     "d.jsonl:1: messages must end with a user"),
     ({"messages": [{"role": "user", "content": "  "}], "rubric": GOOD}, "d.jsonl:1: empty dialogue"),
     ({"messages": "hi", "rubric": GOOD}, "d.jsonl:1: field 'messages' must be list"),
 ])
@@ -228,13 +239,6 @@ def test_group_advantages():
     assert A == pytest.approx([1.224744, 0.0, 0.0, -1.224744], abs=1e-5)
     assert pref.group_advantages([0.3, 0.3, 0.3]) == [0.0, 0.0, 0.0]
     assert pref.group_advantages([0.3]) == [0.0]
-
-
-def test_parse_scores():
-    assert pref.parse_scores('Sure: {"scores": [10, 5, 0]}', 3) == [1.0, 0.5, 0.0]
-    assert pref.parse_scores('{"scores": [10, 5]}', 3) is None
-    assert pref.parse_scores('{"scores": [11, 5, 0]}', 3) is None
-    assert pref.parse_scores('{"score": [1, 2, 3]}', 3) is None and pref.parse_scores(None, 1) is None
 
 
 def test_judge_rubrics_with_a_fake_judge():

@@ -19,7 +19,8 @@ LEVELS = {"C": (1, 0), "A": (1, 0), "P": (0, 0)}                      # JUDGE_OK
 # the generation prompt holds an empty <think></think>
 THINKING_TEMPLATE = (
     "{% for m in messages %}{% set c = m['content'] %}"
-    "{% if m['role'] == 'assistant' and '</think>' in c %}{% set c = c.split('</think>')[-1].lstrip('\\n') %}{% endif %}"
+    "{% if m['role'] == 'assistant' and '</think>' in c %}"
+    "{% set c = c.split('</think>')[-1].lstrip('\\n') %}{% endif %}"
     "{{ '<|im_start|>' + m['role'] + '\\n' + c + '<|im_end|>\\n' }}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
     "{% if enable_thinking is defined and enable_thinking is false %}{{ '<think>\\n\\n</think>\\n\\n' }}{% endif %}"
@@ -52,15 +53,22 @@ def lora_layers(model):
 
 
 class FakeGenerator:
-    """Stands in for common.generate_batch. Each call is recorded as (kind, adapter off?, training?,
-    grad on?, decoded contexts); judge prompts get `judge(text, asked)` (asked: how often this very
-    prompt came before), user prompts USER_OK, the policy `policy(row)` plus eos."""
+    """Stands in for common.generate_batch (the self judge and user) and 03's TurnCache.generate (the
+    policy): install(monkeypatch, env) patches both. Each call is recorded as (kind, adapter off?,
+    training?, grad on?, decoded contexts); judge prompts get `judge(text, asked)` (asked: how often this
+    very prompt came before), user prompts USER_OK, the policy `policy(row)` plus eos."""
 
     def __init__(self, model, tok, policy=lambda b: "That sounds so hard.", judge=lambda text, asked: JUDGE_OK):
         self.model, self.tok, self.policy, self.judge = model, tok, policy, judge
         self.calls, self.asked = [], {}
 
-    def __call__(self, model, tokenizer, contexts, max_new_tokens, temperature=0.0, top_p=1.0, kv=None):
+    def install(self, monkeypatch, env):
+        monkeypatch.setattr(common, "generate_batch", self)
+        monkeypatch.setattr(env.TurnCache, "generate", lambda cache, model, tokenizer, contexts, args: self(
+            model, tokenizer, contexts, args.max_new_tokens, args.temperature, args.top_p))
+        return self
+
+    def __call__(self, model, tokenizer, contexts, max_new_tokens, temperature=0.0, top_p=1.0):
         texts = [tokenizer.decode(c) for c in contexts]
         kind = "judge" if "MDEP-PR" in texts[0] else "user" if "role-playing a person" in texts[0] else "policy"
         off = all(m.disable_adapters for m in lora_layers(self.model))
@@ -81,8 +89,7 @@ class FakeGenerator:
 
 def test_self_judge_and_user_rollout_with_the_adapter_off_while_they_speak(env, tiny_lora, monkeypatch):
     model, tok = tiny_lora
-    fake = FakeGenerator(model, tok)
-    monkeypatch.setattr(common, "generate_batch", fake)
+    fake = FakeGenerator(model, tok).install(monkeypatch, env)
     args = env_args(env, judge="self", user="self", k=2, max_turns=3, min_turns=12, max_new_tokens=8)
     judge, user = env.make_judge(args, (model, tok)), env.make_user(args, (model, tok))
     assert judge.backend.kind == user.backend.kind == "self" and judge.backend.model is model   # no weights loaded
@@ -142,8 +149,7 @@ def test_malformed_judge_json_is_retried_then_masked_like_the_api_judge(env, tin
         return '{"C": {"progress": 1}}' if asked == 0 else JUDGE_OK                   # invalid, then valid
 
     def run(judge_spec, **over):
-        fake = FakeGenerator(model, tok, policy=lambda b: f"reply {'AB'[b]}", judge=answer)
-        monkeypatch.setattr(common, "generate_batch", fake)
+        fake = FakeGenerator(model, tok, policy=lambda b: f"reply {'AB'[b]}", judge=answer).install(monkeypatch, env)
         args = env_args(env, judge=judge_spec, k=2, max_turns=2, min_turns=12, max_new_tokens=8, **over)
         trajs = env.rollout(model, tok, [SCEN], env.make_judge(args, (model, tok)), env.ScriptedUser(0), args)
         return [(tr.judge_failed, tr.states) for tr in trajs], fake
@@ -181,11 +187,11 @@ def test_self_backend_with_real_generation_on_the_tiny_model(env, tiny_lora):
 def test_thinking_reply_goes_on_past_turn_2_and_only_the_answer_is_seen(env, tiny_lora, monkeypatch):
     model, tok = tiny_lora
     tok.chat_template = THINKING_TEMPLATE
-    thought, answer = "<think>\nShe is grieving; ask about her dad.\n</think>\n\n", "That sounds so hard. What happened?"
+    thought = "<think>\nShe is grieving; ask about her dad.\n</think>\n\n"
+    answer = "That sounds so hard. What happened?"
     prompt = tok.decode(common.render_ids(tok, [{"role": "user", "content": "hi"}]))
     assert prompt.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")          # enable_thinking=False
-    fake = FakeGenerator(model, tok, policy=lambda b: thought + answer)
-    monkeypatch.setattr(common, "generate_batch", fake)
+    fake = FakeGenerator(model, tok, policy=lambda b: thought + answer).install(monkeypatch, env)
     args = env_args(env, judge="self", user="self", k=2, max_turns=3, min_turns=12, max_new_tokens=64)
     trajs = env.rollout(model, tok, [SCEN], env.make_judge(args, (model, tok)), env.make_user(args, (model, tok)), args)
     reply_ids = tok(thought + answer, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
@@ -212,17 +218,17 @@ def test_strip_thinking(text, shown):
 
 
 @pytest.mark.parametrize("ended", [True, False], ids=["ended", "cut"])
-def test_next_user_ids_under_a_template_that_drops_thinking(tiny_lora, ended):
+def test_next_user_ids_under_a_template_that_drops_thinking(env, tiny_lora, ended):
     _, tok = tiny_lora
     tok.chat_template = THINKING_TEMPLATE
     msgs = [{"role": "system", "content": "be kind"}, {"role": "user", "content": "hello there"}]
     reply = "<think>hm</think>answer"
     full = msgs + [{"role": "assistant", "content": reply}, {"role": "user", "content": "yes it is"}]
-    extra = common.next_user_ids(tok, full, reply, ended)
+    extra = env.next_user_ids(tok, full, reply, ended)
     assert tok.decode(extra) == ("\n" if ended else "<|im_end|>\n") + \
         "<|im_start|>user\nyes it is<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
     with pytest.raises(common.UserError, match="does not keep earlier turns"):   # a reply it does not write
-        common.next_user_ids(tok, full, "<think>hm</think>another answer", ended)
+        env.next_user_ids(tok, full, "<think>hm</think>another answer", ended)
 
 
 def test_flags_help_and_errors(env, capsys):
@@ -233,9 +239,6 @@ def test_flags_help_and_errors(env, capsys):
     helptext = " ".join(capsys.readouterr().out.split())
     assert "embed | self | hf:<model-or-path> | api:<model>" in helptext
     assert "scripted | self | hf:<model-or-path> | api:<model>" in helptext
-    args.judge = "self"
-    with pytest.raises(common.UserError, match="--judge self: the policy's own base model plays it, and this"):
-        env.check_env_args(args, has_policy=False)
     args.judge, args.user = "embed", "selfish"
     with pytest.raises(common.UserError, match="--user must be scripted, self, hf:<model> or api:<model>"):
         env.check_env_args(args)

@@ -24,26 +24,26 @@ def test_smollm2_train_step_and_rollout(tmp_path):
     assert "=== test-01 k=0" in q.stdout and "assistant:" in q.stdout
 
 
-def test_two_processes_convert_the_packaged_model_at_once(tmp_path):
-    """The GGUF -> HF conversion into an empty cache, started by two processes together: both get the
-    same complete folder (a file lock serialises them, the folder appears by an atomic rename)."""
+def test_the_packaged_model_is_converted_once_and_named_when_missing(tmp_path):
+    """scripts/convert_smollm2.py into an empty cache: a complete plain-fp32 HF folder, no temporary folder
+    left; run again, it does nothing; a stage asked for the model before it is converted says how to get it."""
     import os
     import subprocess
     import sys
 
     from conftest import ROOT
 
-    code = ("import common, json; p = common.resolve_model('SmolLM2-135M-Instruct'); "
-            "from transformers import AutoConfig; print('OK', p, AutoConfig.from_pretrained(p).num_hidden_layers)")
     env = dict(os.environ, EMPATHY_RL_CACHE=str(tmp_path / "cache"), HF_HUB_OFFLINE="1")
-    procs = [subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
-    outs = [p.communicate(timeout=900) for p in procs]
-    for p, (out, err) in zip(procs, outs):
-        assert p.returncode == 0, err[-2000:]
-        assert out.strip().endswith(" 30")                     # SmolLM2-135M has 30 layers
-    assert outs[0][0] == outs[1][0]
+    p = run_script("03_rollout.py", "--num-scenarios", "1", "--out-dir", tmp_path / "runs",
+                   env_extra={"EMPATHY_RL_CACHE": str(tmp_path / "cache")})
+    assert p.returncode == 2 and "scripts/convert_smollm2.py" in p.stderr and "Traceback" not in p.stderr
+    runs = [subprocess.run([sys.executable, str(ROOT / "scripts" / "convert_smollm2.py")], env=env,
+                           capture_output=True, text=True, timeout=900) for _ in range(2)]
+    assert all(r.returncode == 0 for r in runs), runs[0].stderr[-2000:]
+    assert "converting" in runs[0].stderr and "converting" not in runs[1].stderr          # once
     folder = tmp_path / "cache" / "SmolLM2-135M-Instruct"
-    assert "quantization_config" not in json.loads((folder / "config.json").read_text())   # plain fp32 weights
+    assert runs[0].stdout.strip() == runs[1].stdout.strip() == str(folder)
+    config = json.loads((folder / "config.json").read_text())
+    assert "quantization_config" not in config and config["num_hidden_layers"] == 30   # plain fp32 weights
     assert (folder / "model.safetensors").exists() and (folder / "tokenizer_config.json").exists()
-    assert [p.name for p in (tmp_path / "cache").iterdir() if p.name.startswith(".SmolLM2")] == []
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == ["SmolLM2-135M-Instruct"]   # no temporary folder

@@ -1,7 +1,8 @@
-"""The teaching path: 04's presets (device-aware defaults), its curves and held-out comparison, and
-scripts/pipeline.py running all the stages (subprocess, tiny random model)."""
+"""The teaching path: 04's presets (device-aware defaults) and its curves, 05's held-out comparison of the
+trained adapter with the base, and scripts/pipeline.py running all the stages (subprocess, tiny random model)."""
 import importlib
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -38,32 +39,57 @@ def test_presets_follow_the_device_and_flags_given_win(monkeypatch):
     cpu_on_gpu = trainer.parse_args(["--preset", "cpu"])                           # asked for: the reference
     assert (cpu_on_gpu.lr, cpu_on_gpu.max_turns, cpu_on_gpu.judge) == (1e-3, 3, "embed")
     demo = trainer.parse_args(["--preset", "demo", "--steps", "3"])
-    assert demo.steps == 3 and demo.heldout_scenarios == trainer.PRESETS["demo"]["heldout_scenarios"] > 0
+    assert trainer.PRESETS["demo"] == dict(steps=4, log_kl_every=2, save_every=4)
+    assert (demo.steps, demo.log_kl_every, demo.save_every) == (3, 2, 4)
+    assert "--steps 4 (given: 3)" in demo.preset_note
+    assert not hasattr(demo, "heldout_scenarios")                                 # the comparison is 05's now
 
 
-def test_train_run_draws_its_curves_and_compares_base_and_trained_held_out(tiny_model, tmp_path):
+VERDICTS = ("ahead beyond the spread", "behind beyond the spread", "not separated")
+
+
+def test_train_run_draws_its_curves_and_05_compares_base_and_trained_held_out(tiny_model, tmp_path):
     p = run_script("04_mica_train.py", "--model", tiny_model, "--steps", "2", "--scenarios-per-step", "2",
                    "--k", "2", "--minibatch-size", "2", "--save-every", "1", "--log-kl-every", "1", "--lr", "1e-2",
-                   "--heldout-scenarios", "2", "--out-dir", tmp_path, *TINY)
+                   "--out-dir", tmp_path / "train", *TINY)
     assert p.returncode == 0, p.stderr[-3000:]
-    run = only_run(tmp_path)
+    run = only_run(tmp_path / "train")
     png = (run / "curves.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000          # a real picture, five panels
-    held = json.loads((run / "heldout.json").read_text())
-    assert held["n"] == 4 and len(held["per_dialogue"]["base"]["return"]) == 4
-    for key in ("return", "collapse", "cut_off"):
-        s = held["summary"][key]
-        diff, lo, hi = s["diff"]
-        assert lo <= diff <= hi and abs(diff - (s["trained"][0] - s["base"][0])) < 1e-9   # paired: same mean
-    assert "held-out: 2 scenarios x K=2 = 4 dialogues" in p.stdout
-    assert p.stdout.count("95% CI") == 3 and ("within the spread" in p.stdout or "beyond the spread" in p.stdout)
+    # 05 compares the adapter with the base on 2 held-out scenarios x K=2, paired by scenario, k and seed
+    adapter = str(run / "adapter")
+    q = run_script("05_eval.py", "--model", tiny_model, "--suite", "empa", "--adapters", adapter,
+                   "--max-cases", "2", "--k", "2", "--max-turns", "2", "--min-turns", "1", "--collapse-window", "2",
+                   "--max-context", "2048", "--max-new-tokens", "6", "--no-progress", "--out-dir", tmp_path / "eval")
+    assert q.returncode == 0, q.stderr[-3000:]
+    ev_run = only_run(tmp_path / "eval")
+    cases = [json.loads(x) for x in (ev_run / "cases.jsonl").read_text().splitlines()]
+    by = {(c["model"], c["case"]): c for c in cases if c["suite"] == "empa" and not c.get("failed")}
+    assert sorted(m for m, _ in by) == sorted(["base"] * 4 + [adapter] * 4)     # 2 scenarios x K=2 each
+    scenarios = sorted({c.split("#")[0] for _, c in by})
+    assert len(scenarios) == 2
+    comparison = json.loads((ev_run / "results.json").read_text())["comparison"][adapter]
+    for key in ("idr_return", "collapse", "cut_off"):
+        s = comparison[key]
+        diff, (lo, hi) = s["diff"], s["ci"]
+        assert (s["scenarios"], s["dialogues"]) == (2, 4) and lo <= diff <= hi
+        # the paired difference, averaged within each scenario first (the unit), then over the scenarios
+        per_scenario = [statistics.mean(by[adapter, f"{sc}#{k}"][key] - by["base", f"{sc}#{k}"][key]
+                                        for k in range(2)) for sc in scenarios]
+        assert abs(diff - statistics.mean(per_scenario)) < 1e-9
+        assert abs(diff - (s["adapter"] - s["base"])) < 1e-9                 # paired, K each: the same mean
+        assert s["verdict"] in VERDICTS and (s["verdict"] == "not separated") == (lo <= 0 <= hi)
+    assert f"held out: {adapter} vs base on 2 scenarios, 4 dialogues paired" in q.stdout
+    ci_lines = [line for line in q.stdout.splitlines() if "95% t CI over 2 scenarios" in line]
+    assert len(ci_lines) == 3 == q.stdout.count("95% t CI over 2 scenarios")
+    assert all(any(line.endswith(": " + v) for v in VERDICTS) for line in ci_lines)
 
 
-def test_paired_ci_on_hand_computed_numbers():
-    trainer = importlib.import_module("04_mica_train")
-    m, lo, hi = trainer.paired_ci([1.0, 2.0, 3.0])        # mean 2, sample sd 1, half-width 1.96 / sqrt(3)
-    assert abs(m - 2.0) < 1e-12 and abs(hi - lo - 2 * 1.96 / 3 ** 0.5) < 1e-12
-    assert trainer.paired_ci([0.5]) == (0.5, 0.5, 0.5)
+def test_t_interval_on_hand_computed_numbers():
+    ev = importlib.import_module("05_eval")
+    m, half = ev.t_interval([1.0, 2.0, 3.0])     # mean 2, sample sd 1, half-width t_{0.975, 2} / sqrt(3)
+    assert abs(m - 2.0) < 1e-12 and abs(half - 4.303 / 3 ** 0.5) < 1e-12
+    assert ev.t_interval([0.5]) == (0.5, None)
 
 
 def test_pipeline_runs_the_five_stages_and_summarises(tiny_model, tmp_path):
