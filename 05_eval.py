@@ -187,10 +187,6 @@ def main(argv=None):
     model, tok = common.load_policy(args, trainable=False)
     judge = env.make_judge(args, (model, tok)) if {"empa", "eqbench3", "sage"} & set(args.suites) else None
     user = env.make_user(args, (model, tok)) if {"empa", "sage"} & set(args.suites) else None
-    window = getattr(model.config, "max_position_embeddings", None)
-    if window and args.max_context > window:
-        print(f"--max-context {args.max_context} is above the model's window: using {window}")
-        args.max_context = window
     print(f"run folder {run_dir} | models: {', '.join(['base'] + args.adapters)} | device {common.pick_device()}")
     try:
         for label, adapter in [("base", None)] + [(a, a) for a in args.adapters]:

@@ -166,8 +166,13 @@ def add_model_args(p: argparse.ArgumentParser):
 
 def check_model_args(args):
     """The model flags, checked before a run folder is made: --model, --adapter, an hf: judge or user, and
-    bitsandbytes when the base loads in 4-bit."""
-    resolve_model(args.model)
+    bitsandbytes when the base loads in 4-bit; a --max-context beyond the model's window is cut to it."""
+    from transformers import AutoConfig
+
+    window = getattr(AutoConfig.from_pretrained(resolve_model(args.model)), "max_position_embeddings", None)
+    if getattr(args, "max_context", None) and window and args.max_context > window:
+        warn(f"--max-context {args.max_context} is above {args.model}'s window of {window} tokens: using {window}")
+        args.max_context = window
     check(not args.adapter or os.path.exists(os.path.join(args.adapter, "adapter_config.json")),
           f"--adapter {args.adapter}: no adapter_config.json there (expected a peft adapter folder)")
     for spec in (getattr(args, "judge", None), getattr(args, "user", None)):
@@ -219,6 +224,9 @@ def load_policy(args, trainable=True):
     model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     if kbit:
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=args.gradient_checkpointing)
+        for m in model.modules():    # on a CPU bitsandbytes repacks a layer's 4-bit weights for inference at its
+            if hasattr(m, "support_avx512bf16_for_cpu"):    # first eval call; repacked, it cannot be trained
+                m.support_avx512bf16_for_cpu = False
     else:
         model.to(device)
         if args.gradient_checkpointing:
@@ -378,10 +386,11 @@ def check_backend_args(args):
 
 def ask_json(backend, prompts: list, parse, retries: int, who="judge", noun="replies", max_tokens=300,
              temperature=0.0) -> list:
-    """Ask every prompt, re-ask the unparsable ones up to `retries` times; parse(i, text) -> the answer or
-    None. None where no answer parsed. When no prompt got an answer and the endpoint itself failed, stop
-    with one message rather than go on with nothing."""
+    """Ask every prompt, re-ask the unparsable ones up to `retries` times (not a local model at temperature 0:
+    it would answer the same again); parse(i, text) -> the answer or None. None where no answer parsed. When
+    no prompt got an answer and the endpoint itself failed, stop with one message, not go on with nothing."""
     results, todo, down_before = [None] * len(prompts), list(range(len(prompts))), getattr(backend, "failures", 0)
+    retries = 0 if getattr(backend, "kind", "api") != "api" and temperature == 0 else retries
     for _ in range(retries + 1):
         answers = backend.chat([prompts[i] for i in todo], max_tokens=max_tokens, temperature=temperature)
         for i, text in zip(todo, answers):

@@ -37,9 +37,15 @@ def tiny_model(tmp_path_factory) -> str:
     return build_tiny_model(tmp_path_factory.mktemp("tiny_qwen2"))
 
 
-def build_tiny_model(out) -> str:
+@pytest.fixture(scope="session")
+def tiny_model_64(tmp_path_factory) -> str:
+    """The tiny model 64 wide: bitsandbytes quantises blocks of 64 weights, so a 32-wide layer cannot be 4-bit."""
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_qwen2_64"), hidden_size=64)
+
+
+def build_tiny_model(out, hidden_size=32, window=4096) -> str:
     """Save the tiny random model and its tokenizer into folder `out` (scripts import this too:
-    `sys.path.insert(0, "tests"); from conftest import build_tiny_model`)."""
+    `sys.path.insert(0, "tests"); from conftest import build_tiny_model`); window: max_position_embeddings."""
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
@@ -55,8 +61,8 @@ def build_tiny_model(out) -> str:
     fast.chat_template = CHATML
     fast.save_pretrained(out)
     torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=len(fast), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+    cfg = Qwen2Config(vocab_size=len(fast), hidden_size=hidden_size, intermediate_size=2 * hidden_size, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=window,
                       eos_token_id=fast.eos_token_id, pad_token_id=fast.pad_token_id, tie_word_embeddings=True)
     model = Qwen2ForCausalLM(cfg)
     model.generation_config.eos_token_id = fast.eos_token_id

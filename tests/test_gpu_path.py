@@ -9,6 +9,9 @@
 """
 import importlib
 import json
+import math
+import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -18,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, run_script
+from conftest import JUDGE_OK, ROOT, run_script
 
 import common
 
@@ -197,3 +200,141 @@ def test_gpu_check_refuses_without_cuda_and_rejects_unknown_flags(tmp_path):
     if not torch.cuda.is_available():
         p = subprocess.run(["bash", str(SCRIPT)], capture_output=True, text=True, env=env, timeout=120)
         assert p.returncode == 2 and "no CUDA device" in p.stderr and not (tmp_path / "o").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. The QLoRA path run on the CPU (bitsandbytes' CPU kernels): 4-bit load, train, resume, evaluate
+# ---------------------------------------------------------------------------------------------
+def test_4bit_qlora_end_to_end_on_a_cpu(tiny_model_64, tmp_path):
+    """The base in NF4 (Linear4bit layers), only the LoRA weights trainable and in fp32, activations in the
+    compute dtype (fp32 on a CPU; bf16 on a GPU), a finite loss that moves the adapter; then 04 in 4-bit for
+    one step, resumed from its checkpoint for a second, and 05 loading the adapter onto a 4-bit base."""
+    import argparse
+
+    import bitsandbytes as bnb
+    from safetensors.torch import load_file
+
+    args = argparse.Namespace(model=tiny_model_64, adapter=None, lora_r=4, lora_alpha=8, trust_remote_code=False,
+                              lora_targets="q_proj,v_proj", load_in_4bit="on", gradient_checkpointing=False)
+    model, tok = common.load_policy(args)
+    linear = {n: m for n, m in model.named_modules() if n.rsplit(".", 1)[-1] in
+              ("base_layer", "k_proj", "o_proj", "gate_proj", "up_proj", "down_proj")}
+    assert len(linear) == 2 * 7 and all(isinstance(m, bnb.nn.Linear4bit) for m in linear.values())
+    trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    assert len(trainable) == 2 * 2 * 2 and all("lora_" in n and p.dtype == torch.float32 for n, p in trainable.items())
+    ids = torch.tensor([tok("I feel so alone since my dad died.")["input_ids"]])
+    model.eval()                    # as in RL: sample first (bitsandbytes may repack the CPU weights), then train
+    with torch.no_grad():
+        model.generate(input_ids=ids, max_new_tokens=4, do_sample=True)
+    model.train()
+    out = model(input_ids=ids, output_hidden_states=True)
+    assert {h.dtype for h in out.hidden_states} == {torch.float32}          # the compute dtype on a CPU
+    before = {n: p.detach().clone() for n, p in trainable.items()}
+    opt = torch.optim.AdamW(trainable.values(), lr=1e-2)
+    logp = common.token_logprobs(model, ids, torch.ones_like(ids), torch.ones_like(ids))
+    assert torch.isfinite(logp).all() and logp.dtype == torch.float32
+    (-logp.mean()).backward()
+    opt.step()
+    assert any(not torch.equal(before[n], p) for n, p in trainable.items() if "lora_B" in n)
+    # 04 in 4-bit: one step with a checkpoint, then --resume for a second; 05 on a 4-bit base
+    flags = ["--model", tiny_model_64, "--load-in-4bit", "on", "--scenarios-per-step", "1", "--k", "2",
+             "--max-turns", "2", "--max-new-tokens", "6", "--lr", "1e-2", "--save-every", "1", "--no-progress"]
+    p = run_script("04_mica_train.py", *flags, "--steps", "1", "--out-dir", tmp_path / "runs")
+    assert p.returncode == 0, p.stderr[-3000:]
+    run = next((tmp_path / "runs").iterdir())
+    first = load_file(str(run / "checkpoints" / "step_000001" / "adapter" / "adapter_model.safetensors"))
+    p = run_script("04_mica_train.py", *flags, "--steps", "2", "--resume", run)
+    assert p.returncode == 0 and "resumed from" in p.stdout, p.stderr[-3000:]
+    assert [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+    assert all(math.isfinite(json.loads(x)["loss"]) for x in (run / "metrics.jsonl").read_text().splitlines())
+    second = load_file(str(run / "adapter" / "adapter_model.safetensors"))
+    assert first.keys() == second.keys() and any(not torch.equal(first[k], second[k]) for k in first)
+    p = run_script("05_eval.py", "--model", tiny_model_64, "--load-in-4bit", "on", "--adapters", run / "adapter",
+                   "--suite", "empa", "--max-cases", "1", "--k", "1", "--max-turns", "1", "--min-turns", "1",
+                   "--max-new-tokens", "6", "--no-progress", "--out-dir", tmp_path / "eval")
+    assert p.returncode == 0, p.stderr[-3000:]
+    models = {json.loads(x)["model"] for x in next((tmp_path / "eval").iterdir()).joinpath("cases.jsonl")
+              .read_text().splitlines()}
+    assert models == {"base", str(run / "adapter")}
+
+
+def test_the_gpu_preset_end_to_end_on_a_cpu(tiny_model, tmp_path, monkeypatch, trainer, capsys):
+    """04 --preset gpu as on a GPU (8-15 turns, 256-token replies, 4096-token contexts, minibatches of 32,
+    gradient checkpointing, the frozen base as judge and user), one step of one scenario x K=4. The random
+    model writes no judge JSON, so its judge answers are replaced by valid ones (everything else runs)."""
+    real, answer = common.generate_batch, JUDGE_OK
+
+    def judge_answers_json(model, tok, contexts, max_new_tokens, temperature=0.0, top_p=1.0):
+        if all("MDEP-PR" in tok.decode(c) for c in contexts):
+            return [(tok(answer, add_special_tokens=False)["input_ids"] + [tok.eos_token_id], True) for _ in contexts]
+        return real(model, tok, contexts, max_new_tokens, temperature, top_p)
+
+    monkeypatch.setattr(common, "generate_batch", judge_answers_json)
+    trainer.main(["--model", tiny_model, "--preset", "gpu", "--steps", "1", "--scenarios-per-step", "1",
+                  "--out-dir", str(tmp_path), "--no-progress"])
+    run = next(tmp_path.iterdir())
+    args = json.loads((run / "args.json").read_text())
+    assert (args["min_turns"], args["max_turns"], args["max_new_tokens"], args["max_context"]) == (8, 15, 256, 4096)
+    assert (args["minibatch_size"], args["gradient_checkpointing"], args["judge"], args["user"]) == (32, True, "self",
+                                                                                                   "self")
+    m = json.loads((run / "metrics.jsonl").read_text())
+    assert m["trajectories"] == 4 and m["judge_failures"] == 0 and m["optimizer_steps"] == 1
+    assert m["train_tokens"] > 4 * 256 and math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"])
+    recs = [json.loads(x) for x in (run / "rollouts.jsonl").read_text().splitlines()]
+    assert all(len(r["turns"]) >= 2 and max(t["reply_tokens"] for t in r["turns"]) <= 256 for r in recs)
+    assert all(r["outcome"] in ("context_limit", "success", "failure", "timeout") for r in recs)
+    assert "preset gpu (asked)" in capsys.readouterr().out
+
+
+def test_a_context_beyond_the_models_window_is_cut_with_one_line(tmp_path, trainer, capsys):
+    """The gpu preset's 4096-token contexts on a model with a 1024-token window: one warning, and 1024."""
+    from conftest import build_tiny_model
+
+    small = build_tiny_model(tmp_path / "small-window", window=1024)
+    args = trainer.parse_args(["--model", small, "--preset", "gpu"])
+    common.check_model_args(args)
+    assert args.max_context == 1024
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if "window" in ln]
+    assert lines == [f"warning: --max-context 4096 is above {small}'s window of 1024 tokens: using 1024"]
+
+
+def test_gpu_check_runs_its_sequence_on_the_cpu(tiny_model_64, tmp_path):
+    """scripts/gpu_check.sh --cpu: every line of the GPU sequence, on the CPU with the tiny model."""
+    out = tmp_path / "gpu_check"
+    p = subprocess.run(["bash", str(SCRIPT), "--cpu"], capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "PYTHON": sys.executable, "OUT": str(out), "MODEL": tiny_model_64,
+                            "HF_HUB_OFFLINE": "1"})
+    assert p.returncode == 0, (p.stdout[-3000:], p.stderr[-3000:])
+    train = (out / "train.log").read_text()
+    assert train.count("step    ") == 2 and re.search(r"^peak_rss_gb \d", train, re.M)
+    run = next(out.glob("gpu-check-*"))
+    assert json.loads((run / "args.json").read_text())["load_in_4bit"] == "on" and (run / "adapter").exists()
+    assert "peak, --judge self" in p.stdout and "1 passed" in p.stdout          # the estimate; one DP test
+    assert (out / "benchmark" / "benchmark.md").exists() and "gpu_check: done in" in p.stdout
+
+
+def test_the_memory_estimate_of_the_weights_matches_a_loaded_smollm2():
+    """experiments/benchmark.py's weight bytes for SmolLM2-135M, NF4 (linear layers, double-quantised) with
+    bf16 embeddings, and all bf16, against the loaded model's parameters and quantisation state: within 5%."""
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    bench = importlib.import_module("experiments.benchmark")
+    shapes = bench.model_shapes(bench.SHAPES[common.PACKAGED_SMOLLM2])
+    n_linear, _, n_emb = bench.param_counts(shapes, 16)
+    rows = bench.memory_estimate(shapes, r=16, act=2)
+    assert rows[0][0].startswith("base weights, NF4") and rows[1][0].startswith("base weights, embeddings")
+    path = common.resolve_model(common.PACKAGED_SMOLLM2)
+    nf4 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, device_map={"": "cpu"},
+                                               quantization_config=BitsAndBytesConfig(
+                                                   load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                                   bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=torch.bfloat16))
+
+    def state_bytes(qs):                   # absmax (8-bit, double-quantised), its code, offset, nested state
+        tensors = [t for t in (qs.absmax, qs.code, getattr(qs, "offset", None)) if isinstance(t, torch.Tensor)]
+        return sum(t.numel() * t.element_size() for t in tensors) + (state_bytes(qs.state2) if qs.state2 else 0)
+
+    loaded = sum(p.numel() * p.element_size() + (state_bytes(p.quant_state) if getattr(p, "quant_state", None) else 0)
+                 for p in nf4.parameters())
+    assert abs(loaded / (rows[0][2] + rows[1][2]) - 1) < 0.05
+    bf16 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    assert abs(sum(p.numel() * p.element_size() for p in bf16.parameters()) / ((n_linear + n_emb) * 2) - 1) < 0.05
