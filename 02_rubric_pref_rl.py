@@ -374,8 +374,7 @@ def write_report(run_dir: Path, before: dict, after: dict) -> str:
             ax.set_title(f"mean rubric weights by {name}, {label}", fontsize=9)
             ax.tick_params(axis="x", rotation=45 if max((len(k) for k in keys), default=0) > 3 else 0)
         axes[0].set_ylabel("weight"), axes[1].legend(loc="upper right", fontsize=8), fig.tight_layout()
-        fig.savefig(run_dir / f"{key}.png", dpi=110)
-        plt.close(fig)
+        common.save_figure(fig, run_dir / f"{key}.png")
     (run_dir / "report.md").write_text("\n".join(L) + "\n")
     return "\n".join(L)
 

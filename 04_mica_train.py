@@ -44,7 +44,9 @@ Departures from the paper (and why)
      1e-4, 20 steps moved SmolLM2 by a KL of 0.008 and it did not learn; docs/results.md). With CUDA the gpu
      preset uses 1e-5 (10x MICA's rate, LoRA's usual ratio; docs/training.md "Presets").
   2. Short episodes on a CPU (3 turns of at most 48 tokens; MICA: 8-15) and 4 scenarios x K=4 a step (MICA:
-     16 x 4). With CUDA the gpu preset takes 16 x 4 and 8-15 turns; --preset chooses, flags given win.
+     16 x 4). With CUDA the gpu preset takes 16 x 4, 8-15 turns and EMPA's collapse window of 5, with 4-bit
+     base weights and the frozen base as judge and user; --preset chooses, flags given win; every preset's
+     departures: docs/reference.md "Known departures at a glance".
   3. A reply cut off at --max-new-tokens loses --truncation-penalty (0.5) of one turn's nominal reward range,
      in that reward's units: without it a small policy drifts to the cap.
   4. A turn a judge failed on (the EMPA judge, or CARE's or Kardia-R1's criteria judge) is left out of the
@@ -638,11 +640,7 @@ def draw_credit(run_dir: Path, step: int) -> Path:
     fig.suptitle(f"{run_dir.name}, step {step}, scenario {dialogues[0]['scenario_id']}: how MICA assigned credit",
                  fontsize=9)
     fig.tight_layout()
-    out, tmp = run_dir / f"credit_step{step}.png", run_dir / f".credit_step{step}.tmp.png"
-    fig.savefig(tmp, dpi=100)
-    plt.close(fig)
-    os.replace(tmp, out)
-    return out
+    return common.save_figure(fig, run_dir / f"credit_step{step}.png")
 
 
 def load_care(args, policy):
@@ -747,14 +745,16 @@ MAX_GRAD_NORM, WEIGHT_DECAY = 1.0, 0.1     # gradient clipping; AdamW's weight d
 #   cpu   the reference defaults below (4 scenarios x K=4, 3 turns of <= 48 tokens, lr 1e-3)
 #   demo  `make demo`: the reference step for 4 steps (8 optimizer steps), the KL logged every 2 steps
 #   gpu   one GPU in the spirit of MICA's launch config: 16 scenarios x K=4 a step in minibatches of 8 x 4
-#         (2 optimizer steps), 8-15 turns, 256-token replies, gradient checkpointing; lr 1e-5 (MICA fine-tunes
-#         fully at 1e-6, and LoRA's best rate is about 10x that: "LoRA Without Regret", 2025); the frozen
-#         base judges and plays the user (self) unless a backend is given
+#         (2 optimizer steps), 8-15 turns with EMPA's collapse window of 5, gradient checkpointing; replies of
+#         up to 256 tokens (our choice: no reference gives a length); lr 1e-5 (MICA fine-tunes fully at 1e-6,
+#         LoRA's best rate is about 10x that: "LoRA Without Regret", 2025); 4-bit base weights (auto with
+#         CUDA); the frozen base judges and plays the user (self) unless a backend is given. Each departure
+#         from the papers is listed in docs/reference.md ("Known departures at a glance")
 PRESETS = {
     "cpu": {},
     "demo": dict(steps=4, log_kl_every=2, save_every=4),
-    "gpu": dict(scenarios_per_step=16, k=4, minibatch_size=32, min_turns=8, max_turns=15, max_new_tokens=256,
-                max_context=4096, lr=1e-5, gradient_checkpointing=True, judge="self", user="self"),
+    "gpu": dict(scenarios_per_step=16, k=4, minibatch_size=32, min_turns=8, max_turns=15, collapse_window=5,
+                max_new_tokens=256, max_context=4096, lr=1e-5, gradient_checkpointing=True, judge="self", user="self"),
 }
 
 

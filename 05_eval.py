@@ -231,10 +231,11 @@ def compare_with_base(records: list[dict], adapters: list[str]) -> tuple[list[st
                      f"scenario, k and seed")
         for key, label, higher in PAIRED:
             b, t = [by["base", c][key] for c in both], [by[a, c][key] for c in both]
-            # the paired difference, averaged within each scenario first: the scenarios are the independent units
-            per_scenario = [statistics.mean(by[a, c][key] - by["base", c][key] for c in both if c.split("#")[0] == s)
-                            for s in scenarios]
-            diff, half = t_interval(per_scenario)
+
+            def over_scenarios(value):     # a scenario's K dialogues averaged first: the scenarios are the units
+                return t_interval([statistics.mean(value(c) for c in both if c.split("#")[0] == s) for s in scenarios])
+
+            diff, half = over_scenarios(lambda c: by[a, c][key] - by["base", c][key])      # the paired difference
             lo, hi = (diff - half, diff + half) if half is not None else (diff, diff)
             verdict = ("not separated (fewer than 2 scenarios)" if half is None else
                        "ahead beyond the spread" if (lo > 0 if higher else hi < 0) else
@@ -242,9 +243,10 @@ def compare_with_base(records: list[dict], adapters: list[str]) -> tuple[list[st
             lines.append(f"  {label:14s} base {statistics.mean(b):+.3f}, adapter {statistics.mean(t):+.3f} "
                          f"(means over {len(both)} dialogues); adapter - base {diff:+.3f}, 95% t CI over "
                          f"{len(scenarios)} scenarios [{lo:+.3f}, {hi:+.3f}]: {verdict}")
-            out.setdefault(a, {})[key] = {"base": statistics.mean(b), "adapter": statistics.mean(t), "diff": diff,
-                                          "ci": [lo, hi], "scenarios": len(scenarios), "dialogues": len(both),
-                                          "verdict": verdict}
+            out.setdefault(a, {})[key] = {
+                "base": statistics.mean(b), "adapter": statistics.mean(t), "diff": diff, "ci": [lo, hi],
+                "base_ci": over_scenarios(lambda c: by["base", c][key]), "adapter_ci": over_scenarios(lambda c: by[a, c][key]),
+                "scenarios": len(scenarios), "dialogues": len(both), "verdict": verdict}
     return lines, out
 
 
@@ -600,12 +602,15 @@ def parse_change(text) -> float | None:
 
 
 # results: the last record of every (model, suite, case), summaries, the table, plots
+def read_lines(path: Path) -> list[dict]:
+    """The records of a JSONL file this script appends to (lines end at "\\n" only: a U+2028 that json.dumps
+    leaves inside a string is text, not a line end); none when it does not exist yet."""
+    return [json.loads(x) for x in path.read_text(encoding="utf-8").split("\n") if x.strip()] if path.exists() else []
+
+
 def last_records(run_dir: Path) -> dict:
-    """The last record of every (model, suite, case) in cases.jsonl (lines end at "\\n" only: a U+2028 that
-    json.dumps leaves inside a string is text, not a line end)."""
-    path = run_dir / "cases.jsonl"
-    lines = path.read_text(encoding="utf-8").split("\n") if path.exists() else []
-    return {(r["model"], r["suite"], r["case"]): r for r in (json.loads(x) for x in lines if x.strip())}
+    """The last record of every (model, suite, case) in cases.jsonl."""
+    return {(r["model"], r["suite"], r["case"]): r for r in read_lines(run_dir / "cases.jsonl")}
 
 
 def summarize(cases: list[dict], suite: str) -> dict:
@@ -712,7 +717,77 @@ def write_results(run_dir: Path, args) -> str:
                                                        and not r.get("failed")])}
         if series:
             plot_series(series, ylabel, run_dir / name)
+    if comparison:                 # the comparison as a picture, and one held-out case of each model
+        draw_comparison(comparison, run_dir / "comparison.png")
+        dialogues = {(t["model"], t["case"]): t for t in read_lines(run_dir / "transcripts.jsonl") if t["suite"] == "empa"}
+        case = next(c for m, c in dialogues if m == "base" and all((a, c) in dialogues for a in comparison))
+        draw_trajectories({m: dialogues[m, case] for m in ["base", *comparison]}, run_dir / "trajectories.png")
+        compared += ["", f"one held-out dialogue, {case} (the same scenario, k and seed), the distance after each turn:"]
+        compared += side_by_side(dialogues["base", case], dialogues[next(iter(comparison)), case])
     return table + ("\n\n" + "\n".join(compared) if compared else "")
+
+
+def side_by_side(left: dict, right: dict, width=58) -> list[str]:
+    """Two dialogues of one case, the base's and an adapter's, turn by turn in two columns."""
+    import itertools
+    import textwrap
+
+    def column(rec, t) -> list[str]:
+        if t >= len(rec["turns"]):
+            return []
+        tu = rec["turns"][t]
+        text = f"user: {tu['user']}\nreply: {tu['assistant']}\nd(P_{tu['t']}) = {tu['distance']}"
+        return [w for line in text.split("\n") for w in textwrap.wrap(line, width) or [""]]
+
+    out = [f"{'base, d(P_0) = ' + str(left['initial_distance']):<{width}} | adapter, d(P_0) = {right['initial_distance']}"]
+    for t in range(max(len(left["turns"]), len(right["turns"]))):
+        out.append(f"{'-- turn ' + str(t + 1):<{width}} | -- turn {t + 1}")
+        out += [f"{a:<{width}} | {b}" for a, b in itertools.zip_longest(column(left, t), column(right, t), fillvalue="")]
+    return out
+
+
+def draw_comparison(comparison: dict, path: Path):
+    """comparison.png: per measure, the base and each adapter, their means with the 95% t interval over
+    scenarios (written to a temporary file, then renamed)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    adapters = list(comparison)
+    fig, axes = plt.subplots(1, len(PAIRED), figsize=(4.2 * len(PAIRED), 3.4), squeeze=False)
+    for ax, (key, label, higher) in zip(axes[0], PAIRED):
+        first = comparison[adapters[0]][key]
+        points = [("base", first["base_ci"])] + [(Path(a).parent.name or a, comparison[a][key]["adapter_ci"])
+                                                 for a in adapters]
+        for x, (name, (mean, half)) in enumerate(points):
+            ax.errorbar([x], [mean], yerr=[[half or 0.0], [half or 0.0]], fmt="o", capsize=5)
+        ax.set_xticks(range(len(points)), [name for name, _ in points], fontsize=7, rotation=15)
+        ax.set_title(f"{label} ({'higher' if higher else 'lower'} is better)", fontsize=9)
+        ax.tick_params(labelsize=7)
+    fig.suptitle(f"held out: mean and 95% t interval over {first['scenarios']} scenarios "
+                 f"({first['dialogues']} dialogues a model)", fontsize=9)
+    fig.tight_layout()
+    common.save_figure(fig, path)
+
+
+def draw_trajectories(dialogues: dict, path: Path):
+    """trajectories.png: one held-out case of each model, the state C, A, P after each turn (0: P0)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(dialogues), figsize=(4 * len(dialogues), 3.2), squeeze=False, sharey=True)
+    for ax, (model, rec) in zip(axes[0], dialogues.items()):
+        states = [rec["p0"]] + [tu["state"] for tu in rec["turns"]]
+        for i, axis in enumerate(env.AXES):
+            ax.plot(range(len(states)), [P[i] for P in states], marker="o", markersize=3, label=axis)
+        ax.axhline(0, color="0.6", linewidth=0.6)
+        ax.set_title(f"{'base' if model == 'base' else Path(model).parent.name}: {rec['outcome']}", fontsize=8)
+        ax.set_xlabel("turn", fontsize=8), ax.tick_params(labelsize=7)
+    axes[0][0].set_ylabel("state P_t (the goal: every axis >= -eps)", fontsize=8), axes[0][0].legend(fontsize=7)
+    fig.suptitle(f"one held-out case, {rec['scenario_id']}#{rec['k']}, each model (the same seed)", fontsize=9)
+    fig.tight_layout()
+    common.save_figure(fig, path)
 
 
 def plot_series(series: dict, ylabel: str, path: Path):
@@ -734,8 +809,7 @@ def plot_series(series: dict, ylabel: str, path: Path):
     ax.set_title(f"{ylabel}: mean and ±1 sd over the cases still going"), ax.legend(fontsize=8)
     ax.xaxis.get_major_locator().set_params(integer=True)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    common.save_figure(fig, path)
 
 
 def parse_args(argv=None):

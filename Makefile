@@ -22,9 +22,11 @@ $(VENV)/.installed: requirements.txt Makefile
 	touch $@
 
 # 4 training steps, then the base and the trained adapter on 4 held-out scenarios x 4 dialogues, the training
-# rules (3 turns, no end before turn 2, collapse window 3), paired by scenario, k and seed
+# rules (3 turns, no end before turn 2, collapse window 3), paired by scenario, k and seed; the run's dialogues
+# as one HTML page (rollouts.html in the run folder)
 demo: install
 	HF_HUB_OFFLINE=1 $(PY) 04_mica_train.py --preset demo --out-dir runs/demo
+	$(PY) scripts/view_run.py $$(ls -dt runs/demo/mica-*/ | head -n 1)
 	HF_HUB_OFFLINE=1 $(PY) 05_eval.py --suite empa --adapters $$(ls -dt runs/demo/mica-*/ | head -n 1)adapter \
 		--max-cases 4 --k 4 --max-turns 3 --min-turns 2 --collapse-window 3 --max-context 2048 --out-dir runs/demo
 

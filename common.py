@@ -665,11 +665,18 @@ def plot_metrics(run_dir: Path, keys: dict) -> Path | None:
         ax.set_title(title, fontsize=9), ax.set_xlabel("step", fontsize=8), ax.tick_params(labelsize=7)
         ax.xaxis.get_major_locator().set_params(integer=True)
     fig.suptitle(Path(run_dir).name, fontsize=9), fig.tight_layout()
-    out, tmp = Path(run_dir) / "curves.png", Path(run_dir) / ".curves.tmp.png"
-    fig.savefig(tmp, dpi=100)
+    return save_figure(fig, Path(run_dir) / "curves.png")
+
+
+def save_figure(fig, path: Path) -> Path:
+    """A matplotlib figure as a PNG, whole or not at all (a temporary file, then renamed); the figure closed."""
+    import matplotlib.pyplot as plt
+
+    tmp = path.with_name(f".{path.name}.tmp.png")
+    fig.savefig(tmp, dpi=110)
     plt.close(fig)
-    os.replace(tmp, out)
-    return out
+    os.replace(tmp, path)
+    return path
 
 
 # ---- 5. Small helpers: JSON out of prose, transcripts, mean and std, the optimizer ---------------

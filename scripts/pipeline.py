@@ -8,11 +8,12 @@
 Each stage runs as a user runs it (a subprocess, the flags printed), into one folder, and each adapter
 is handed to the next stage. The budgets are tiny: this shows that the stages fit together and what each
 writes, not what they can learn (04's own defaults and docs/results.md are for that). At the end one
-summary: each stage's run folder, its headline number and its picture; it is also written to summary.md.
+summary: each stage's run folder, its headline number and its pictures (04's dialogues also as one page,
+rollouts.html, by scripts/view_run.py); it is also written to summary.md.
 
 Reads   the stages' default data under data/; --model (default: the packaged SmolLM2-135M-Instruct).
 Writes  <out-dir>/pipeline-<time>/: 01-sft-*/, 02-pref-*/, 04-mica-*/, 05-eval-*/ (the stages' own run
-        folders), NN.log (each stage's output), summary.md.
+        folders; 04's with rollouts.html), NN.log (each stage's output), summary.md.
 
 CPU:  make pipeline        (python scripts/pipeline.py; <= 15 minutes on 2 cores with SmolLM2)
 Test: python scripts/pipeline.py --model <tiny model folder> --budget tiny
@@ -78,6 +79,8 @@ def main(argv=None):
     # 3. MICA with the adaptive reward: IDR + CARE's rubric score, 02's generator frozen
     mica = stage(out, "04", "04_mica_train.py", model + flags["04"] + shared +
                  ["--run-name", "04-mica", "--reward", "idr+care", "--rubric-model", str(pref / "adapter")])
+    # the training dialogues as one page: turn by turn, the state, the reward, the advantages
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "view_run.py"), str(mica)], check=True)
     # 4. evaluation: the base model, then the trained adapter, on the offline suites; EMPA's held-out
     # comparison of the adapter with the base (05's results.json "comparison")
     ev = stage(out, "05", "05_eval.py", model + flags["05"] + shared +
@@ -141,7 +144,8 @@ def summary(out: Path, sft: Path, pref: Path, mica: Path, ev: Path) -> str:
          f"| 04 MICA, idr+care | {rel(mica)} | return {steps[0]['return_mean']:.2f} (step 1) -> "
          f"{steps[-1]['return_mean']:.2f} (step {steps[-1]['step']}); rubrics that did not parse "
          f"(the uniform one used): {sum(m.get('rubric_invalid', 0) for m in steps)} of "
-         f"{round(sum(m['trajectories'] * m['turns_mean'] for m in steps))} | {rel(mica / 'curves.png')} |",
+         f"{round(sum(m['trajectories'] * m['turns_mean'] for m in steps))} | {rel(mica / 'rollouts.html')}, "
+         f"{rel(mica / 'curves.png')}, {', '.join(rel(c) for c in sorted(mica.glob('credit_step*.png')))} |",
          f"| 05 evaluation | {rel(ev)} | {compared}; the table below | {rel(ev / 'distance_per_turn.png')} |",
          "", (ev / "results.md").read_text().strip(), "",
          "Tiny budgets: this shows the stages fitting together, not what they can learn."]

@@ -275,6 +275,7 @@ def test_the_gpu_preset_end_to_end_on_a_cpu(tiny_model, tmp_path, monkeypatch, t
     run = next(tmp_path.iterdir())
     args = json.loads((run / "args.json").read_text())
     assert (args["min_turns"], args["max_turns"], args["max_new_tokens"], args["max_context"]) == (8, 15, 256, 4096)
+    assert args["collapse_window"] == 5                 # 8-15 turns: a collapse is judged on 5 replies, not 3
     assert (args["minibatch_size"], args["gradient_checkpointing"], args["judge"], args["user"]) == (32, True, "self",
                                                                                                    "self")
     m = json.loads((run / "metrics.jsonl").read_text())

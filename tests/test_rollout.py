@@ -391,3 +391,48 @@ def test_max_new_tokens_default_leaves_room_for_kardias_four_sections(env):
     assert env.parse_args([]).max_new_tokens == 48
     assert env.parse_args(["--kardia-format"]).max_new_tokens == 192
     assert env.parse_args(["--kardia-format", "--max-new-tokens", "64"]).max_new_tokens == 64   # a flag given wins
+
+
+@pytest.mark.parametrize("reward", ["care", "kardia", "idr+care"])
+def test_a_failed_criteria_judge_leaves_its_turn_out_like_a_failed_empa_judge(env, trainer, tiny, reward):
+    """CARE's and Kardia-R1's criteria judge fails on chosen turns (None): those turns are failed like a
+    turn the EMPA judge failed on: left out of the loss, counted in judge_failures, their reward for the
+    returns filled with the dialogue's mean valid reward."""
+    model, tok = tiny
+    args = env_args(env, k=2, max_turns=3, min_turns=12, max_new_tokens=4)
+    trajs = env.rollout(model, tok, [SCEN], StubJudge([{"C": (1, 0), "A": (1, 0), "P": (0, 0)}]),
+                        env.ScriptedUser(0), args)
+    fail_on = {(0, 1), (1, 2)}                      # (dialogue, turn) where the criteria judge fails
+
+    # one judge item per turn and dimension: Kardia-R1 asks twice a turn (reply, emotion), CARE once per dimension
+    per_turn = 2 if reward == "kardia" else len(trainer.sft.UNIFORM_RUBRIC["criteria"])
+
+    class Judge:                                    # scores 0.5 on every criterion, None on the chosen turns
+        def score(self, items):
+            turns = [(i, t) for i, tr in enumerate(trajs) for t in range(tr.T) for _ in range(per_turn)]
+            return [None if turns[j] in fail_on else [0.5] * len(it["criteria"]) for j, it in enumerate(items)]
+
+    targs = argparse.Namespace(**vars(args), idr_weights=(1, 1, 1), truncation_penalty=0.0, care_distance="plain",
+                               reward_weights=trainer.parse_reward_spec(reward), gamma=0.85)
+    for i, tr in enumerate(trajs):
+        tr.extra["rubrics"] = [trainer.sft.UNIFORM_RUBRIC] * tr.T
+    if "care" in reward:
+        parts = trainer.care_turn_rewards(Judge(), trajs, [[trainer.sft.UNIFORM_RUBRIC] * tr.T for tr in trajs])
+    else:
+        parts = trainer.kardia_turn_rewards(Judge(), trajs, use_format=False)
+    for tr, part in zip(trajs, parts):
+        tr.extra["care" if "care" in reward else "kardia"] = part
+    failed = [trainer.failed_turns(tr, targs) for tr in trajs]
+    assert failed == [[False, True, False], [False, False, True]] and not any(tr.judge_failed[t] for tr in trajs
+                                                                              for t in range(3))
+    for tr, F in zip(trajs, failed):
+        r = trainer.turn_rewards(tr, targs)
+        valid = [x for x, f in zip(r, F) if not f]
+        assert all(x == pytest.approx(sum(valid) / len(valid)) for x, f in zip(r, F) if f)   # filled with the mean
+    samples = trainer.as_samples(trajs, [[1.0] * 3, [1.0] * 3], failed)
+    assert [s.A for s in samples] == [[1.0, None, 1.0], [1.0, 1.0, None]]
+    assert [s.n_tokens() for s in samples] == [sum(e - s for (s, e), f in zip(tr.spans, F) if not f)
+                                               for tr, F in zip(trajs, failed)]
+    recs = [trainer.dialogue_record(targs, 1, tr, trainer.turn_rewards(tr, targs), [0.0] * 3, F, None)
+            for tr, F in zip(trajs, failed)]
+    assert sum(t["judge_failed"] for r in recs for t in r["turns"]) == 2                # judge_failures counts them

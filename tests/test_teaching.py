@@ -83,6 +83,19 @@ def test_train_run_draws_its_curves_and_05_compares_base_and_trained_held_out(ti
     ci_lines = [line for line in q.stdout.splitlines() if "95% t CI over 2 scenarios" in line]
     assert len(ci_lines) == 3 == q.stdout.count("95% t CI over 2 scenarios")
     assert all(any(line.endswith(": " + v) for v in VERDICTS) for line in ci_lines)
+    # the comparison as a picture, one case's state trajectories, and one held-out dialogue side by side
+    for name in ("comparison.png", "trajectories.png"):
+        assert (ev_run / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and (ev_run / name).stat().st_size > 5_000
+    case = q.stdout.split("one held-out dialogue, ")[1].split(" ")[0]
+    assert case.split("#")[0] in scenarios
+    base_turns = [t for t in (json.loads(x) for x in (ev_run / "transcripts.jsonl").read_text().splitlines())
+                  if (t["model"], t["case"]) == ("base", case)][0]["turns"]
+    rows = [ln for ln in q.stdout.splitlines() if ln.startswith("d(P_")]
+    assert [r.split(" | ")[0].strip() for r in rows] == [f"d(P_{tu['t']}) = {tu['distance']}" for tu in base_turns]
+    # 04 drew its credit picture at the first and the last step, from the A_turn / A_group it logged
+    assert sorted(x.name for x in run.glob("credit_step*.png")) == ["credit_step1.png", "credit_step2.png"]
+    turns = [tu for x in (run / "rollouts.jsonl").read_text().splitlines() for tu in json.loads(x)["turns"]]
+    assert turns and all(abs(0.4 * tu["A_turn"] + 0.6 * tu["A_group"] - tu["advantage"]) < 2e-4 for tu in turns)
 
 
 def test_t_interval_on_hand_computed_numbers():
@@ -116,6 +129,8 @@ def test_pipeline_runs_the_five_stages_and_summarises(tiny_model, tmp_path):
     assert all(r.count(" | ") == 3 and r.rstrip(" |").endswith(".png") for r in rows)   # folder, number, picture
     assert "EMPA EPM-Index" in summary and "95% CI" in summary
     assert summary in p.stdout + "\n"
+    page = (mica / "rollouts.html").read_text()                   # the training dialogues as one page
+    assert page.startswith("<!DOCTYPE html>") and "<svg" in page and "rollouts.html" in summary
 
 
 def test_pipeline_stops_at_the_failed_stage(tmp_path):
