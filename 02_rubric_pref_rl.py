@@ -329,7 +329,8 @@ def report(model, tokenizer, judge, test_pairs, weight_turns, args) -> dict:
             by_turn.append((r.get("turn", sum(m["role"] == "user" for m in r["messages"])), rb["weights"]))
             by_emotion.append((r.get("emotion", "unknown"), rb["weights"]))
     model.train()
-    return {"recovery_acc": sum(hits) / len(test_pairs), "parse_valid": sum(r is not None for r in rubrics) / len(test_pairs),
+    return {"recovery_acc": sum(hits) / len(test_pairs),
+            "parse_valid": sum(r is not None for r in rubrics) / len(test_pairs),
             "recovery_by_need": {k: sum(v) / len(v) for k, v in sorted(by_need.items())},
             "weights_by_turn": mean_weights_by(by_turn), "weights_by_emotion": mean_weights_by(by_emotion),
             "weight_turns_valid": len(by_turn), "weight_turns": len(weight_turns)}
@@ -341,7 +342,8 @@ def mean_weights_by(rows: list[tuple]) -> dict:
     groups: dict = {}
     for key, w in rows:
         groups.setdefault(key, []).append([w[d] for d in DIMS])
-    order = sorted(groups, key=lambda k: (not isinstance(k, (int, float)), k if isinstance(k, (int, float)) else str(k)))
+    numeric = lambda k: isinstance(k, (int, float))  # noqa: E731
+    order = sorted(groups, key=lambda k: (not numeric(k), k if numeric(k) else str(k)))      # numbers first
     return {str(k): {"n": len(groups[k]), "w": [round(sum(x[j] for x in groups[k]) / len(groups[k]), 4)
                                                for j in range(len(DIMS))]} for k in order}
 
@@ -362,7 +364,8 @@ def write_report(run_dir: Path, before: dict, after: dict) -> str:
         L += ["", f"| mean weights (C / A / P) by {name} | n | before RL | after RL |", "|---|---|---|---|"]
         for k, v in after[key].items():
             b = before[key].get(k, {"w": [float("nan")] * 3})["w"]
-            L.append(f"| {k} | {v['n']} | {' / '.join(f'{x:.2f}' for x in b)} | {' / '.join(f'{x:.2f}' for x in v['w'])} |")
+            w = v["w"]
+            L.append(f"| {k} | {v['n']} | {' / '.join(f'{x:.2f}' for x in b)} | {' / '.join(f'{x:.2f}' for x in w)} |")
         keys = list(dict.fromkeys([*before[key], *after[key]]))
         fig, axes = plt.subplots(1, 2, figsize=(11, 3.6), sharey=True)
         for ax, (label, table) in zip(axes, (("before RL", before[key]), ("after RL", after[key]))):

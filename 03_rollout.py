@@ -35,7 +35,8 @@ Judges and users (--judge, --user; what each is and is not: docs/environment.md)
              LLM with an MDEP-PR prompt (LLMJudge): malformed JSON is asked again, then the turn is judge_failed
              (the state stays, 04 leaves the turn out of the loss); an endpoint that answers nothing stops the run
   scripted | self | hf: | api:    the scenario's own lines picked by the last turn's trend (ScriptedUser), or an
-             LLM role-playing the persona in 20-50 words, told the band and the trend, never the numbers
+             LLM role-playing the persona in 20-50 words, told the band and the trend (with --emotion-ends
+             also its emotion, 0-100)
   self       the policy's own frozen base (its LoRA adapter off) is that LLM: no second model is loaded
 
 Departures from EMPA

@@ -584,7 +584,8 @@ def log_step(run_dir, logger, step, records, rewards, counts, upd, lr, t0, t_rol
                     "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20})
     if world()[0] != 0:
         return                                            # the other processes go on to the next step
-    records, rewards = [rec for part in parts for rec in part["records"]], [x for part in parts for x in part["rewards"]]
+    records = [rec for part in parts for rec in part["records"]]
+    rewards = [x for part in parts for x in part["rewards"]]
     turns, n = [turn for rec in records for turn in rec["turns"]], len(records)
     common.append_jsonl(run_dir / "rollouts.jsonl", records)
     logger.log(step, {
@@ -705,7 +706,8 @@ def all_reduce(values, op="sum") -> list[float]:
     """A few numbers summed (or the max) over the processes."""
     if world()[1] == 1:
         return list(values)
-    t = torch.tensor(values, dtype=torch.float64, device=common.pick_device() if dist.get_backend() == "nccl" else "cpu")
+    device = common.pick_device() if dist.get_backend() == "nccl" else "cpu"
+    t = torch.tensor(values, dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
     return t.tolist()
 

@@ -80,7 +80,8 @@ RHO_MAX, ALPHA_S, BETA = math.sqrt(12), 1.5, 1.2
 EPM_KEYS = ("EPM", "Outcome", "Efficiency", "Stability", "RDI_idx", "E_total_idx", "S_net_idx", "rho_idx", "S_proj_idx",
             "tau_idx", "R_pos_idx", "Align_idx", "R_pen_idx", "turns", "final_distance")    # summarised per case
 # the base-versus-adapter measures of the EMPA suite: (key, label, is higher better)
-PAIRED = (("idr_return", "IDR return", True), ("collapse", "collapse share", False), ("cut_off", "cut-off share", False))
+PAIRED = (("idr_return", "IDR return", True), ("collapse", "collapse share", False),
+          ("cut_off", "cut-off share", False))
 EQ_PROXY = "EQ-Bench 3 (offline proxy)"   # the column when the embed judge's levels stood in for the criteria
 # EmoBench's question templates ("en", "zh"), EQ-Bench 3's criteria (roleplay / analysis) and the axis that stands
 # in for each in the offline proxy, the judges' and SAGE's prompts (lists of lines), SAGE's offline opening
@@ -245,7 +246,8 @@ def compare_with_base(records: list[dict], adapters: list[str]) -> tuple[list[st
                          f"{len(scenarios)} scenarios [{lo:+.3f}, {hi:+.3f}]: {verdict}")
             out.setdefault(a, {})[key] = {
                 "base": statistics.mean(b), "adapter": statistics.mean(t), "diff": diff, "ci": [lo, hi],
-                "base_ci": over_scenarios(lambda c: by["base", c][key]), "adapter_ci": over_scenarios(lambda c: by[a, c][key]),
+                "base_ci": over_scenarios(lambda c: by["base", c][key]),
+                "adapter_ci": over_scenarios(lambda c: by[a, c][key]),
                 "scenarios": len(scenarios), "dialogues": len(both), "verdict": verdict}
     return lines, out
 
@@ -278,7 +280,8 @@ def empa_cases(model, tok, scenarios, judge, user, args) -> tuple[list[dict], li
                 "judged_turns": len(judged), "final_distance": rec["final_distance"],
                 "distances": [rec["initial_distance"]] + [t["distance"] for t in rec["turns"]],
                 # the paired measures: the pure IDR's sum d(P0) - d(P_T), a collapse, the share of cut-off replies
-                "idr_return": rec["initial_distance"] - rec["final_distance"], "collapse": float(tr.outcome == "failure"),
+                "idr_return": rec["initial_distance"] - rec["final_distance"],
+                "collapse": float(tr.outcome == "failure"),
                 "cut_off": sum(tr.truncated) / max(1, tr.T),
                 "failed": ("judge failed on every turn" if not judged else
                            "user failed" if tr.outcome == "user_failed" else None)}
@@ -306,7 +309,8 @@ def eqbench3_cases(model, tok, tasks, judge, user, args) -> tuple[list[dict], li
                 cut[j], ids = True, None             # later turns do not fit: judged on what was played
             if ids is not None:
                 live.append(j), ctx.append(ids)
-        replies = common.generate_batch(model, tok, ctx, args.max_new_tokens, args.temperature, args.top_p) if live else []
+        replies = (common.generate_batch(model, tok, ctx, args.max_new_tokens, args.temperature, args.top_p)
+                   if live else [])
         for j, (reply_ids, _) in zip(live, replies):
             convs[j] += [{"role": "user", "content": tasks[j]["prompts"][i]},
                          {"role": "assistant", "content": tok.decode(reply_ids, skip_special_tokens=True).strip()}]
@@ -447,17 +451,19 @@ def emobench_cases(items, kind, choose) -> list[dict]:
         return []
     if kind == "EA":
         picks = choose([{"prompt": mcq_prompt(it, "EA", it["choices"]), "options": it["choices"]} for it in items])
-        return [{**head(it), "pred": it["choices"][p], "answered": True, "correct": int(it["choices"][p] == it["label"])}
-                for it, p in zip(items, picks)]
+        return [{**head(it), "pred": it["choices"][p], "answered": True,
+                 "correct": int(it["choices"][p] == it["label"])} for it, p in zip(items, picks)]
     named = [it["emotion_choices"][p] for it, p in zip(items, choose(
-        [{"prompt": mcq_prompt(it, "emotion", it["emotion_choices"]), "options": it["emotion_choices"]} for it in items]))]
+        [{"prompt": mcq_prompt(it, "emotion", it["emotion_choices"]), "options": it["emotion_choices"]}
+         for it in items]))]
     cause = choose([{"prompt": mcq_prompt(it, "cause", it["cause_choices"], e), "options": it["cause_choices"]}
                     for it, e in zip(items, named)])
     out = []
     for it, e, c in zip(items, named, cause):
         emotion_ok, cause_ok = e == it["emotion_label"], it["cause_choices"][c] == it["cause_label"]
-        out.append({**head(it), "pred": [e, it["cause_choices"][c]], "answered": True, "emotion_correct": int(emotion_ok),
-                    "cause_correct": int(cause_ok), "correct": int(emotion_ok and cause_ok)})
+        out.append({**head(it), "pred": [e, it["cause_choices"][c]], "answered": True,
+                    "emotion_correct": int(emotion_ok), "cause_correct": int(cause_ok),
+                    "correct": int(emotion_ok and cause_ok)})
     return out
 
 
@@ -639,7 +645,8 @@ def summarize(cases: list[dict], suite: str) -> dict:
                             for k in sorted({c["kind"] for c in scored})}
     elif suite == "sage":
         s.update(sentient=t_interval([c["final_emotion"] for c in ok]),
-                 successes=sum(c["final_emotion"] >= 100 for c in ok), failures=sum(c["final_emotion"] < 10 for c in ok))
+                 successes=sum(c["final_emotion"] >= 100 for c in ok),
+                 failures=sum(c["final_emotion"] < 10 for c in ok))
     else:
         for task in ("EU", "EA"):
             xs = [c for c in ok if c["task"] == task]
@@ -673,7 +680,8 @@ def results_table(summary: dict, suites) -> str:
                 unscored = f"; {s['unscored']} analysis not scored (needs an LLM judge)" if s.get("unscored") else ""
                 cells += [(fmt(s["score"], s["n"]) if s["n"] else "-") + failed + unscored]
             elif suite == "sage":
-                cells += [fmt(s["sentient"], s["n"]) + failed, f"{s['successes']} / {s['failures']}"] if s["n"] else miss
+                cells += ([fmt(s["sentient"], s["n"]) + failed, f"{s['successes']} / {s['failures']}"]
+                          if s["n"] else miss)
             else:
                 cells += [fmt(s[t], s[t + "_n"]) if t in s else "-" for t in ("EU", "EA")]
         lines.append(f"| {model} | " + " | ".join(cells) + " |")
@@ -713,16 +721,19 @@ def write_results(run_dir: Path, args) -> str:
          "summary": summary, "comparison": comparison, "cases": records}, indent=1, ensure_ascii=False, default=str))
     for suite, key, ylabel, name in (("empa", "distances", "hinge distance d(P_t)", "distance_per_turn.png"),
                                      ("sage", "emotions", "user emotion e_t", "emotion_per_turn.png")):
-        series = {m: runs for m in models if (runs := [r[key] for r in records if r["model"] == m and r["suite"] == suite
-                                                       and not r.get("failed")])}
+        series = {m: runs for m in models
+                  if (runs := [r[key] for r in records if r["model"] == m and r["suite"] == suite
+                               and not r.get("failed")])}
         if series:
             plot_series(series, ylabel, run_dir / name)
     if comparison:                 # the comparison as a picture, and one held-out case of each model
         draw_comparison(comparison, run_dir / "comparison.png")
-        dialogues = {(t["model"], t["case"]): t for t in read_lines(run_dir / "transcripts.jsonl") if t["suite"] == "empa"}
+        dialogues = {(t["model"], t["case"]): t for t in read_lines(run_dir / "transcripts.jsonl")
+                     if t["suite"] == "empa"}
         case = next(c for m, c in dialogues if m == "base" and all((a, c) in dialogues for a in comparison))
         draw_trajectories({m: dialogues[m, case] for m in ["base", *comparison]}, run_dir / "trajectories.png")
-        compared += ["", f"one held-out dialogue, {case} (the same scenario, k and seed), the distance after each turn:"]
+        compared += ["", f"one held-out dialogue, {case} (the same scenario, k and seed), "
+                         "the distance after each turn:"]
         compared += side_by_side(dialogues["base", case], dialogues[next(iter(comparison)), case])
     return table + ("\n\n" + "\n".join(compared) if compared else "")
 
@@ -739,10 +750,12 @@ def side_by_side(left: dict, right: dict, width=58) -> list[str]:
         text = f"user: {tu['user']}\nreply: {tu['assistant']}\nd(P_{tu['t']}) = {tu['distance']}"
         return [w for line in text.split("\n") for w in textwrap.wrap(line, width) or [""]]
 
-    out = [f"{'base, d(P_0) = ' + str(left['initial_distance']):<{width}} | adapter, d(P_0) = {right['initial_distance']}"]
+    title = f"base, d(P_0) = {left['initial_distance']}"
+    out = [f"{title:<{width}} | adapter, d(P_0) = {right['initial_distance']}"]
     for t in range(max(len(left["turns"]), len(right["turns"]))):
         out.append(f"{'-- turn ' + str(t + 1):<{width}} | -- turn {t + 1}")
-        out += [f"{a:<{width}} | {b}" for a, b in itertools.zip_longest(column(left, t), column(right, t), fillvalue="")]
+        rows = itertools.zip_longest(column(left, t), column(right, t), fillvalue="")
+        out += [f"{a:<{width}} | {b}" for a, b in rows]
     return out
 
 
@@ -845,7 +858,8 @@ def parse_args(argv=None):
     args.suites = [s.strip() for s in args.suite.split(",") if s.strip()]
     bad = [s for s in args.suites if s not in SUITES]
     c(args.suites and not bad, f"--suite: unknown suite(s) {bad or args.suite!r}; choose from {', '.join(SUITES)}")
-    c(args.adapter is None, "--adapter is for training; 05_eval.py takes --adapters A B ... (the base is always evaluated)")
+    c(args.adapter is None,
+      "--adapter is for training; 05_eval.py takes --adapters A B ... (the base is always evaluated)")
     for a in args.adapters:
         c(os.path.exists(os.path.join(a, "adapter_config.json")), f"--adapters {a}: no adapter_config.json there")
     c(len(set(args.adapters)) == len(args.adapters) and "base" not in args.adapters, "--adapters: each folder once")

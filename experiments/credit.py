@@ -36,7 +36,7 @@ Equations (03 and 04 compute every one of them; this file adds the judge table, 
                     search ceiling (the best return a beam search over move sequences finds per test scenario)
   myopic greedy     a yardstick row: the policy that knows the table and takes argmax_a r_t every turn; how
                     close it comes to the ceiling says how much this environment asks of credit beyond one turn
-  95% CI            mean ± 1.96 sd / sqrt(n) over the n seeds
+  95% CI            mean ± t_{0.975, n-1} sd / sqrt(n) over the n seeds (05_eval.t_interval)
 
 The move table and the training defaults were fixed from the reasoning in judge_move's comments, and
 checked only against the uniform policy and the search ceiling (is success reachable in 15 turns? is
@@ -62,6 +62,7 @@ import common  # noqa: E402
 
 env = importlib.import_module("03_rollout")        # the EMPA state, IDR, episode rules, scenarios
 trainer = importlib.import_module("04_mica_train")  # the advantage estimators
+evaluation = importlib.import_module("05_eval")     # the t interval over independent units
 
 AXES = env.AXES                                       # ("C", "A", "P")
 MOVES = ("validate", "clarify", "reflect", "suggest", "affirm", "lecture", "change_subject")
@@ -322,11 +323,11 @@ def myopic_greedy(scenario: dict, args) -> tuple[float, bool]:
 
 
 def ci_cell(xs: list[float], digits: int = 2) -> str:
-    """mean ± sd [lo, hi], the 95% CI mean ± 1.96 sd / sqrt(n) over seeds."""
+    """mean ± sd [lo, hi], the 95% CI mean ± t_{0.975, n-1} sd / sqrt(n) over the seeds (independent)."""
     if len(xs) < 2:
         return f"{xs[0]:.{digits}f}"
     mean, sd = common.mean_std(xs, ddof=1)
-    h = 1.96 * sd / math.sqrt(len(xs))
+    h = evaluation.t_interval(xs)[1]
     return f"{mean:.{digits}f} ± {sd:.{digits}f} [{mean - h:.{digits}f}, {mean + h:.{digits}f}]"
 
 
@@ -360,7 +361,7 @@ def table(rows: list[dict], estimators: list[dict], threshold: float, uniform: f
     lines.append(f"| untrained (uniform) policy | {uniform:.2f} | | | | |")
     lines.append(f"| myopic greedy (argmax r_t, knows the table) | {greedy[0]:.2f} | {greedy[1]:.2f} | | | |")
     lines.append(f"| search ceiling (beam {args.beam_width}) | {ceiling[0]:.2f} | {ceiling[1]:.2f} | | | |")
-    note = (f"\nmean ± sd [95% CI: 1.96 sd / sqrt(n)] over {len(seeds)} seeds ({seeds[0]}-{seeds[-1]}); "
+    note = (f"\nmean ± sd [95% CI: t_{{0.975, n-1}} sd / sqrt(n)] over {len(seeds)} seeds ({seeds[0]}-{seeds[-1]}); "
             f"{args.steps} steps of {args.scenarios_per_step} train scenarios x K={args.k}, lr {args.lr}, "
             f"gamma {args.gamma}; held-out: {args.final_eval_k} dialogues per test scenario at the end, {args.eval_k} "
             f"every {args.eval_every} steps (the curves, steps to threshold); {args.max_turns} turns "

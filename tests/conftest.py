@@ -61,8 +61,8 @@ def build_tiny_model(out, hidden_size=32, window=4096) -> str:
     fast.chat_template = CHATML
     fast.save_pretrained(out)
     torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=len(fast), hidden_size=hidden_size, intermediate_size=2 * hidden_size, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=window,
+    cfg = Qwen2Config(vocab_size=len(fast), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=window,
                       eos_token_id=fast.eos_token_id, pad_token_id=fast.pad_token_id, tie_word_embeddings=True)
     model = Qwen2ForCausalLM(cfg)
     model.generation_config.eos_token_id = fast.eos_token_id

@@ -325,10 +325,10 @@ def test_the_memory_estimate_of_the_weights_matches_a_loaded_smollm2():
     rows = bench.memory_estimate(shapes, r=16, act=2)
     assert rows[0][0].startswith("base weights, NF4") and rows[1][0].startswith("base weights, embeddings")
     path = common.resolve_model(common.PACKAGED_SMOLLM2)
+    nf4_config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                                    bnb_4bit_compute_dtype=torch.bfloat16)
     nf4 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, device_map={"": "cpu"},
-                                               quantization_config=BitsAndBytesConfig(
-                                                   load_in_4bit=True, bnb_4bit_quant_type="nf4",
-                                                   bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=torch.bfloat16))
+                                               quantization_config=nf4_config)
 
     def state_bytes(qs):                   # absmax (8-bit, double-quantised), its code, offset, nested state
         tensors = [t for t in (qs.absmax, qs.code, getattr(qs, "offset", None)) if isinstance(t, torch.Tensor)]

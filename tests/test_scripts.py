@@ -152,7 +152,8 @@ def test_rewards_experiment_table_and_resume(tiny_model, tmp_path):
     for r in rows:
         assert r["n"] == 8 and 0 <= r["success"] <= 1 and 0 <= r["final_emotion"] <= 100 and r["final_distance"] > 0
         assert 0 <= r["collapses"] <= r["n"] and 0 <= r["cut_off"] <= 1
-    base_recs = [json.loads(x) for x in (next(tmp_path.glob("eval-base-s0-*")) / "rollouts.jsonl").read_text().splitlines()]
+    base_run = next(tmp_path.glob("eval-base-s0-*"))
+    base_recs = [json.loads(x) for x in (base_run / "rollouts.jsonl").read_text().splitlines()]
     cut = [sum(t["truncated"] for t in rec["turns"]) / len(rec["turns"]) for rec in base_recs]   # per dialogue
     assert rows[0]["cut_off"] > 0.5 and abs(rows[0]["cut_off"] - sum(cut) / len(cut)) < 1e-9   # 4-token cap cuts
     assert rows[0]["collapses"] == sum(rec["outcome"] == "failure" for rec in base_recs)
@@ -162,8 +163,9 @@ def test_rewards_experiment_table_and_resume(tiny_model, tmp_path):
     again = run_script("experiments/rewards.py", *flags, timeout=120)
     assert again.returncode == 0 and "$ " not in again.stdout              # nothing rerun
     assert len((tmp_path / "results.jsonl").read_text().splitlines()) == 3
-    report = run_script("experiments/rewards.py", *flags[:-2], "--seeds", "0,1", "--estimators", "mica,grpo,reinforce_pp",
-                        "--report-only", "--out-dir", tmp_path, timeout=60)   # seed 1 and REINFORCE++ never ran
+    # seed 1 and REINFORCE++ never ran
+    report = run_script("experiments/rewards.py", *flags[:-2], "--seeds", "0,1",
+                        "--estimators", "mica,grpo,reinforce_pp", "--report-only", "--out-dir", tmp_path, timeout=60)
     assert report.returncode == 0 and "$ " not in report.stdout
     assert "| MICA (1 of 2 seeds) | rlver |" in report.stdout and "REINFORCE++" not in report.stdout
     bad = run_script("experiments/rewards.py", "--rewards", "idr+care", "--out-dir", tmp_path, timeout=60)
@@ -191,6 +193,7 @@ def test_care_experiment_table_and_resume(tiny_model, tmp_path):
     assert "| RL (mean ± sd over 2 seeds) | " in table and "| 1 | " in table
     again = run_script("experiments/care.py", *flags, timeout=120)
     assert again.returncode == 0 and "$ " not in again.stdout            # every stage reused
-    bad = run_script("experiments/care.py", "--model", tmp_path / "no-such-model", "--out-dir", tmp_path / "x", timeout=120)
+    bad = run_script("experiments/care.py", "--model", tmp_path / "no-such-model", "--out-dir", tmp_path / "x",
+                     timeout=120)
     assert bad.returncode == 1 and "FAILED (2)" in bad.stdout and "Traceback" not in bad.stderr
     assert "error: a run failed with exit code 2" in bad.stderr

@@ -172,8 +172,9 @@ def test_malformed_judge_json_is_masked_and_only_the_api_judge_is_asked_again(en
 
 
 def test_self_backend_with_real_generation_on_the_tiny_model(env, tiny_lora):
-    """Not patched: the random model writes no JSON, so each judgement is re-asked and then masked, and
-    the user's junk is a reply all the same; the adapter is on again afterwards."""
+    """Not patched: the random model writes no JSON, so each judgement fails (a local judge at temperature 0
+    is asked once) and is masked, and the user's junk is a reply all the same; the adapter is on again
+    afterwards."""
     model, tok = tiny_lora
     args = env_args(env, judge="self", user="self")
     judge, user = env.make_judge(args, (model, tok)), env.make_user(args, (model, tok))
