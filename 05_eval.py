@@ -803,9 +803,10 @@ def draw_trajectories(dialogues: dict, path: Path):
     common.save_figure(fig, path)
 
 
-def plot_series(series: dict, ylabel: str, path: Path):
+def plot_series(series: dict, ylabel: str, path: Path, xlabel: str = "turn (0 = before the first reply)"):
     """series: {model: [one list of values by turn per case]} -> per turn the mean and a +-1 sd band over the
-    cases still going, one line per model (a PNG at path)."""
+    cases still going, one line per model (a PNG at path). experiments/credit.py draws its seeds' learning
+    curves with it (its x axis: the evaluation step)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -818,8 +819,8 @@ def plot_series(series: dict, ylabel: str, path: Path):
         ax.plot(range(len(rows)), means, label=f"{label} (n={len(runs)})")
         ax.fill_between(range(len(rows)), [m - s for m, s in zip(means, sds)], [m + s for m, s in zip(means, sds)],
                         alpha=0.2)
-    ax.set_xlabel("turn (0 = before the first reply)"), ax.set_ylabel(ylabel)
-    ax.set_title(f"{ylabel}: mean and ±1 sd over the cases still going"), ax.legend(fontsize=8)
+    ax.set_xlabel(xlabel), ax.set_ylabel(ylabel)
+    ax.set_title(f"{ylabel}: mean and ±1 sd over those still going"), ax.legend(fontsize=8)
     ax.xaxis.get_major_locator().set_params(integer=True)
     fig.tight_layout()
     common.save_figure(fig, path)

@@ -62,7 +62,7 @@ import common  # noqa: E402
 
 env = importlib.import_module("03_rollout")        # the EMPA state, IDR, episode rules, scenarios
 trainer = importlib.import_module("04_mica_train")  # the advantage estimators
-evaluation = importlib.import_module("05_eval")     # the t interval over independent units
+evaluation = importlib.import_module("05_eval")     # the t interval over independent units, the curves' picture
 
 AXES = env.AXES                                       # ("C", "A", "P")
 MOVES = ("validate", "clarify", "reflect", "suggest", "affirm", "lecture", "change_subject")
@@ -371,30 +371,6 @@ def table(rows: list[dict], estimators: list[dict], threshold: float, uniform: f
     return "\n".join(lines) + "\n" + note
 
 
-def plot_series(series: dict, xlabel: str, ylabel: str, path) -> None:
-    """series: {label: [one list of values by evaluation per seed]} -> the mean per evaluation and a +-1 sd
-    band over the seeds, one line per label (a PNG at path). 05_eval.plot_series draws the same for dialogue
-    turns, with its x axis named so; this one names its own."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for label, runs in series.items():
-        rows = [[r[t] for r in runs if len(r) > t] for t in range(max(len(r) for r in runs))]
-        means = [sum(v) / len(v) for v in rows]
-        sds = [common.mean_std(v)[1] if len(v) > 1 else 0.0 for v in rows]
-        ax.plot(range(len(rows)), means, label=f"{label} (n={len(runs)})")
-        ax.fill_between(range(len(rows)), [m - s for m, s in zip(means, sds)], [m + s for m, s in zip(means, sds)],
-                        alpha=0.2)
-    ax.set_xlabel(xlabel), ax.set_ylabel(ylabel)
-    ax.set_title(f"{ylabel}: mean and ±1 sd over the runs still going")
-    ax.xaxis.get_major_locator().set_params(integer=True)
-    ax.legend(fontsize=8), fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
 def run_job(job):
     estimator, seed, train_set, test, args = job
     return train(estimator, seed, train_set, test, args)
@@ -484,8 +460,10 @@ def main(argv=None):
     with open(out / "credit.jsonl", "w") as f:
         for r in rows:
             f.write(json.dumps(r) + "\n")
-    plot_series({e["name"]: [r["curve"] for r in rows if r["estimator"] == e["name"]] for e in estimators},
-                f"evaluation (every {args.eval_every} training steps)", "held-out IDR return", out / "credit.png")
+    # the learning curves: mean and +-1 sd over the seeds, 05's picture with its x axis named for this
+    evaluation.plot_series({e["name"]: [r["curve"] for r in rows if r["estimator"] == e["name"]] for e in estimators},
+                           "held-out IDR return", out / "credit.png",
+                           xlabel=f"evaluation (every {args.eval_every} training steps)")
     text = table(rows, estimators, threshold, uniform, greedy, ceiling, args, time.time() - t0)
     (out / "credit.md").write_text(text)
     print("\n" + text)
