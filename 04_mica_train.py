@@ -13,7 +13,8 @@ Reads   data/scenarios_train.jsonl (or --scenarios), the policy (--model, defaul
 Writes  runs/<name>-<time>/: args.json, metrics.jsonl (a line per step), rollouts.jsonl (every dialogue with
         its rewards and advantages), checkpoints/step_N/ (adapter, optimizer, scheduler, RNG; atomic),
         adapter/ (the final LoRA adapter, standard peft), curves.png (redrawn at each checkpoint),
-        credit_step<N>.png (the first and the last step: how MICA assigned credit, drawn from rollouts.jsonl).
+        credit_step<N>.png (the first and the last step, or --credit-steps: how MICA assigned credit, drawn from
+        rollouts.jsonl; draw_credit(run_dir, step) redraws any logged step later).
         05_eval.py --suite empa --adapters <run>/adapter compares it with the base on held-out scenarios.
 
 Equations (MICA; docs/reference.md section 2; each one is a loop below)
@@ -485,8 +486,8 @@ def train_loop(args, run_dir, scenarios, model, tokenizer, judge, user, optimize
             common.save_checkpoint(run_dir / "checkpoints", step, model, optimizer, scheduler,
                                    keep=args.keep_checkpoints)
             common.plot_metrics(run_dir, CURVES)
-        if rank == 0 and (step == start or step == args.steps) and args.advantage == "mica":
-            draw_credit(run_dir, step)              # the first and the last step: how MICA assigned credit
+        if rank == 0 and step in (args.credit_steps or (start, args.steps)) and args.advantage == "mica":
+            draw_credit(run_dir, step)              # how MICA assigned credit (default: the first and last step)
 
 
 def main(argv=None):
@@ -791,6 +792,8 @@ def parse_args(argv=None):
     g.add_argument("--kl-coef", type=float, default=0.0, help="beta of the k3 KL to the base model (0 = off)")
     g.add_argument("--log-kl-every", type=int, default=5,
                    help="with --kl-coef 0, measure the KL to the base every N steps (one forward, no gradient)")
+    g.add_argument("--credit-steps", default="", help="MICA: the steps whose credit picture credit_step<N>.png is "
+                   "drawn, comma-separated (default: this run's first and last)")
     g = p.add_argument_group("optimisation")
     g.add_argument("--steps", type=int, default=20, help="training steps (rollout + update)")
     g.add_argument("--scenarios-per-step", type=int, default=4,
@@ -851,6 +854,11 @@ def check_args(args):
         raise common.UserError(f"--idr-weights must be 3 comma-separated numbers, got '{args.idr_weights}'") from None
     c(len(args.idr_weights) == 3 and min(args.idr_weights) >= 0,
       f"--idr-weights must be 3 non-negative numbers, got {args.idr_weights}")
+    try:
+        args.credit_steps = sorted({int(x) for x in args.credit_steps.split(",") if x.strip()})
+    except ValueError:
+        raise common.UserError(f"--credit-steps must be step numbers, comma-separated: '{args.credit_steps}'") from None
+    c(all(1 <= x <= args.steps for x in args.credit_steps), f"--credit-steps must lie in 1..--steps {args.steps}")
     args.reward_weights = parse_reward_spec(args.reward)
     c("care" not in args.reward_weights or args.rubric == "uniform" or args.rubric_model,
       f"--reward {args.reward} with --rubric {args.rubric} needs --rubric-model (a 02_rubric_pref_rl.py adapter)")

@@ -62,13 +62,17 @@ def test_train_script_end_to_end_and_adapter_loads(tiny_model, tmp_path):
 
 def test_train_script_same_seed_same_run(tiny_model, tmp_path):
     """Two runs of one seed on one machine agree bit for bit: every step's sampling is seeded by
-    (seed, step), so step k+1's dialogues match only if step k's update did."""
+    (seed, step), so step k+1's dialogues match only if step k's update did. Which credit pictures are
+    drawn (the second run: --credit-steps 3) does not change the run."""
     runs = []
     for i in range(2):
         p = run_script("04_mica_train.py", "--model", tiny_model, "--steps", "4", "--scenarios-per-step", "2",
-                       "--k", "2", "--lr", "1e-2", "--seed", "0", "--out-dir", tmp_path / f"r{i}", *TINY)
+                       "--k", "2", "--lr", "1e-2", "--seed", "0", "--out-dir", tmp_path / f"r{i}", *TINY,
+                       *(["--credit-steps", "3"] if i else []))
         assert p.returncode == 0, p.stderr[-3000:]
         runs.append(only_run(tmp_path / f"r{i}"))
+    assert [sorted(x.name for x in r.glob("credit_step*.png")) for r in runs] == [
+        ["credit_step1.png", "credit_step4.png"], ["credit_step3.png"]]
     a, b = [[json.loads(x) for x in (r / "rollouts.jsonl").read_text().splitlines()] for r in runs]
     assert len(a) == 4 * 2 * 2
     assert [[t["assistant"] for t in r["turns"]] for r in a] == [[t["assistant"] for t in r["turns"]] for r in b]
