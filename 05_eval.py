@@ -675,7 +675,8 @@ def results_table(summary: dict, suites) -> str:
             s = by_suite.get(suite, {"n": 0, "failed": 0})
             failed, miss = f"; {s['failed']} failed" if s["failed"] else "", ["-"] * len(cols[suite])
             if suite == "empa":
-                cells += [fmt(s["EPM"], s["n"]) + failed, f"{100 * s['success'][0]:.2f}"] if s["n"] else miss
+                units = f" ({s['units']} scenarios, {s['n']} dialogues)"        # the interval is over scenarios
+                cells += [fmt(s["EPM"]) + units + failed, f"{100 * s['success'][0]:.2f}"] if s["n"] else miss
             elif suite == "eqbench3":
                 unscored = f"; {s['unscored']} analysis not scored (needs an LLM judge)" if s.get("unscored") else ""
                 cells += [(fmt(s["score"], s["n"]) if s["n"] else "-") + failed + unscored]
@@ -697,7 +698,8 @@ def write_results(run_dir: Path, args) -> str:
     compared, comparison = compare_with_base(records, args.adapters)
     md = ["# Evaluation", "", f"command: `python 05_eval.py {' '.join(sys.argv[1:])}`", "", table, "",
           "mean ± 95% t interval over independent units (EMPA: scenarios, their K dialogues averaged first; "
-          "EQ-Bench 3: tasks; SAGE: profiles; EmoBench: items); n = cases kept; failed cases are excluded and counted."]
+          "EQ-Bench 3: tasks; SAGE: profiles; EmoBench: items); n = cases kept (for EMPA, its scenarios and their "
+          "dialogues); failed cases are excluded and counted."]
     if EQ_PROXY in table:
         md += ["", f"{EQ_PROXY}: MDEP-PR levels stand in for the criteria (not EQ-Bench); analysis needs an LLM judge."]
     rows = [(m, by["empa"]) for m, by in summary.items() if by.get("empa", {}).get("n")]

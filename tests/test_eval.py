@@ -455,6 +455,7 @@ def test_eval_script_all_suites_with_an_adapter_then_resume(tiny_model, tiny_ada
     table = (run / "results.md").read_text(encoding="utf-8")
     assert "| model | EMPA EPM-Index | EMPA success % | EQ-Bench 3 (offline proxy) | SAGE Sentient" in table
     assert "| base | " in table and f"| {tiny_adapter} | " in table and "(n=4)" in table
+    assert "± " in table and "(4 scenarios, 4 dialogues)" in table          # EMPA's cell names its unit and its count
     assert "(n=3); 1 analysis not scored (needs an LLM judge) |" in table and "(offline proxy) |" in p.stdout
     res = json.loads((run / "results.json").read_text(encoding="utf-8"))
     assert res["summary"]["base"]["sage"]["n"] == 4 and len(res["cases"]) == len(recs)
