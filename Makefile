@@ -1,4 +1,4 @@
-# Two commands: `make demo` (install, then a 10-minute training demo offline) and `make test`.
+# Two commands: `make demo` (install, then a 5-minute training demo offline) and `make test`.
 # `make pipeline` runs 01 -> 02 -> 04 -> 05 at tiny budgets (<= 15 minutes on 2 CPU cores).
 PYTHON ?= python3
 VENV   ?= .venv

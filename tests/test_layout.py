@@ -131,9 +131,19 @@ def test_every_reference_citation_resolves_in_the_repository():
             for n in re.findall(r"\d+", m.group(1)):
                 assert n in sections, f"{f.name}: cites docs/reference.md section {n}, which does not exist"
     for md in [ROOT / "README.md"] + sorted((ROOT / "docs").glob("*.md")):
-        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", md.read_text(encoding="utf-8")):
-            if not re.match(r"[a-z]+:", target):
-                assert (md.parent / target).exists(), f"{md.name}: link to {target} does not resolve"
+        text = re.sub(r"```.*?```", "", md.read_text(encoding="utf-8"), flags=re.S)      # links outside code
+        for target, anchor in re.findall(r"\]\(([^)#\s]*)(?:#([^)\s]*))?\)", text):
+            if re.match(r"[a-z]+:", target):
+                continue
+            page = md.parent / target if target else md
+            assert page.exists(), f"{md.name}: link to {target} does not resolve"
+            assert not anchor or anchor in heading_anchors(page), f"{md.name}: no heading #{anchor} in {page.name}"
+
+
+def heading_anchors(md: Path) -> set[str]:
+    """The anchors GitHub gives a page's headings: lower case, punctuation dropped, spaces to hyphens."""
+    text = re.sub(r"```.*?```", "", md.read_text(encoding="utf-8"), flags=re.S)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in re.findall(r"^#+ (.+)$", text, re.M)}
 
 
 def test_readme_is_a_newcomers_page():
