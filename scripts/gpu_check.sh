@@ -13,7 +13,8 @@
 #                                          GPU memory, gloo instead of NCCL, the benchmark's quick settings)
 #         scripts/gpu_check.sh --dry-run  (prints the commands and exits 0)
 # Environment: PYTHON (default .venv/bin/python if it exists, else python3), OUT (default runs/gpu_check),
-#              MODEL (default SmolLM2-135M-Instruct; the tests pass a tiny model).
+#              MODEL (default SmolLM2-135M-Instruct; the tests pass a tiny model), and step 1's shapes
+#              SCENARIOS, K, TURNS, REPLY, CONTEXT, MICRO (defaults 4, 4, 3, 64, 1024, 2).
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -32,8 +33,9 @@ MODEL=${MODEL:-SmolLM2-135M-Instruct}
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 
 # The run of step 1: 4 scenarios x K=4 = 16 live dialogues, 3 turns of at most 64 tokens, contexts cut
-# at 1024 tokens; the estimate below is computed for exactly these settings.
-SCENARIOS=4 K=4 TURNS=3 REPLY=64 CONTEXT=1024 MICRO=2
+# at 1024 tokens; the estimate below is computed for exactly these settings. The environment may shrink
+# them (the test suite's --cpu run does, to keep its time down); on a GPU, keep them.
+SCENARIOS=${SCENARIOS:-4} K=${K:-4} TURNS=${TURNS:-3} REPLY=${REPLY:-64} CONTEXT=${CONTEXT:-1024} MICRO=${MICRO:-2}
 TRAIN=(04_mica_train.py --model "$MODEL" --steps 2 --load-in-4bit on
        --judge self --user self --gradient-checkpointing
        --scenarios-per-step "$SCENARIOS" --k "$K" --max-turns "$TURNS" --max-new-tokens "$REPLY"

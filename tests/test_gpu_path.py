@@ -300,16 +300,20 @@ def test_a_context_beyond_the_models_window_is_cut_with_one_line(tmp_path, train
 
 
 def test_gpu_check_runs_its_sequence_on_the_cpu(tiny_model_64, tmp_path):
-    """scripts/gpu_check.sh --cpu: every line of the GPU sequence, on the CPU with the tiny model."""
+    """scripts/gpu_check.sh --cpu: every line of the GPU sequence, on the CPU with the tiny model, at small
+    shapes (one scenario x K=2, 2 turns of 8 tokens: the lines run the same, in a fraction of the time)."""
     out = tmp_path / "gpu_check"
+    shapes = {"SCENARIOS": "1", "K": "2", "TURNS": "2", "REPLY": "8", "CONTEXT": "512", "MICRO": "2"}
     p = subprocess.run(["bash", str(SCRIPT), "--cpu"], capture_output=True, text=True, timeout=600,
                        env={**os.environ, "PYTHON": sys.executable, "OUT": str(out), "MODEL": tiny_model_64,
-                            "HF_HUB_OFFLINE": "1"})
+                            "HF_HUB_OFFLINE": "1", **shapes})
     assert p.returncode == 0, (p.stdout[-3000:], p.stderr[-3000:])
     train = (out / "train.log").read_text()
     assert train.count("step    ") == 2 and re.search(r"^peak_rss_gb \d", train, re.M)
     run = next(out.glob("gpu-check-*"))
-    assert json.loads((run / "args.json").read_text())["load_in_4bit"] == "on" and (run / "adapter").exists()
+    given = json.loads((run / "args.json").read_text())
+    assert given["load_in_4bit"] == "on" and (run / "adapter").exists()
+    assert (given["scenarios_per_step"], given["k"], given["max_turns"], given["max_new_tokens"]) == (1, 2, 2, 8)
     assert "peak, --judge self" in p.stdout and "1 passed" in p.stdout          # the estimate; one DP test
     assert (out / "benchmark" / "benchmark.md").exists() and "gpu_check: done in" in p.stdout
 
