@@ -5,6 +5,7 @@
 2. common.py holds only plumbing that two or more stages call: no name in it is used by one stage alone.
 3. The sizes: the six files' total, each stage, common.py, and no line over 120 characters.
 4. Every citation of docs/reference.md resolves inside the repository; the README stays a newcomer's page.
+5. Every markdown table row has as many cells as its header.
 """
 import ast
 import re
@@ -154,3 +155,18 @@ def test_readme_is_a_newcomers_page():
     assert "make demo" in text and "make test" in text and "--model Qwen2.5-7B-Instruct" in text
     assert len(re.findall(r"^\|---", text, re.M)) == 1, "one result table"
     assert len(text) <= 10_000, len(text)
+
+
+def test_every_table_row_has_its_headers_cells():
+    """A row with more or fewer cells than its table's header renders shifted: a table edited by hand broke so."""
+    for md in [ROOT / "README.md"] + sorted((ROOT / "docs").glob("*.md")):
+        text = re.sub(r"```.*?```", "", md.read_text(encoding="utf-8"), flags=re.S)
+        header = None
+        for i, line in enumerate(text.splitlines(), 1):
+            if not line.startswith("|"):
+                header = None
+                continue
+            cells = re.sub(r"`[^`]*`|\\\|", "x", line).strip().strip("|").count("|") + 1
+            if header is None:
+                header = cells
+            assert cells == header, f"{md.name}: a table row has {cells} cells, its header {header}: {line[:60]}"
