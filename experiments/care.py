@@ -5,14 +5,17 @@ rubric ranks the preferred reply higher: S(chosen) > S(rejected)) and parse-vali
   untrained   the base model (greedy decoding: one number, the same for every seed)
   SFT         01_rubric_sft.py, per seed
   RL          02_rubric_pref_rl.py from that seed's SFT adapter
-Every number comes from the scripts' own report.json, run as a user runs them. Prints a markdown table
-and writes it to <out>/care.md. Stages already finished in --out-dir are reused (rerun to continue, or
-run seeds as separate processes into one folder, then once more with all the seeds for the table).
+Every number comes from the scripts' own report.json, run as a user runs them. Prints a markdown table,
+and the paired RL - SFT accuracy with a 95% t interval over the seeds (the seed is the independent unit:
+mean ± t_{0.975, n-1} sd / sqrt(n), 05_eval.t_interval), and writes both to <out>/care.md. Stages already
+finished in --out-dir are reused (rerun to continue, or run seeds as separate processes into one folder,
+then once more with all the seeds for the table).
 
-CPU:  python experiments/care.py                         (docs/results.md's table: 3 seeds, about 3 h on 2 cores)
+CPU:  python experiments/care.py                         (docs/results.md's table: 5 seeds, about 5 h on 2 cores)
 Quick look:  python experiments/care.py --seeds 0 --sft-steps 20 --rl-steps 4 --report-limit 8
 """
 import argparse
+import importlib
 import json
 import statistics
 import sys
@@ -22,6 +25,8 @@ from pathlib import Path
 from learning import run, run_experiment   # the same subprocess runner as experiments/learning.py
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+evaluation = importlib.import_module("05_eval")     # the t interval over independent units
 
 
 def finished(out: Path, prefix: str, file: str) -> Path | None:
@@ -37,7 +42,7 @@ def spread(xs):
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default=None, help="generator base model for 01 and 02 (default: theirs, SmolLM2)")
-    p.add_argument("--seeds", default="0,1,2", help="comma-separated seeds")
+    p.add_argument("--seeds", default="0,1,2,3,4", help="comma-separated seeds (docs/results.md's table: 0-4)")
     p.add_argument("--sft-steps", type=int, default=160, help="01_rubric_sft.py --steps (docs/results.md's table: 160)")
     p.add_argument("--rl-steps", type=int, default=16,
                    help="02_rubric_pref_rl.py --steps (docs/results.md's table: 16)")
@@ -81,8 +86,15 @@ def main():
         table.append(f"| {name.upper()} (mean ± sd over {len(rows)} seeds) | "
                      f"{spread([r[name]['recovery_acc'] for r in rows])} | "
                      f"{spread([r[name]['parse_valid'] for r in rows])} |")
-    table += ["", "| seed | SFT | RL |", "|---|---|---|"]
-    table += [f"| {r['seed']} | {r['sft']['recovery_acc']:.3f} | {r['rl']['recovery_acc']:.3f} |" for r in rows]
+    table += ["", "| seed | SFT | RL | RL - SFT |", "|---|---|---|---|"]
+    table += [f"| {r['seed']} | {r['sft']['recovery_acc']:.3f} | {r['rl']['recovery_acc']:.3f} | "
+              f"{r['rl']['recovery_acc'] - r['sft']['recovery_acc']:+.3f} |" for r in rows]
+    # 4. paired by seed: d_s = RL_s - SFT_s, 95% CI = mean(d) ± t_{0.975, n-1} sd(d) / sqrt(n) over the n seeds
+    mean, half = evaluation.t_interval([r["rl"]["recovery_acc"] - r["sft"]["recovery_acc"] for r in rows])
+    if half is not None:
+        verdict = "RL ahead of SFT" if mean - half > 0 else "RL behind SFT" if mean + half < 0 else "not separated"
+        table += ["", f"RL - SFT accuracy, paired by seed: {mean:+.3f}, 95% t interval over {len(rows)} seeds "
+                      f"[{mean - half:+.3f}, {mean + half:+.3f}]: {verdict}"]
     text = "\n".join(table) + f"\n\n({(time.time() - t0) / 60:.0f} min; `python {' '.join(sys.argv)}`)\n"
     (out / "care.md").write_text(text)
     print(text)

@@ -1,5 +1,7 @@
 """03_rollout.py and 04_mica_train.py run as a user runs them (subprocess, tiny random model)."""
 import json
+import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -195,6 +197,16 @@ def test_care_experiment_table_and_resume(tiny_model, tmp_path):
     table = (tmp_path / "care.md").read_text()
     assert "| untrained | " in table and "| SFT (mean ± sd over 2 seeds) | " in table
     assert "| RL (mean ± sd over 2 seeds) | " in table and "| 1 | " in table
+    # the paired RL - SFT line: d_s per seed, mean ± 12.706 sd / sqrt(2) (t with 1 degree of freedom)
+    reps = [json.loads((next(tmp_path.glob(f"rl-s{s}-*")) / "report.json").read_text()) for s in (0, 1)]
+    d = [r["after"]["recovery_acc"] - r["before"]["recovery_acc"] for r in reps]
+    mean, half = sum(d) / 2, 12.706 * abs(d[0] - d[1]) / math.sqrt(2) / math.sqrt(2)
+    line = re.search(r"RL - SFT accuracy, paired by seed: (\S+), 95% t interval over 2 seeds \[(\S+), (\S+)\]: (.+)",
+                     table)
+    assert line, table
+    assert [float(x) for x in line.groups()[:3]] == pytest.approx([mean, mean - half, mean + half], abs=6e-4)
+    assert line.group(4) == ("not separated" if mean - half <= 0 <= mean + half else
+                             "RL ahead of SFT" if mean > 0 else "RL behind SFT")
     again = run_script("experiments/care.py", *flags, timeout=120)
     assert again.returncode == 0 and "$ " not in again.stdout            # every stage reused
     bad = run_script("experiments/care.py", "--model", tmp_path / "no-such-model", "--out-dir", tmp_path / "x",
