@@ -169,4 +169,4 @@ def test_every_table_row_has_its_headers_cells():
             cells = re.sub(r"`[^`]*`|\\\|", "x", line).strip().strip("|").count("|") + 1
             if header is None:
                 header = cells
-            assert cells == header, f"{md.name}: a table row has {cells} cells, its header {header}: {line[:60]}"
+            assert cells == header, f"{md.name}:{i} (outside code blocks): {cells} cells, its header {header}"
