@@ -5,15 +5,15 @@ What it does
   verdicts into per-turn rewards, assigns credit with MICA's mixed turn-level / group-level advantage (or
   GRPO's, or REINFORCE++'s), and takes clipped policy-gradient steps on the tokens of every reply.
 
-Imports 03_rollout (the environment: scenarios, the batched rollout, judges, users, IDR) and, for
-        --reward care and kardia, 01_rubric_sft (the rubric format and parser, rubric generation, the criteria
-        judge).
+Imports 03_rollout (the environment: scenarios, the batched rollout, judges, users, IDR) and 01_rubric_sft
+        (CARE's three dimensions; for --reward care and kardia the rubric format and parser, rubric
+        generation, the criteria judge).
 Reads   data/scenarios_train.jsonl (or --scenarios), the policy (--model, default the packaged
         SmolLM2-135M-Instruct), the judge and the user (03's flags), --rubric-model (02's adapter).
 Writes  runs/<name>-<time>/: args.json, metrics.jsonl (a line per step), rollouts.jsonl (every dialogue with
         its rewards and advantages), checkpoints/step_N/ (adapter, optimizer, scheduler, RNG; atomic),
         adapter/ (the final LoRA adapter, standard peft), curves.png (redrawn at each checkpoint),
-        credit_step<N>.png (the first and the last step, or --credit-steps: how MICA assigned credit, drawn from
+        credit_step<N>.png (this run's first and last step, or --credit-steps: how MICA assigned credit, from
         rollouts.jsonl; draw_credit(run_dir, step) redraws any logged step later).
         05_eval.py --suite empa --adapters <run>/adapter compares it with the base on held-out scenarios.
 
@@ -35,10 +35,11 @@ Equations (MICA; docs/reference.md section 2; each one is a loop below)
   MICA          A[k][t] = alpha A_turn[k][t] + (1 - alpha) A_group[k][t]   (both stds population, Eq. 2)
   GRPO          R_k = sum_t r[k][t];  A[k][t] = (R_k - mean_K) / (std_K + 1e-6) on every turn (sample std)
   REINFORCE++   A = (G - mean) / (std + 1e-6) over every turn of every dialogue of the batch (sample std)
-  loss          ratio_i = exp(log pi(y_i) - log pi_old(y_i)) for every token i of every reply, A_i = A[k][t(i)]
+  loss          ratio_i = exp(log pi(y_i) - log pi_old(y_i)) for every token i of every scored reply (no judge
+                failed on its turn), A_i = A[k][t(i)]
                 L = (1/N) sum_i max(-ratio_i A_i, -clip(ratio_i, 1 - eps_low, 1 + eps_high) A_i)
                     + beta (1/N) sum_i [exp(ref_i - logp_i) - (ref_i - logp_i) - 1]   (k3 KL to the base,
-                    the adapter off; beta = --kl-coef, 0 as in MICA); N = the minibatch's reply tokens
+                    the adapter off; beta = --kl-coef, 0 as in MICA); N = the minibatch's scored tokens
 
 Departures from the paper (and why)
   1. LoRA instead of full fine-tuning, so lr 1e-3 instead of 1e-6: a fresh adapter needs a larger step (at
@@ -170,8 +171,8 @@ def reinforce_pp_advantages(batch_rewards, gamma) -> list[list[list[float]]]:
 
 def rlver_emotion_rewards(emotions) -> list[float]:
     """emotions = [e_0, ..., e_T] kept by the simulated user -> [r_1, ..., r_T]."""
-    # RLVER: r_t = (e_t - e_{t-1}) / 100. The sum is (e_T - e_0)/100, so GRPO on it ranks a group exactly as
-    # RLVER's outcome reward e_T/100 does (e_0 is the same for every k)
+    # RLVER: r_t = (e_t - e_{t-1}) / 100. The sum is (e_T - e_0)/100, so GRPO on it (before the cut-off penalty)
+    # ranks a group exactly as RLVER's outcome reward e_T/100 does (e_0 is the same for every k)
     return [(emotions[t] - emotions[t - 1]) / 100 for t in range(1, len(emotions))]
 
 
@@ -240,8 +241,8 @@ def reward_parts(tr, args) -> dict[str, list[float]]:
     parts = {}
     for name in args.reward_weights:
         if name == "idr" and "rubrics" in tr.extra and args.care_distance == "weighted":
-            # with CARE the rubric's weights also weight the distance, scaled so that uniform weights give
-            # MICA's (1, 1, 1): r_t = d_t(P_{t-1}) - d_t(P_t) with w_t = 3 (w_C,t, w_A,t, w_P,t). This
+            # with CARE the rubric's weights weight the distance (in place of --idr-weights), scaled so that
+            # uniform ones give MICA's (1, 1, 1): r_t = d_t(P_{t-1}) - d_t(P_t), w_t = 3 (w_C,t, w_A,t, w_P,t). This
             # project's design, not a paper's: d_t changes every turn, so the rewards no longer sum to
             # d(P0) - d(P_T); --care-distance plain keeps MICA's potential difference
             w_t = [[3 * rb["weights"][d] for d in DIMS] for rb in tr.extra["rubrics"]]
@@ -280,8 +281,8 @@ def failed_turns(tr, args) -> list[bool]:
 
 def turn_rewards(tr, args) -> list[float]:
     """The training reward of each turn of one dialogue: the --reward components, weighted and summed, minus
-    the cut-off penalty; a failed turn gets the dialogue's mean valid reward (for the returns and the group
-    statistics only: the loss leaves it out)."""
+    the cut-off penalty; a failed turn gets the dialogue's mean valid reward, 0 when none is valid (for the
+    returns and the group statistics only: the loss leaves it out)."""
     # r_t = sum_c weight_c * r_c,t - penalty * 1[reply t was cut off]
     r = [0.0] * tr.T
     for name, part in reward_parts(tr, args).items():
@@ -459,7 +460,7 @@ def train_loop(args, run_dir, scenarios, model, tokenizer, judge, user, optimize
         else:
             advs = reinforce_pp_advantages(rewards, args.gamma)
         # a group whose rewards are all equal (or that has one dialogue) has zero advantage and teaches
-        # nothing (counted); a non-finite advantage never reaches the loss (counted, set to 0)
+        # nothing (counted); a non-finite advantage is set to 0 (counted): its tokens add no policy gradient
         degenerate = sum(all(abs(a) < 1e-9 for A in group for a in A) for group in advs)
         nonfinite = sum(not math.isfinite(a) for group in advs for A in group for a in A)
         flat_trajs = [tr for g in groups for tr in g]
@@ -591,7 +592,7 @@ def log_step(run_dir, logger, step, records, rewards, counts, upd, lr, t0, t_rol
     common.append_jsonl(run_dir / "rollouts.jsonl", records)
     logger.log(step, {
         "reward_mean": sum(rewards) / len(rewards),
-        "return_mean": sum(rec["return"] for rec in records) / n,
+        "return_mean": sum(rec["return"] for rec in records) / n,          # sum_t r_t, not discounted
         "success_rate": sum(rec["outcome"] == "success" for rec in records) / n,
         "final_distance": sum(rec["final_distance"] for rec in records) / n,
         "final_emotion": sum(rec["final_emotion"] for rec in records) / n,
