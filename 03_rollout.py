@@ -273,7 +273,8 @@ def user_turn(tokenizer, going: list[Trajectory], user, args):
                         f"--max-message-chars {args.max_message_chars} (scenario {tr.scenario['id']})")
             answer = answer[: args.max_message_chars]
         tr.messages.append({"role": "user", "content": answer})
-        extra = next_user_ids(tokenizer, tr.messages, tr.messages[-2]["content"], not tr.truncated[-1])
+        end = None if tr.truncated[-1] else tokenizer.decode(tr.ids[-1:])     # the end-of-turn token it sampled
+        extra = next_user_ids(tokenizer, tr.messages, tr.messages[-2]["content"], end)
         if len(tr.ids) + len(extra) + args.max_new_tokens > args.max_context:
             tr.outcome = "context_limit"
             tr.messages.pop()
@@ -658,12 +659,14 @@ def opening_ids(tokenizer, s: dict, args) -> tuple[list[dict], list[int]]:
     return msgs, ids
 
 
-def next_user_ids(tokenizer, messages: list[dict], reply_text: str, ended_with_eos: bool) -> list[int]:
-    """The token ids after a sampled reply: the template's close of the reply (when the model did not emit
-    it), the new user message and the generation prompt; messages ends with [reply, user]. Earlier turns
-    must render as before. The reply is found verbatim or, where the template drops the thinking of earlier
-    replies (Qwen3), without it; what only the generation prompt holds (Qwen3's empty <think></think>) stays
-    in the context as it was sampled: tokens in, tokens out."""
+def next_user_ids(tokenizer, messages: list[dict], reply_text: str, end: str | None) -> list[int]:
+    """The token ids after a sampled reply: the template's close of the reply less what was sampled (`end`,
+    the end-of-turn token the reply ended with, which may be any of the generation config's, not only the
+    tokenizer's eos_token; None when the reply was cut off), the new user message and the generation
+    prompt; messages ends with [reply, user]. Earlier turns must render as before. The reply is found
+    verbatim or, where the template drops the thinking of earlier replies (Qwen3), without it; what only the
+    generation prompt holds (Qwen3's empty <think></think>) stays in the context as it was sampled: tokens in,
+    tokens out."""
     head, text = common.chat_text(tokenizer, messages[:-2]), common.chat_text(tokenizer, messages)
     start, i, rendered = len(os.path.commonprefix([head, text])), -1, reply_text
     if text.startswith(common.chat_text(tokenizer, messages[:-2], generation_prompt=False)):
@@ -674,8 +677,8 @@ def next_user_ids(tokenizer, messages: list[dict], reply_text: str, ended_with_e
     common.check(i >= 0, "the model's chat template does not keep earlier turns and the assistant reply "
                          "verbatim; the token-in/token-out rollout needs one that does")
     after = text[i + len(rendered):]
-    if ended_with_eos and tokenizer.eos_token in after:
-        after = after[after.index(tokenizer.eos_token) + len(tokenizer.eos_token):]
+    if end and end in after:
+        after = after[after.index(end) + len(end):]
     return tokenizer(after, add_special_tokens=False)["input_ids"]
 
 

@@ -40,8 +40,22 @@ def test_next_user_ids_reproduces_the_template(env, tiny, reply, ended, user):
     ids = common.render_ids(tok, msgs) + (tok(reply, add_special_tokens=False)["input_ids"] if reply else [])
     ids += [tok.eos_token_id] if ended else []
     full = msgs + [{"role": "assistant", "content": reply}, {"role": "user", "content": user}]
-    ids += env.next_user_ids(tok, full, reply, ended)
+    ids += env.next_user_ids(tok, full, reply, tok.eos_token if ended else None)
     assert tok.decode(ids) == tok.apply_chat_template(full, tokenize=False, add_generation_prompt=True)
+
+
+def test_next_user_ids_when_the_turn_ends_with_a_token_other_than_eos(env, tiny):
+    # a model whose generation config ends a turn with the template's <|im_end|> while the tokenizer's
+    # eos_token is another token: the sampled <|im_end|> is not written a second time
+    _, tok = tiny
+    tok.eos_token = "<|endoftext|>"
+    msgs = [{"role": "system", "content": "be kind"}, {"role": "user", "content": "hello there"}]
+    ids = common.render_ids(tok, msgs) + tok("That sounds hard.", add_special_tokens=False)["input_ids"]
+    ids += tok("<|im_end|>", add_special_tokens=False)["input_ids"]
+    full = msgs + [{"role": "assistant", "content": "That sounds hard."}, {"role": "user", "content": "yes"}]
+    ids += env.next_user_ids(tok, full, "That sounds hard.", tok.decode(ids[-1:]))
+    assert tok.decode(ids) == tok.apply_chat_template(full, tokenize=False, add_generation_prompt=True)
+    assert tok.decode(ids).count("<|im_end|>") == 4           # system, user, reply, new user: once each
 
 
 def test_rollout_states_rewards_and_spans(env, trainer, tiny):

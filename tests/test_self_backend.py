@@ -226,11 +226,11 @@ def test_next_user_ids_under_a_template_that_drops_thinking(env, tiny_lora, ende
     msgs = [{"role": "system", "content": "be kind"}, {"role": "user", "content": "hello there"}]
     reply = "<think>hm</think>answer"
     full = msgs + [{"role": "assistant", "content": reply}, {"role": "user", "content": "yes it is"}]
-    extra = env.next_user_ids(tok, full, reply, ended)
+    extra = env.next_user_ids(tok, full, reply, "<|im_end|>" if ended else None)
     assert tok.decode(extra) == ("\n" if ended else "<|im_end|>\n") + \
         "<|im_start|>user\nyes it is<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
     with pytest.raises(common.UserError, match="does not keep earlier turns"):   # a reply it does not write
-        env.next_user_ids(tok, full, "<think>hm</think>another answer", ended)
+        env.next_user_ids(tok, full, "<think>hm</think>another answer", "<|im_end|>" if ended else None)
 
 
 def test_flags_help_and_errors(env, capsys):
