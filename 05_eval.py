@@ -12,8 +12,10 @@ What it does
               scores the task's criteria 0-20 (role-play and drafting; analysis: ids 401-420).
     sage      SAGE / RLVER profiles on 03's rollout: emotion from 40, at most +-10 a turn, 10 turns.
     emobench  EmoBench EU (emotion and cause) and EA (best response or action), multiple choice.
-  Every finished case is appended to cases.jsonl at once, so --resume RUN skips it after a kill;
-  --max-cases N samples N cases per suite and file, stratified by language and category, by --seed.
+  Each batch of --batch-size cases is appended to cases.jsonl when it is done, so --resume RUN skips the
+  finished batches after a kill and reruns the rest whole (the same seeds and batch-mates as a run never
+  stopped); --max-cases N samples N cases per suite and file (EMPA: N scenarios, K dialogues each),
+  stratified by language and category, by --seed.
 
 Imports 03_rollout: the environment (scenarios, the batched rollout, judges, users, the EMPA state).
 Reads   --scenarios, --eqbench3 (a scenario_prompts.txt; a 4-scenario sample ships), --sage-profiles (JSONL:
@@ -179,11 +181,11 @@ def main(argv=None):
     # 1. read and check every input before anything is created
     data = load_suite_data(args)
     common.check_model_args(args)
-    # 2. the run folder (new, or the one to resume: its finished cases are skipped)
+    # 2. the run folder (new, or the one to resume: its finished batches are skipped)
     run_dir = common.open_run(args, ("cases.jsonl", "transcripts.jsonl"))
     done = {k for k, r in last_records(run_dir).items() if not r.get("failed")}
     if args.resume:
-        print(f"resume {run_dir}: {len(done)} finished cases are skipped")
+        print(f"resume {run_dir}: {len(done)} cases finished; batches of finished cases are skipped")
     # 3. the base model, loaded once, then the judge and the user (self: that base)
     model, tok = common.load_policy(args, trainable=False)
     judge = env.make_judge(args, (model, tok)) if {"empa", "eqbench3", "sage"} & set(args.suites) else None
@@ -195,13 +197,16 @@ def main(argv=None):
             if adapter is not None:
                 model = switch_adapter(model, adapter, f"a{args.adapters.index(adapter)}")
             for suite in args.suites:
-                # 5. the suite's unfinished cases, in batches; each batch is saved as soon as it is done
+                # 5. the suite's batches with an unfinished case; each batch is saved as soon as it is done. A
+                # resumed run reruns such a batch whole: the same batches, seeds and batch-mates as a run
+                # never stopped
                 units = data[suite]
-                todo = [u for u in units if not all((label, suite, c) in done for c in case_ids(suite, u, args.k))]
-                bar = tqdm(total=len(units), initial=len(units) - len(todo), desc=f"{label} {suite}",
+                batches = [units[j:j + args.batch_size] for j in range(0, len(units), args.batch_size)]
+                todo = [batch for batch in batches
+                        if not all((label, suite, c) in done for u in batch for c in case_ids(suite, u, args.k))]
+                bar = tqdm(total=len(units), initial=len(units) - sum(map(len, todo)), desc=f"{label} {suite}",
                            disable=not args.progress)
-                for start in range(0, len(todo), args.batch_size):
-                    batch = todo[start:start + args.batch_size]
+                for batch in todo:
                     # the same seed per batch for every model: paired comparisons
                     torch.manual_seed(zlib.crc32(f"{args.seed}|{suite}|{case_ids(suite, batch[0], 1)[0]}".encode()))
                     cases, transcripts = run_suite(suite, model, tok, batch, judge, user, args)

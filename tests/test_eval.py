@@ -477,12 +477,18 @@ def test_eval_script_all_suites_with_an_adapter_then_resume(tiny_model, tiny_ada
     (run / "cases.jsonl").write_text("\n".join(lines[:keep]) + "\n" + lines[keep][:25], encoding="utf-8")
     q = run_script("05_eval.py", "--model", tiny_model, "--adapters", tiny_adapter, "--resume", run, *TINY)
     assert q.returncode == 0, q.stderr[-3000:]
-    assert f"{keep} finished cases are skipped" in q.stdout and "removed a torn last line" in q.stderr
+    assert f"{keep} cases finished; batches of finished cases are skipped" in q.stdout
+    assert "removed a torn last line" in q.stderr
     after = (run / "cases.jsonl").read_text(encoding="utf-8").splitlines()
     assert after[:keep] == lines[:keep]                              # finished cases untouched
     redone = [json.loads(x) for x in after[keep:]]                   # the torn line was cut, then redone
-    assert sorted((r["model"], r["suite"], r["case"]) for r in redone) == \
-        sorted((r["model"], r["suite"], r["case"]) for r in recs[keep:])
+    key = lambda r: (r["model"], r["suite"], r["case"])  # noqa: E731
+    # the lost cases and the rest of the batch the kill cut, in the first run's order
+    assert len(redone) >= len(recs) - keep
+    assert [key(r) for r in redone] == [key(r) for r in recs[len(recs) - len(redone):]]
+    # a batch cut by the kill runs again whole, with its seed and batch-mates: every case as the first run had it
+    first = {key(r): r for r in recs}
+    assert all(r == first[key(r)] for r in redone), [key(r) for r in redone if r != first[key(r)]]
     assert json.loads((run / "results.json").read_text())["summary"][tiny_adapter]["emobench"]["n"] == 8
 
 
