@@ -29,16 +29,21 @@ Equations (CARE; docs/reference.md section 5)
   loss          ratio_i = exp(log pi(y_i) - log pi_old(y_i)) for every rubric token i
                 L = (1/N) sum_i max(-ratio_i A_i, -clip(ratio_i, 1 - eps_low, 1 + eps_high) A_i)
                     + beta (1/N) sum_i [exp(ref_i - logp_i) - (ref_i - logp_i) - 1]   (k3 KL to the base,
-                    the adapter off; beta = --kl-coef, 0 by default); N = the minibatch's rubric tokens
+                    the adapter off: the model before 01's SFT, not the SFT generator; beta = --kl-coef, 0 by
+                    default); N = the minibatch's rubric tokens
   accuracy      the share of held-out pairs whose greedy rubric gives S(chosen) > S(rejected) (an invalid
                 rubric is a miss)
 
 Departures from the paper (and why)
   1. LoRA, a small generator and a small preference set written for this project.
-  2. The margin term is lambda * tanh(diff / tau), bounded so that it cannot outweigh recovery; the paper
-     does not give its exact form.
+  2. The margin term is lambda * tanh(diff / tau), bounded so that it cannot outweigh recovery (and with
+     lambda < 1, the default 0.5, a wrong valid rubric stays above an invalid one); the paper does not give
+     its exact form.
   3. The offline judge is an embedding similarity (01's docstring says what it is not): use an LLM judge
      (hf: / api:) for real results.
+  4. With the defaults (4 contexts x G = 4 = 16 rubrics, --minibatch-size 64) a step is one optimizer step
+     on the rubrics just sampled: the ratio is 1 and the clip never acts (clip_frac 0), as in GRPO with one
+     iteration per batch; with --minibatch-size below contexts x G the later minibatches are clipped.
 
 CPU:  python 02_rubric_pref_rl.py --adapter runs/rubric-sft-<time>/adapter       (~1-2 min a step)
 GPU:  python 02_rubric_pref_rl.py --model Qwen2.5-7B-Instruct --adapter <01 adapter> \\
@@ -198,12 +203,11 @@ def main(argv=None):
     ckpt, start = common.latest_checkpoint(run_dir / "checkpoints") if args.resume else None, 1
     if ckpt is not None:
         state = common.load_checkpoint(ckpt, model, optimizer, scheduler)
-        start, before = state["step"] + 1, state.get("report_before")
+        start, before = state["step"] + 1, state["report_before"]
     else:
-        before = None if args.skip_report else report(model, tokenizer, judge, test, weight_turns, args)
-    if before:
-        print(f"before RL: held-out preference-recovery accuracy {before['recovery_acc']:.3f}, "
-              f"parse-valid {before['parse_valid']:.3f}")
+        before = report(model, tokenizer, judge, test, weight_turns, args)
+    print(f"before RL: held-out preference-recovery accuracy {before['recovery_acc']:.3f}, "
+          f"parse-valid {before['parse_valid']:.3f}")
     if args.report_only:
         print(write_report(run_dir, before, before))
         return
@@ -225,8 +229,7 @@ def main(argv=None):
     tokenizer.save_pretrained(run_dir / "adapter")
     common.plot_metrics(run_dir, {"reward_mean": "reward (mean)", "recovery_rate": "preference recovered",
                                   "parse_valid": "parse-valid share", "clip_frac": "clip fraction"})
-    if not args.skip_report:
-        print(write_report(run_dir, before, report(model, tokenizer, judge, test, weight_turns, args)))
+    print(write_report(run_dir, before, report(model, tokenizer, judge, test, weight_turns, args)))
     print(f"frozen rubric generator: {run_dir / 'adapter'}")
 
 
@@ -394,7 +397,8 @@ def parse_args(argv=None):
     g.add_argument("--weight-tolerance", type=float, default=0.02, help="|sum of weights - 1| allowed")
     g = p.add_argument_group("reward")
     g.add_argument("--judge", default="embed", help="embed | hf:<model-or-path> | api:<model>: scores s(y, c)")
-    g.add_argument("--judge-retries", type=int, default=2, help="re-asks of an LLM judge on malformed JSON")
+    g.add_argument("--judge-retries", type=int, default=2, help="re-asks of an api: judge on malformed JSON (a "
+                   "local judge at temperature 0 is not re-asked: it would answer the same)")
     g.add_argument("--margin-coef", type=float, default=0.5, help="lambda of the margin term")
     g.add_argument("--margin-tau", type=float, default=0.05, help="tau: the score difference where tanh bends")
     g.add_argument("--no-margin", action="store_true", help="ablation: drop the margin term")
@@ -406,7 +410,8 @@ def parse_args(argv=None):
     g.add_argument("--max-new-tokens", type=int, default=256, help="token cap of a rubric")
     g.add_argument("--clip-low", type=float, default=0.2, help="ratio clip below: 1 - clip_low")
     g.add_argument("--clip-high", type=float, default=0.28, help="ratio clip above: 1 + clip_high")
-    g.add_argument("--kl-coef", type=float, default=0.0, help="beta of the k3 KL to the adapter-off base")
+    g.add_argument("--kl-coef", type=float, default=0.0, help="beta of the k3 KL to the adapter-off base "
+                   "(the model before 01's SFT)")
     g = p.add_argument_group("optimisation")
     g.add_argument("--steps", type=int, default=30, help="RL steps")
     g.add_argument("--contexts-per-step", type=int, default=4, help="preference pairs per step")
@@ -417,12 +422,10 @@ def parse_args(argv=None):
     common.add_backend_args(p)
     g = common.add_run_args(p, "rubric-rl", resume="a run folder: continue from its last checkpoint", save_every=10)
     g.add_argument("--report-limit", type=int, default=0, help="use the first N held-out pairs / turns (0 = all)")
-    g.add_argument("--skip-report", action="store_true", help="no before / after report (quick runs)")
     g.add_argument("--report-only", action="store_true", help="no training: the held-out report of --model "
                                                                "(+ --adapter), then stop")
     args = p.parse_args(argv)
     c = common.check
-    c(not (args.report_only and args.skip_report), "--report-only and --skip-report exclude each other")
     c(args.g >= 2, f"--g must be >= 2 (advantages are normalised within the group), got {args.g}")
     for flag in ("steps", "contexts_per_step", "minibatch_size", "micro_batch_size", "save_every"):
         c(getattr(args, flag) >= 1, f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
