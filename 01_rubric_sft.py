@@ -265,7 +265,8 @@ def load_sft(path: str, tol: float) -> list[dict]:
 
 def encode(tokenizer, rec: dict, max_len: int) -> dict:
     """The prompt ids + the target ids (the rubric JSON and the template's end of turn); labels mask the
-    prompt with -100. A prompt too long for max_len loses its oldest tokens (the context's start)."""
+    prompt with -100. A prompt too long for max_len loses its first tokens (the rubric instructions, then the
+    oldest turns), with a warning: the model then trains on a prompt it never sees when generating."""
     p_text = prompt_text(tokenizer, rec["messages"])
     full = tokenizer.apply_chat_template(rubric_prompt(rec["messages"]) + [
         {"role": "assistant", "content": rubric_text(rec["rubric"])}], tokenize=False)
@@ -274,7 +275,10 @@ def encode(tokenizer, rec: dict, max_len: int) -> dict:
     y_ids = tokenizer(full[len(p_text):], add_special_tokens=False)["input_ids"]
     common.check(len(y_ids) <= max_len // 2, f"{rec.get('_where', rec.get('id'))}: the rubric is {len(y_ids)} "
                                              f"tokens, more than half of --max-len {max_len}; raise --max-len")
-    p_ids = p_ids[-(max_len - len(y_ids)):]
+    if len(p_ids) > max_len - len(y_ids):
+        common.warn(f"{rec.get('_where', rec.get('id'))}: the prompt of {len(p_ids)} tokens is cut to its last "
+                    f"{max_len - len(y_ids)} (its start goes) to fit --max-len {max_len}; raise --max-len")
+        p_ids = p_ids[-(max_len - len(y_ids)):]
     return {"ids": p_ids + y_ids, "labels": [-100] * len(p_ids) + y_ids, "prompt_ids": p_ids}
 
 
@@ -319,7 +323,7 @@ def parse_scores(text: str | None, n: int) -> list[float] | None:
 class CriteriaJudge:
     """score(items {context, reply, criteria}) -> per item the scores s(y, c), or None where it failed:
     embed (offline: max(0, cos(e(y), e(c))), all-MiniLM-L6-v2) or an LLM (hf:, api:) asked for 0-10 per
-    criterion, a malformed answer asked again."""
+    criterion, a malformed answer asked again (api: only; a local model at temperature 0 would repeat it)."""
 
     def __init__(self, args, policy=None):     # policy: the (model, tokenizer) whose frozen base is --judge self
         self.spec, self.retries = args.judge, args.judge_retries
@@ -364,7 +368,8 @@ def parse_args(argv=None):
     g = p.add_argument_group("data")
     g.add_argument("--train", default=str(HERE / "data" / "rubric_sft_train.jsonl"), help="supervision JSONL")
     g.add_argument("--val", default=str(HERE / "data" / "rubric_sft_val.jsonl"), help="held-out turns JSONL")
-    g.add_argument("--max-len", type=int, default=1024, help="tokens per example (the prompt cut from the left)")
+    g.add_argument("--max-len", type=int, default=1024, help="tokens per example (a longer prompt is cut from "
+                   "the left, with a warning)")
     g.add_argument("--weight-tolerance", type=float, default=0.02, help="|sum of weights - 1| allowed")
     g = p.add_argument_group("optimisation")
     g.add_argument("--steps", type=int, default=150, help="optimizer steps")

@@ -78,7 +78,7 @@ def test_parse_rubric_names_the_reason(x, reason):
     assert rubric is None and why.startswith(reason), why
 
 
-def test_encode_masks_the_prompt_and_ends_with_the_turn_end(tiny_model):
+def test_encode_masks_the_prompt_and_ends_with_the_turn_end(tiny_model, capsys):
     import common
 
     tok = common.load_tokenizer(tiny_model)
@@ -93,6 +93,7 @@ def test_encode_masks_the_prompt_and_ends_with_the_turn_end(tiny_model):
     cap = 2 * n_target + 2
     short = sft.encode(tok, rec, max_len=cap)              # the prompt loses its start, the target stays
     assert len(short["ids"]) == cap and short["labels"][-n_target:] == ex["labels"][-n_target:]
+    assert f"the prompt of {n_prompt} tokens is cut to its last {cap - n_target}" in capsys.readouterr().err
     with pytest.raises(common.UserError, match="more than half of --max-len"):
         sft.encode(tok, rec, max_len=n_target)
 
