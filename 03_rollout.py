@@ -26,17 +26,20 @@ Equations (EMPA; docs/reference.md sections 1-4)
   user emotion      e_0 = --emotion-start, e_t = min(100, max(0, e_{t-1} + clip(2.5 sum_a v_t,a, -10, 10)))
                     (SAGE / RLVER's scale; the mapping from the levels is ours, unless the judge states the
                     change, as 05's SAGE simulator does); with --emotion-ends the episode ends at e >= 100
-                    (success) or e < 10 (failure) instead of by the rules above
+                    (success) or e < 10 (failure) instead of by the rules above, from the first turn on
   --kardia-format   the policy is asked for <understanding>, <reasoning>, <emotion>, <response> sections;
-                    only the response reaches the user and the judge (Kardia-R1)
+                    only the response reaches the user and the judge (Kardia-R1); a reply without the four
+                    sections reaches them whole, its tags removed
 
 Judges and users (--judge, --user; what each is and is not: docs/environment.md)
   embed | self | hf: | api:       the offline MiniLM-and-cue judge (EmbedJudge, rules in its docstring), or an
-             LLM with an MDEP-PR prompt (LLMJudge): malformed JSON is asked again, then the turn is judge_failed
-             (the state stays, 04 leaves the turn out of the loss); an endpoint that answers nothing stops the run
+             LLM with an MDEP-PR prompt (LLMJudge): malformed JSON is asked again (api: only: a local judge at
+             temperature 0 would repeat it), then the turn is judge_failed (the state stays, dE_t = 0, the turn
+             still counts toward --max-turns; 04 leaves it out of the loss); an endpoint that answers nothing
+             stops the run
   scripted | self | hf: | api:    the scenario's own lines picked by the last turn's trend (ScriptedUser), or an
              LLM role-playing the persona in 20-50 words, told the band and the trend (with --emotion-ends
-             also its emotion, 0-100)
+             its emotion, 0-100, in place of the band)
   self       the policy's own frozen base (its LoRA adapter off) is that LLM: no second model is loaded
 
 Departures from EMPA
@@ -374,6 +377,7 @@ class EmbedJudge:
       empty                         -> negative 1 on every axis
       copied (repeats an earlier reply, or echoes the user / system prompt) -> no progress, C-1, A-1
       off topic (low relevance and no detail of the user's story)           -> no progress, C-1, A-1
+      not language (fluency below its threshold)                            -> no progress
       template (most sentences are generic comfort lines)                   -> A progress 1, A-1
       generic (could be said to anyone)  -> only the main move, at most level 1; A-1 unless a question
       otherwise, per axis: level 1 = a cue of the move (not contradicted by the embedding margin) or a
@@ -553,7 +557,7 @@ class LLMJudge:
         prompts = [[{"role": "user", "content": JUDGE_PROMPT.format(
             persona=c["scenario"]["persona"], situation=c["scenario"]["situation"],
             history="\n".join(common.transcript_lines(c["history"]) + [f"Supporter: {c['reply']}"]))}] for c in cases]
-        # malformed output: asked again, then that turn is given up (None: judge_failed)
+        # malformed output: asked again (api: only), then that turn is given up (None: judge_failed)
         levels = common.ask_json(self.backend, prompts, lambda i, text: parse_judge_json(text), self.retries,
                                  max_tokens=200)
         return [None if lv is None else {"levels": lv, "features": {}} for lv in levels]
@@ -732,13 +736,15 @@ def add_env_args(p: argparse.ArgumentParser, scenarios_default: str, k_default: 
     g.add_argument("--scenarios", default=scenarios_default, help="scenarios JSONL")
     g.add_argument("--k", type=int, default=k_default, help="trajectories per scenario (K)")
     g.add_argument("--max-turns", type=int, default=3, help="assistant turns before a timeout (EMPA: 45)")
-    g.add_argument("--min-turns", type=int, default=2, help="no success or failure before this turn (EMPA: 12)")
+    g.add_argument("--min-turns", type=int, default=2, help="no success or failure before this turn (EMPA: 12; "
+                   "--emotion-ends ignores it)")
     g.add_argument("--collapse-window", type=int, default=3, help="failure when the last N dE are all < 0 (EMPA: 5)")
     g.add_argument("--eps", type=float, default=1.0, help="hinge tolerance eps (1 high, 2 medium, 3 low)")
     g.add_argument("--judge", default="embed", help="embed | self | hf:<model-or-path> | api:<model>")
     g.add_argument("--judge-prototypes", default=str(HERE / "data" / "judge_prototypes.json"),
                    help="the embed judge's descriptions, cues and thresholds")
-    g.add_argument("--judge-retries", type=int, default=2, help="re-asks of an LLM judge on malformed JSON")
+    g.add_argument("--judge-retries", type=int, default=2, help="re-asks of an api: judge on malformed JSON (a "
+                   "local judge at temperature 0 is not re-asked: it would answer the same)")
     g.add_argument("--user", default="scripted", help="scripted | self | hf:<model-or-path> | api:<model>")
     g.add_argument("--judge-concurrency", type=int, default=None, help="the judge's own --api-concurrency "
                    "(match what its server batches, e.g. vLLM --max-num-seqs)")
@@ -748,13 +754,15 @@ def add_env_args(p: argparse.ArgumentParser, scenarios_default: str, k_default: 
     g.add_argument("--emotion-ends", action="store_true",
                    help="end dialogues by RLVER's rule (emotion >= 100 success, < 10 failure) instead of EMPA's")
     g.add_argument("--kardia-format", action="store_true", help="Kardia-R1's format: the policy writes "
-                   "<understanding>, <reasoning>, <emotion>, <response>; only the response reaches the others")
+                   "<understanding>, <reasoning>, <emotion>, <response>; only the response reaches the others (a "
+                   "reply without the four sections: all of it, the tags removed)")
     g.add_argument("--max-new-tokens", type=int, default=None,
                    help="token cap of a reply (48; 192 with --kardia-format, room for the four sections)")
     g.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (0 = greedy)")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling top-p")
     g.add_argument("--no-kv-reuse", dest="kv_reuse", action="store_false", help="prefill each dialogue's whole "
-                   "context every turn (kept, the last turn's KV cache holds its memory while judge and user run)")
+                   "context every turn instead of keeping its KV cache from the last turn (slower: a check of the "
+                   "cache)")
     g.add_argument("--max-context", type=int, default=2048,
                    help="stop a dialogue (outcome context_limit) before its context passes this many tokens")
     g.add_argument("--max-message-chars", type=int, default=2000, help="simulated-user messages are cut to this")
