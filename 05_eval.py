@@ -9,7 +9,8 @@ What it does
               the IDR return d(P0) - d(P_T), the collapse share and the cut-off share, with a 95% t interval
               over scenarios (a scenario's K dialogues are not independent) and a verdict line each.
     eqbench3  scenario_prompts.txt: each scenario's fixed user turns played to the model, then the judge
-              scores the task's criteria 0-20 (role-play and drafting; analysis: ids 401-420).
+              scores the task's criteria 0-20 (role-play and drafting; analysis: ids 401-420); replies are
+              capped at --max-new-tokens (48 by default: raise it for real results).
     sage      SAGE / RLVER profiles on 03's rollout: emotion from 40, at most +-10 a turn, 10 turns.
     emobench  EmoBench EU (emotion and cause) and EA (best response or action), multiple choice.
   Each batch of --batch-size cases is appended to cases.jsonl when it is done, so --resume RUN skips the
@@ -20,9 +21,12 @@ What it does
 Imports 03_rollout: the environment (scenarios, the batched rollout, judges, users, the EMPA state).
 Reads   --scenarios, --eqbench3 (a scenario_prompts.txt; a 4-scenario sample ships), --sage-profiles (JSONL:
         id, player, scene, main_cha, cha_group, task, first_talk?), --emobench-eu / -ea (JSONL with EmoBench's
-        fields); UTF-8, a byte-order mark or CRLF is fine.
+        fields); UTF-8, a byte-order mark or CRLF is fine. The defaults of the last four are small samples
+        written for this project (4 scenarios, 4 profiles, 6 + 6 items): pass the public files for results.
 Writes  runs/<name>-<time>/: args.json, cases.jsonl, transcripts.jsonl, results.json, results.md (the table
-        and the comparison), distance_per_turn.png, emotion_per_turn.png.
+        and the comparison), distance_per_turn.png, emotion_per_turn.png; with --adapters and EMPA also
+        comparison.png and trajectories.png (one held-out case, every model; the base's and the first
+        adapter's dialogues of it are printed side by side).
 
 Equations (docs/reference.md sections 3, 4, 6; r0 = ||P0||, rho_max = sqrt(12), alpha_s = 1.5, beta = 1.2)
   EPM-Index  = 0.4 Outcome + 0.2 Efficiency + 0.4 Stability, each the mean of three indices, per case:
@@ -232,6 +236,7 @@ def compare_with_base(records: list[dict], adapters: list[str]) -> tuple[list[st
         both = sorted(c for m, c in by if m == "base" and (a, c) in by)
         scenarios = sorted({c.split("#")[0] for c in both})
         if len(both) < 2:
+            lines.append(f"held out: {a} vs base: {len(both)} dialogue(s) paired, fewer than 2: no comparison")
             continue
         lines.append(f"held out: {a} vs base on {len(scenarios)} scenarios, {len(both)} dialogues paired by "
                      f"scenario, k and seed")
@@ -400,7 +405,7 @@ def sage_openings(profiles, user, args) -> dict:
 
 class SageJudge:
     """SAGE's simulator as the judge of 03's rollout: an LLM reads the reply and states the change of its
-    emotion (JSON, parsed, asked again when malformed). It gives no EMPA levels (v_t = 0)."""
+    emotion (JSON, parsed, asked again when malformed: api: only). It gives no EMPA levels (v_t = 0)."""
 
     def __init__(self, backend, retries: int):
         self.backend, self.retries = backend, retries
@@ -709,7 +714,8 @@ def write_results(run_dir: Path, args) -> str:
         md += ["", f"{EQ_PROXY}: MDEP-PR levels stand in for the criteria (not EQ-Bench); analysis needs an LLM judge."]
     rows = [(m, by["empa"]) for m, by in summary.items() if by.get("empa", {}).get("n")]
     if rows:
-        md += ["", "EMPA details (means over scenarios; the indices are 0-100 scaled)", "",
+        md += ["", "EMPA details (means over scenarios; the indices are scaled to 0-100, and RDI, tau and R_pen "
+                   "can fall below 0, E_total rise above 100)", "",
                "| model | outcomes | " + " | ".join(k.replace("_idx", "") for k in EPM_KEYS[1:]) + " |",
                "|---" * (len(EPM_KEYS) + 1) + "|"]
         md += [f"| {m} | {json.dumps(e['outcomes'])} | " + " | ".join(f"{e[k][0]:.2f}" for k in EPM_KEYS[1:]) + " |"
@@ -844,7 +850,8 @@ def parse_args(argv=None):
     g.add_argument("--suite", default=",".join(SUITES), help="comma-separated suites: " + ", ".join(SUITES))
     g.add_argument("--adapters", nargs="*", default=[], help="peft adapter folders, evaluated after the base model")
     g.add_argument("--max-cases", type=int, default=0, help="at most this many cases per suite and file, sampled "
-                   "by --seed and stratified by language and category (EMPA, EQ-Bench: by kind); 0 = all")
+                   "by --seed and stratified by language and category (EMPA, EQ-Bench: by kind; EMPA: scenarios, K "
+                   "dialogues each); 0 = all")
     g.add_argument("--batch-size", type=int, default=8, help="cases generated together (EmoBench: options scored "
                    "together after their shared prompt); saved after each batch")
     g.add_argument("--r-pen", choices=["levels", "points"], default="levels", help="EPM R_pen counts negative "
@@ -891,6 +898,10 @@ def load_suite_data(args) -> dict:
         data["eqbench3"] = sample_cases(tasks, args, "eqbench3", lambda t: (t["kind"],))
     if "sage" in args.suites:
         data["sage"] = sample_cases(load_sage_profiles(args.sage_profiles), args, "sage", lambda p: (p["language"],))
+        zh = sum(p["language"] == "zh" for p in data["sage"])
+        if zh and args.judge == "embed":
+            common.warn(f"sage: {zh} Chinese profiles with the offline judge, whose cues are English: their "
+                        "emotion changes mean little (an LLM judge reads both)")
     if "emobench" in args.suites:
         data["emobench"] = [it for kind in ("EU", "EA") for it in sample_cases(
             load_emobench(getattr(args, f"emobench_{kind.lower()}"), kind), args, f"emobench {kind}",
