@@ -430,6 +430,9 @@ def sage_cases(model, tok, profiles, judge, user, args) -> tuple[list[dict], lis
                                       "emotion_start": args.sage_start, "emotion_ends": True})
     if isinstance(judge, env.LLMJudge):
         judge = SageJudge(judge.backend, args.judge_retries)
+    elif any(p["language"] == "zh" for p in profiles):
+        common.warn("sage: Chinese profiles with the offline judge, whose cues are English: their emotion changes "
+                    "mean little (an LLM judge reads both)")
     written = sage_openings(profiles, user, args)
     cases, transcripts = [], []
     for tr in env.rollout(model, tok, [sage_scenario(p, written.get(p["id"])) for p in profiles], judge, user,
@@ -898,10 +901,6 @@ def load_suite_data(args) -> dict:
         data["eqbench3"] = sample_cases(tasks, args, "eqbench3", lambda t: (t["kind"],))
     if "sage" in args.suites:
         data["sage"] = sample_cases(load_sage_profiles(args.sage_profiles), args, "sage", lambda p: (p["language"],))
-        zh = sum(p["language"] == "zh" for p in data["sage"])
-        if zh and args.judge == "embed":
-            common.warn(f"sage: {zh} Chinese profiles with the offline judge, whose cues are English: their "
-                        "emotion changes mean little (an LLM judge reads both)")
     if "emobench" in args.suites:
         data["emobench"] = [it for kind in ("EU", "EA") for it in sample_cases(
             load_emobench(getattr(args, f"emobench_{kind.lower()}"), kind), args, f"emobench {kind}",

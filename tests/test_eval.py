@@ -439,7 +439,7 @@ def test_eval_script_all_suites_with_an_adapter_then_resume(tiny_model, tiny_ada
     assert empa["outcome"] in ("success", "failure", "timeout") and len(empa["distances"]) == empa["turns"] + 1
     assert 0 <= empa["R_pos_idx"] <= 100 and "EPM" in empa and "tau" in empa
     zh = by[("base", "sage", "sage-zh-1")]                           # a Chinese profile ran, with a warning
-    assert "sage: 2 Chinese profiles with the offline judge" in p.stderr
+    assert p.stderr.count("sage: Chinese profiles with the offline judge") == 1   # once, not per batch or model
     assert zh["emotions"][0] == 40 and all(abs(c) <= 10 for c in zh["changes"]) and not zh["failed"]
     assert {r["language"] for r in recs if r["suite"] == "emobench"} == {"en", "zh"}
     eq = by[("base", "eqbench3", "402")]                             # offline: an analysis task is not scored
