@@ -54,7 +54,8 @@ Departures from the paper (and why)
   4. A turn a judge failed on (the EMPA judge, or CARE's or Kardia-R1's criteria judge) is left out of the
      loss and counted; for the returns and the group statistics its reward is the dialogue's mean valid
      reward (as the public code fills it).
-  5. REINFORCE++ discounts per turn (rewards sit on turn ends) and whitens per turn, not per token.
+  5. REINFORCE++ discounts per turn (rewards sit on turn ends) and whitens per turn, not per token; RLVER's
+     reward is paid per turn as the emotion's change (RLVER pays e_T/100 once, at the end).
   6. Two optimizer steps per rollout by default (--minibatch-size 8 of 16 dialogues, MICA's proportion), so
      the ratio moves and the clip acts from the second minibatch on; pi_old is computed once per rollout
      (the first minibatch of the first epoch uses the unchanged policy: its ratio is exactly 1).
