@@ -383,7 +383,7 @@ def parse_args(argv=None):
     g.add_argument("--max-new-tokens", type=int, default=256, help="token cap of a generated rubric")
     common.add_run_args(p, "rubric-sft", resume="a run folder: continue from its last checkpoint", save_every=50)
     args = p.parse_args(argv)
-    for flag in ("steps", "batch_size", "micro_batch_size", "eval_every", "save_every"):
+    for flag in ("steps", "batch_size", "micro_batch_size", "eval_every", "save_every", "keep_checkpoints"):
         common.check(getattr(args, flag) >= 1, f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     common.check(args.lr > 0, f"--lr must be > 0, got {args.lr}")
     common.check(args.max_len >= 64, f"--max-len must be >= 64, got {args.max_len}")

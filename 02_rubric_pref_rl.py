@@ -427,7 +427,8 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     c = common.check
     c(args.g >= 2, f"--g must be >= 2 (advantages are normalised within the group), got {args.g}")
-    for flag in ("steps", "contexts_per_step", "minibatch_size", "micro_batch_size", "save_every"):
+    for flag in ("steps", "contexts_per_step", "minibatch_size", "micro_batch_size", "save_every",
+                 "keep_checkpoints"):
         c(getattr(args, flag) >= 1, f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     c(args.lr > 0, f"--lr must be > 0, got {args.lr}")
     c(args.temperature > 0, f"--temperature must be > 0 to sample a group, got {args.temperature}")

@@ -759,7 +759,8 @@ def add_env_args(p: argparse.ArgumentParser, scenarios_default: str, k_default: 
     g.add_argument("--max-new-tokens", type=int, default=None,
                    help="token cap of a reply (48; 192 with --kardia-format, room for the four sections)")
     g.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (0 = greedy)")
-    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling top-p")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling top-p (04's loss scores the whole "
+                   "distribution: keep 1 for training)")
     g.add_argument("--no-kv-reuse", dest="kv_reuse", action="store_false", help="prefill each dialogue's whole "
                    "context every turn instead of keeping its KV cache from the last turn (slower: a check of the "
                    "cache)")

@@ -78,12 +78,13 @@ def cache_dir() -> Path:
 
 
 def missing_weights(folder) -> str | None:
-    """None when `folder` holds safetensors or GGUF weights, every shard its index names included (a dangling
-    link, a half-downloaded blob, is missing); else what is missing. Torch-serialised weights are never loaded."""
+    """None when `folder` holds safetensors weights, every shard its index names included (a dangling link, a
+    half-downloaded blob, is missing); else what is missing. Torch-serialised and GGUF weights are never loaded
+    from a folder: they are to be converted (scripts/convert_smollm2.py converts the packaged GGUF)."""
     folder = Path(folder)
-    if not any(f.exists() for pattern in ("*.safetensors", "*.gguf") for f in folder.glob(pattern)):
-        return "no weights (*.safetensors, *.gguf; torch-serialised weights are not loaded: convert them)"
-    for index in sorted(folder.glob("*.index.json")):
+    if not any(f.exists() for f in folder.glob("*.safetensors")):
+        return "no weights (*.safetensors; torch-serialised and GGUF weights are not loaded: convert them)"
+    for index in sorted(folder.glob("*.safetensors.index.json")):
         shards = sorted(set(json.loads(index.read_text()).get("weight_map", {}).values()))
         lost = [s for s in shards if not (folder / s).exists()]
         if lost:
@@ -137,11 +138,11 @@ def pick_device() -> torch.device:
         torch.device("cpu")
 
 
-def load_tokenizer(path: str):
+def load_tokenizer(path: str, trust_remote_code=False):
     """The tokenizer, left-padded for batched generation, with the model's own chat template."""
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(path)
+    tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     tok.padding_side = "left"
     tok.pad_token = tok.pad_token or tok.eos_token
     check(tok.chat_template is not None, f"model {path} has no chat template; use an instruct/chat model")
@@ -169,7 +170,8 @@ def check_model_args(args):
     bitsandbytes when the base loads in 4-bit; a --max-context beyond the model's window is cut to it."""
     from transformers import AutoConfig
 
-    window = getattr(AutoConfig.from_pretrained(resolve_model(args.model)), "max_position_embeddings", None)
+    config = AutoConfig.from_pretrained(resolve_model(args.model), trust_remote_code=args.trust_remote_code)
+    window = getattr(config, "max_position_embeddings", None)
     if getattr(args, "max_context", None) and window and args.max_context > window:
         warn(f"--max-context {args.max_context} is above {args.model}'s window of {window} tokens: using {window}")
         args.max_context = window
@@ -220,7 +222,7 @@ def load_policy(args, trainable=True):
         kwargs["quantization_config"] = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
                                                            bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=dtype)
         kwargs["device_map"] = {"": device.index or 0} if device.type == "cuda" else {"": "cpu"}
-    tokenizer = load_tokenizer(path)
+    tokenizer = load_tokenizer(path, args.trust_remote_code)
     model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     if kbit:
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=args.gradient_checkpointing)
@@ -255,7 +257,8 @@ class ChatBackend:
                    it answers: no second model in memory
       api:<model>  an OpenAI-compatible /chat/completions endpoint (vLLM, SGLang, Ollama, OpenAI): base URL
                    and key from the flags or OPENAI_BASE_URL / OPENAI_API_KEY, a timeout, retries with
-                   exponential backoff (a 429's Retry-After wins), at most `concurrency` requests at once.
+                   exponential backoff (after a 429, at least its Retry-After, at most 2 minutes), at most
+                   `concurrency` requests at once.
     For hf: and self, `concurrency` is the rows per generate call (the prefill's memory peak). The key is
     held in memory only: never printed, logged or saved."""
 
@@ -570,7 +573,8 @@ def set_seed(seed: int):
 
 
 def save_checkpoint(root: Path, step: int, model, optimizer, scheduler, extra=None, keep=2) -> Path:
-    """root/step_<N>: the adapter (safetensors), optimizer and scheduler, the RNG states and the step. It is
+    """root/step_<N>: the adapter (safetensors), optimizer and scheduler, the CPU RNG states (python, numpy,
+    torch; the stages reseed every step from the seed and the step) and the step. It is
     written into a hidden folder, every file fsynced, then renamed (never half written); a folder is hidden
     before it is deleted. The newest `keep` stay."""
     root.mkdir(parents=True, exist_ok=True)
@@ -681,8 +685,10 @@ def save_figure(fig, path: Path) -> Path:
 
 # ---- 5. Small helpers: JSON out of prose, transcripts, mean and std, the optimizer ---------------
 def first_json(text: str | None) -> tuple[dict | None, str | None]:
-    """The first JSON object in an LLM's answer (prose or a code fence around it is fine) -> (it, None), or
-    (None, why not): none there, cut off (the text ends inside it), or not valid JSON."""
+    """The JSON object that starts at the first "{" of an LLM's answer (prose or a code fence around it is
+    fine) -> (it, None), or (None, why not): none there, cut off (the text ends inside it), or not valid JSON.
+    Only the first "{" is tried: a rubric cut off inside its weights must read as cut off, not as its inner
+    object."""
     start = (text or "").find("{")
     if start < 0:
         return None, "no JSON object found"
@@ -710,8 +716,8 @@ def mean_std(xs, ddof=1) -> tuple[float, float]:
 
 
 def make_optimizer(params, lr: float, weight_decay: float, total_steps: int, warmup_ratio=0.05):
-    """AdamW and its schedule: the factor (step + 1) / warmup for the first warmup_ratio of the steps, then
-    0.5 (1 + cos(pi * progress)) down to 0."""
+    """AdamW and its schedule: the factor (step + 1) / warmup for the first warmup_ratio of the steps (at
+    least one step), then 0.5 (1 + cos(pi * progress)) towards 0 (the last step's factor is small, not 0)."""
     warmup = max(1, round(warmup_ratio * total_steps))
     factor = lambda step: (step + 1) / warmup if step < warmup else 0.5 * (  # noqa: E731
         1.0 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, total_steps - warmup))))
@@ -808,7 +814,7 @@ def token_logprobs(model, input_ids, attention_mask, loss_mask, temperature=1.0)
     def logp(h, targets):
         logits = head(h).float()                                # [n, V]
         if temperature > 0 and temperature != 1.0:
-            logits = logits / temperature                       # the distribution that sampled
+            logits = logits / temperature                       # the distribution that sampled (top-p 1)
         # log softmax at the sampled token: logit - logsumexp(logits)
         return logits.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 

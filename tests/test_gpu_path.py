@@ -93,7 +93,8 @@ def test_4bit_without_bitsandbytes_says_how_to_fix_it(cuda_without_bitsandbytes,
 def test_4bit_check_follows_the_flag(cuda_without_bitsandbytes, tiny_model):
     import argparse
 
-    args = lambda flag: argparse.Namespace(model=tiny_model, adapter=None, load_in_4bit=flag)  # noqa: E731
+    args = lambda flag: argparse.Namespace(model=tiny_model, adapter=None, load_in_4bit=flag,  # noqa: E731
+                                           trust_remote_code=False)
     with pytest.raises(common.UserError, match=r"--load-in-4bit on loads model .* pip install bitsandbytes"):
         common.check_model_args(args("on"))
     common.check_model_args(args("off"))                     # no 4-bit: bitsandbytes is not needed
@@ -123,6 +124,16 @@ def test_resolve_reads_a_cached_alias_and_names_what_the_cache_lacks(tiny_model,
         {"weight_map": {"a": "model.safetensors", "b": "model-00002-of-00002.safetensors"}}))
     with pytest.raises(common.UserError, match=r"1 of the 2 weight shards .* \(model-00002-of-00002.safetensors"):
         common.resolve_model(str(sharded))
+    gguf = tmp_path / "gguf_only"            # GGUF is converted once, never loaded from a folder: one clear line
+    shutil.copytree(tiny_model, gguf)
+    for f in gguf.glob("*.safetensors"):
+        f.rename(f.with_suffix(".gguf"))
+    with pytest.raises(common.UserError, match=r"no weights \(\*\.safetensors; torch-serialised and GGUF"):
+        common.resolve_model(str(gguf))
+    stale = tmp_path / "stale_index"         # a torch index left next to complete safetensors weights is ignored
+    shutil.copytree(tiny_model, stale)
+    (stale / "pytorch_model.bin.index.json").write_text(json.dumps({"weight_map": {"a": "pytorch_model-1.bin"}}))
+    assert common.resolve_model(str(stale)) == str(stale)
 
 
 # ---------------------------------------------------------------------------------------------

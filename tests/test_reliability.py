@@ -206,6 +206,8 @@ BAD_FLAGS = [   # (script, flags, the one message it exits 2 with)
     ("02_rubric_pref_rl.py", ["--margin-tau", "0"], "--margin-tau must be > 0"),
     ("02_rubric_pref_rl.py", ["--judge", "gpt"], "--judge must be embed"),
     ("02_rubric_pref_rl.py", ["--train", "nope.jsonl"], "nope.jsonl: no such file"),
+    ("02_rubric_pref_rl.py", ["--keep-checkpoints", "0"], "--keep-checkpoints must be >= 1"),  # 0 kept them all
+    ("01_rubric_sft.py", ["--keep-checkpoints", "0"], "--keep-checkpoints must be >= 1"),
     ("04_mica_train.py", ["--credit-steps", "1,x"], "--credit-steps must be step numbers"),
     ("04_mica_train.py", ["--steps", "3", "--credit-steps", "4"], "--credit-steps must lie in 1..--steps 3"),
     ("03_rollout.py", ["--k", "0"], "--k must be >= 1"),
