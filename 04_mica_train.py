@@ -623,7 +623,8 @@ def draw_credit(run_dir: Path, step: int) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    records = [r for r in common.read_jsonl(run_dir / "rollouts.jsonl") if r["step"] == step]
+    records = list({(r["scenario_id"], r["k"]): r for r in common.read_jsonl(run_dir / "rollouts.jsonl")
+                    if r["step"] == step}.values())     # a step a resumed run logged again: its last lines
     dialogues = [r for r in records if r["scenario_id"] == records[0]["scenario_id"]]
     fig, axes = plt.subplots(1, len(dialogues), figsize=(3.4 * len(dialogues), 3.2), squeeze=False, sharey=True)
     for ax, rec in zip(axes[0], dialogues):

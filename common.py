@@ -652,14 +652,16 @@ def checkpoint_on_error(run_dir: Path, model, optimizer, scheduler, logger, star
 
 
 def plot_metrics(run_dir: Path, keys: dict) -> Path | None:
-    """<run>/metrics.jsonl -> <run>/curves.png, one panel per metric ({key: title}) by step, non-finite
-    values skipped; written to a temporary file, then renamed. None before the first line."""
+    """<run>/metrics.jsonl -> <run>/curves.png, one panel per metric ({key: title}) by step (a step a resumed
+    run logged again: its last line), non-finite values skipped; written to a temporary file, then renamed.
+    None before the first line."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     path = Path(run_dir) / "metrics.jsonl"
-    rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
+    lines = [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
+    rows = sorted({r["step"]: r for r in lines}.values(), key=lambda r: r["step"])  # a step logged again: the last
     if not rows:
         return None
     fig, axes = plt.subplots(1, len(keys), figsize=(3.2 * len(keys), 3.0), squeeze=False)

@@ -523,3 +523,24 @@ def test_ask_json_reasks_only_the_unparsable_and_stops_when_the_endpoint_is_down
     with pytest.raises(common.UserError, match=r"sage judge api:m: no usable answer for any of 2 cases"):
         common.ask_json(Down([]), ["a", "b"], parse, retries=2, who="sage judge", noun="cases")
     assert common.ask_json(Fake(["x", "x"]), ["a", "b"], parse, retries=0) == [None, None]   # up, just unparsable
+
+
+def test_a_step_logged_again_by_a_resumed_run_is_drawn_once_with_its_last_values(tmp_path, monkeypatch, trainer):
+    # a kill after step 3 was logged but before its checkpoint: the resumed run logs steps 2 and 3 again
+    write_jsonl(tmp_path / "metrics.jsonl", [{"step": 1, "loss": 1.0}, {"step": 2, "loss": 2.0},
+                                             {"step": 3, "loss": 3.0}, {"step": 2, "loss": 20.0},
+                                             {"step": 3, "loss": 30.0}])
+    figures = []
+    monkeypatch.setattr(common, "save_figure", lambda fig, path: figures.append(fig) or path)
+    common.plot_metrics(tmp_path, {"loss": "loss"})
+    line = figures[0].axes[0].lines[0]
+    assert list(line.get_xdata()) == [1, 2, 3] and list(line.get_ydata()) == [1.0, 20.0, 30.0]
+    # the credit picture of such a step: one panel per dialogue, its last copy
+    turn = {"t": 1, "reward": 0.5, "G": 0.5, "A_turn": 1.0, "A_group": 1.0, "advantage": 1.0, "truncated": False,
+            "judge_failed": False}
+    rec = {"step": 2, "scenario_id": "s", "outcome": "timeout", "initial_distance": 5.0, "final_distance": 4.0}
+    write_jsonl(tmp_path / "rollouts.jsonl", [{**rec, "k": k, "turns": [turn]} for k in (0, 1)] +
+                [{**rec, "k": k, "turns": [{**turn, "reward": 9.0}]} for k in (0, 1)])
+    trainer.draw_credit(tmp_path, 2)
+    assert len(figures[1].axes) == 2
+    assert all(list(ax.lines[0].get_ydata()) == [9.0] for ax in figures[1].axes)
