@@ -314,7 +314,7 @@ def evaluate(model, tokenizer, recs: list[dict], args) -> tuple[dict, list[dict]
 # the criteria judge: s(y, c) in [0, 1] for a reply y and each criterion c (02 trains with it, 04 rewards)
 def parse_scores(text: str | None, n: int) -> list[float] | None:
     """{"scores": [n numbers in 0-10]} (perhaps in prose) -> n scores in [0, 1], or None."""
-    scores = (common.extract_json(text) or {}).get("scores")
+    scores = (common.first_json(text)[0] or {}).get("scores")
     ok = isinstance(scores, list) and len(scores) == n and all(
         isinstance(x, (int, float)) and not isinstance(x, bool) and 0 <= x <= 10 for x in scores)
     return [x / 10 for x in scores] if ok else None

@@ -336,7 +336,7 @@ def main(argv=None):
 # ---------------------------------------------------------------------------------------------
 def load_scenarios(path) -> list[dict]:
     """Read and check scenarios; each gets p0 (from `items` unless given) and default user lines."""
-    recs = common.read_jsonl(path, {"id": str, "persona": str, "situation": str, "opening": str})
+    recs = common.read_jsonl(path, {"id": str, "persona": str, "situation": str, "opening": str}, unique=("id",))
     for r in recs:
         w = r["_where"]
         common.check(r["opening"].strip(), f"{w}: field 'opening' is empty")
@@ -361,12 +361,7 @@ def load_scenarios(path) -> list[dict]:
             common.check(isinstance(got, list) and all(isinstance(s, str) and s.strip() for s in got),
                          f"{w}: field 'user_lines.{trend}' must be a list of non-empty strings")
         r["user_lines"] = {t: lines.get(t) or DEFAULT_USER_LINES[t] for t in ("better", "stuck", "worse")}
-    ids = [r["id"] for r in recs]
-    dup = sorted({i for i in ids if ids.count(i) > 1})
-    common.check(not dup, f"{path}: duplicate scenario ids {dup}")
     return recs
-
-
 
 
 # judges: cases {scenario, history, reply} -> {"levels": {axis: (progress 0-2, negative 0-2)}, "features"}
@@ -536,10 +531,9 @@ def copied_share(text: str, sources: list[str]) -> float:
     return max([len(mine & grams(s)) / len(mine) for s in sources] or [0.0]) if mine else 0.0
 
 
-
 def parse_judge_json(text: str | None) -> dict | None:
     """The judge's JSON (perhaps in prose or a code fence) -> levels, or None if it is not valid."""
-    obj, levels = common.extract_json(text) or {}, {}
+    obj, levels = common.first_json(text)[0] or {}, {}
     for a in AXES:
         lv = obj.get(a) if isinstance(obj.get(a), dict) else {}
         p, n = lv.get("progress"), lv.get("negative")
@@ -579,7 +573,6 @@ class ScriptedUser:
         return out
 
 
-
 class LLMUser:
     def __init__(self, backend: common.ChatBackend):
         self.backend = backend
@@ -598,8 +591,6 @@ class LLMUser:
                                who="user", noun="dialogues", max_tokens=120, temperature=0.7)
 
 
-
-
 def state_band(d: float, d0: float) -> str:
     """What an LLM user is told of the hidden state: a band (the trend is added), not the numbers."""
     left = d / d0 if d0 > 0 else 0.0
@@ -609,7 +600,7 @@ def state_band(d: float, d0: float) -> str:
 
 def make_judge(args, policy=None):   # policy: the (model, tokenizer) whose frozen base is --judge self
     if args.judge == "embed":
-        return EmbedJudge(args.judge_prototypes, device=str(common.pick_device()))
+        return EmbedJudge(HERE / "data" / "judge_prototypes.json", device=str(common.pick_device()))
     return LLMJudge(common.make_chat_backend(args.judge, args, args.judge_concurrency, policy), args.judge_retries)
 
 
@@ -729,8 +720,6 @@ class TurnCache:
         return replies
 
 
-
-
 def add_env_args(p: argparse.ArgumentParser, scenarios_default: str, k_default: int = 4):
     g = p.add_argument_group("environment")
     g.add_argument("--scenarios", default=scenarios_default, help="scenarios JSONL")
@@ -741,8 +730,6 @@ def add_env_args(p: argparse.ArgumentParser, scenarios_default: str, k_default: 
     g.add_argument("--collapse-window", type=int, default=3, help="failure when the last N dE are all < 0 (EMPA: 5)")
     g.add_argument("--eps", type=float, default=1.0, help="hinge tolerance eps (1 high, 2 medium, 3 low)")
     g.add_argument("--judge", default="embed", help="embed | self | hf:<model-or-path> | api:<model>")
-    g.add_argument("--judge-prototypes", default=str(HERE / "data" / "judge_prototypes.json"),
-                   help="the embed judge's descriptions, cues and thresholds")
     g.add_argument("--judge-retries", type=int, default=2, help="re-asks of an api: judge on malformed JSON (a "
                    "local judge at temperature 0 is not re-asked: it would answer the same)")
     g.add_argument("--user", default="scripted", help="scripted | self | hf:<model-or-path> | api:<model>")

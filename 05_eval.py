@@ -460,8 +460,6 @@ def emobench_cases(items, kind, choose) -> list[dict]:
     the cause naming the chosen emotion; it is correct only when both are right."""
     head = lambda it: {"case": it["case"], "task": kind, "language": it["language"], "failed": None,  # noqa: E731
                        "category": it["category"] if kind == "EA" else it["coarse_category"]}
-    if not items:
-        return []
     if kind == "EA":
         picks = choose([{"prompt": mcq_prompt(it, "EA", it["choices"]), "options": it["choices"]} for it in items])
         return [{**head(it), "pred": it["choices"][p], "answered": True,
@@ -596,7 +594,7 @@ def load_emobench(path: str, kind: str) -> list[dict]:
 # LLM judge answers: JSON out of free text
 def parse_criteria(text, criteria) -> dict | None:
     """{criterion: 0-20} for every criterion, or None."""
-    obj, out = common.extract_json(text), {}
+    obj, out = common.first_json(text)[0], {}
     if obj is None:
         return None
     for c in criteria:
@@ -610,7 +608,7 @@ def parse_criteria(text, criteria) -> dict | None:
 
 def parse_change(text) -> float | None:
     """The SAGE simulator's emotion change, clipped to [-10, 10], or None."""
-    obj = common.extract_json(text)
+    obj = common.first_json(text)[0]
     x = obj.get("change") if obj else None
     if x is None:
         m = re.search(r'"?change"?\s*[:=]\s*([+-]?\d+(?:\.\d+)?)', text or "")

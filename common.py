@@ -4,7 +4,7 @@
   2. models                    resolve_model, add_model_args, check_model_args, load_policy (LoRA, 4-bit)
   3. LLM backends              ChatBackend (hf:, api:, self), ask_json, api_counts, EmbedBackend
   4. files and runs            read_jsonl, append_jsonl, open_run, checkpoints, MetricsLogger, plot_metrics
-  5. small helpers             extract_json, transcript_lines, mean_std, make_optimizer
+  5. small helpers             first_json, transcript_lines, mean_std, make_optimizer
   6. tokens                    render_ids, generate_batch, token_logprobs, right_pad
 
 Rewards, advantages, losses and updates live in the stage that uses them. The offline default model,
@@ -700,10 +700,6 @@ def first_json(text: str | None) -> tuple[dict | None, str | None]:
         cut = e.pos >= len(text) or e.msg.startswith("Unterminated")
         return None, "unbalanced or truncated JSON" if cut else f"bad JSON ({e.msg})"
     return (obj, None) if isinstance(obj, dict) else (None, "not a JSON object")
-
-
-def extract_json(text: str | None) -> dict | None:
-    return first_json(text)[0]
 
 
 def transcript_lines(messages: list[dict], user="Seeker", assistant="Supporter") -> list[str]:

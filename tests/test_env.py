@@ -71,6 +71,8 @@ def test_load_scenarios_shipped_sets(env):
     ('{"id": "a", "persona": "p", "situation": "s", "opening": "o", "p0": [-1, -1, -1], '
      '"user_lines": {"better": "hi"}}', "x.jsonl:2: field 'user_lines.better'"),
     ('{"id": "a", "persona": "p" "situation": "s"}', "x.jsonl:2: not valid JSON"),
+    ('{"id": "ok", "persona": "q", "situation": "s", "opening": "o", "p0": [-1, -1, -1]}',
+     "x.jsonl:2: id 'ok' again (first on line 1)"),
 ])
 def test_load_scenarios_errors_name_file_line_field(env, tmp_path, line, message):
     good = '{"id": "ok", "persona": "p", "situation": "s", "opening": "o", "p0": [-1, -2, -3]}'
