@@ -273,12 +273,13 @@ def encode(tokenizer, rec: dict, max_len: int) -> dict:
     common.check(full.startswith(p_text), "the chat template changes earlier turns; 01 needs one that does not")
     p_ids = tokenizer(p_text, add_special_tokens=False)["input_ids"]
     y_ids = tokenizer(full[len(p_text):], add_special_tokens=False)["input_ids"]
-    common.check(len(y_ids) <= max_len // 2, f"{rec.get('_where', rec.get('id'))}: the rubric is {len(y_ids)} "
-                                             f"tokens, more than half of --max-len {max_len}; raise --max-len")
-    if len(p_ids) > max_len - len(y_ids):
-        common.warn(f"{rec.get('_where', rec.get('id'))}: the prompt of {len(p_ids)} tokens is cut to its last "
-                    f"{max_len - len(y_ids)} (its start goes) to fit --max-len {max_len}; raise --max-len")
-        p_ids = p_ids[-(max_len - len(y_ids)):]
+    where, room = rec.get("_where", rec.get("id")), max_len - len(y_ids)
+    common.check(len(y_ids) <= max_len // 2, f"{where}: the rubric is {len(y_ids)} tokens, more than half of "
+                                             f"--max-len {max_len}; raise --max-len")
+    if len(p_ids) > room:
+        common.warn(f"{where}: the prompt of {len(p_ids)} tokens is cut to its last {room} (its start goes) to fit "
+                    f"--max-len {max_len}; raise --max-len")
+        p_ids = p_ids[-room:]
     return {"ids": p_ids + y_ids, "labels": [-100] * len(p_ids) + y_ids, "prompt_ids": p_ids}
 
 

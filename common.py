@@ -573,10 +573,9 @@ def set_seed(seed: int):
 
 
 def save_checkpoint(root: Path, step: int, model, optimizer, scheduler, extra=None, keep=2) -> Path:
-    """root/step_<N>: the adapter (safetensors), optimizer and scheduler, the CPU RNG states (python, numpy,
-    torch; the stages reseed every step from the seed and the step) and the step. It is
-    written into a hidden folder, every file fsynced, then renamed (never half written); a folder is hidden
-    before it is deleted. The newest `keep` stay."""
+    """root/step_<N>: the adapter (safetensors), optimizer and scheduler, the CPU's RNG states (python, numpy,
+    torch; not CUDA's) and the step. It is written into a hidden folder, every file fsynced, then renamed
+    (never half written); a folder is hidden before it is deleted. The newest `keep` stay."""
     root.mkdir(parents=True, exist_ok=True)
     for stale in root.glob(".step_*.tmp*"):               # left by a process killed while saving or deleting
         shutil.rmtree(stale, ignore_errors=True)
