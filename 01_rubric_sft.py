@@ -14,7 +14,7 @@ Reads   data/rubric_sft_train.jsonl / data/rubric_sft_val.jsonl (or --train / --
         model (--model, default the packaged SmolLM2). scripts/label_rubrics.py writes this format from
         your own dialogues with a teacher LLM.
 Writes  runs/<name>-<time>/: args.json, metrics.jsonl (the loss per step, eval_* at each evaluation),
-        eval_samples.jsonl (the rubrics of each evaluation), checkpoints/, adapter/, curves.png.
+        eval_samples.jsonl (the rubrics of each evaluation), checkpoint.pt, adapter/, curves.png.
 
 The rubric
   {"weights": {"cognitive": w_C, "affective": w_A, "proactive": w_P},
@@ -54,12 +54,15 @@ import torch
 from tqdm import tqdm
 
 import common
+import plots
+import offline
 
 HERE = Path(__file__).resolve().parent
 DIMS = ("cognitive", "affective", "proactive")   # CARE's three empathy dimensions
 # the generator's system prompt and the criteria judge's prompt (data/prompts.json: every stage's prompts)
 PROMPTS = json.loads((HERE / "data" / "prompts.json").read_text(encoding="utf-8"))
 RUBRIC_SYSTEM, CRITERIA_PROMPT = ("\n".join(PROMPTS[k]) for k in ("rubric_system", "criteria_judge"))
+EVAL_BATCH = 8                                   # held-out turns per generate call
 UNIFORM_RUBRIC = {"weights": {d: 1 / 3 for d in DIMS}, "criteria": PROMPTS["uniform_rubric"]}   # a fixed rubric
 
 
@@ -171,14 +174,14 @@ def main(argv=None):
     train = load_sft(args.train, args.weight_tolerance)     # inputs checked before anything is created
     val = load_sft(args.val, args.weight_tolerance)[: args.eval_limit or None]
     common.check_model_args(args)
+    model, tokenizer = common.load_policy(args, trainable=True)     # loaded before the run folder is made
     run_dir = common.open_run(args, ("metrics.jsonl", "eval_samples.jsonl"))
-    model, tokenizer = common.load_policy(args, trainable=True)
     examples = [encode(tokenizer, r, args.max_len) for r in train]
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer, scheduler = common.make_optimizer(params, args.lr, 0.0, args.steps)
-    ckpt, start = common.latest_checkpoint(run_dir / "checkpoints") if args.resume else None, 1
-    if ckpt is not None:
-        start = common.load_checkpoint(ckpt, model, optimizer, scheduler)["step"] + 1
+    state = common.load_checkpoint(run_dir, model, optimizer, scheduler) if args.resume else None
+    start = state["step"] + 1 if state else 1
+    if state:
         print(f"resumed at step {start}")
     logger = common.MetricsLogger(run_dir)
     print(f"run folder {run_dir} | {len(train)} train / {len(val)} val turns | "
@@ -186,11 +189,11 @@ def main(argv=None):
     try:
         train_loop(args, run_dir, model, tokenizer, examples, val, params, optimizer, scheduler, logger, start)
     except common.UserError:                  # keep the finished steps, then stop with the one message
-        common.checkpoint_on_error(run_dir, model, optimizer, scheduler, logger, start, args.keep_checkpoints)
+        common.checkpoint_on_error(run_dir, model, optimizer, scheduler, logger, start)
         raise
     model.save_pretrained(run_dir / "adapter", safe_serialization=True)
     tokenizer.save_pretrained(run_dir / "adapter")
-    common.plot_metrics(run_dir, {"loss": "SFT loss (rubric tokens)", "eval_parse_valid": "val: parse-valid share",
+    plots.curves(run_dir, {"loss": "SFT loss (rubric tokens)", "eval_parse_valid": "val: parse-valid share",
                                   "eval_weight_mae": "val: weight MAE", "eval_dominant_acc": "val: dominant dimension"})
     print(f"rubric generator adapter: {run_dir / 'adapter'} (02_rubric_pref_rl.py --adapter takes it); curves.png")
 
@@ -236,8 +239,7 @@ def train_loop(args, run_dir, model, tokenizer, examples, val, params, optimizer
         if step % args.eval_every == 0 or step == args.steps:
             run_eval(step)
         if step % args.save_every == 0 or step == args.steps:
-            common.save_checkpoint(run_dir / "checkpoints", step, model, optimizer, scheduler,
-                                   keep=args.keep_checkpoints)
+            common.save_checkpoint(run_dir, step, model, optimizer, scheduler)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -299,7 +301,7 @@ def length_grouped_batches(lengths: list[int], batch_size: int, rng: random.Rand
 def evaluate(model, tokenizer, recs: list[dict], args) -> tuple[dict, list[dict]]:
     """Greedy rubrics for held-out turns: the parse-valid rate, weight MAE, dominant-dimension accuracy."""
     gens = generate_rubrics(model, tokenizer, [r["messages"] for r in recs], args.max_new_tokens, 0.0,
-                            args.eval_batch_size)
+                            EVAL_BATCH)
     mae, hit, samples = [], 0, []
     for r, (text, _, _) in zip(recs, gens):
         rubric, why = parse_rubric(text, args.weight_tolerance)
@@ -329,7 +331,7 @@ class CriteriaJudge:
     def __init__(self, args, policy=None):     # policy: the (model, tokenizer) whose frozen base is --judge self
         self.spec, self.retries = args.judge, args.judge_retries
         if self.spec == "embed":
-            self.embed = common.EmbedBackend(str(common.pick_device()))
+            self.embed = offline.EmbedBackend(str(common.pick_device()))
         else:
             self.backend = common.make_chat_backend(self.spec, args, policy=policy)
 
@@ -363,34 +365,32 @@ def judge_by_dimension(judge, cases: list[dict]) -> list[dict | None]:
 
 
 def parse_args(argv=None):
+    count = common.number(int, low=1)          # argparse types: a bad value exits 2 with one line naming the flag
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     common.add_model_args(p)
     g = p.add_argument_group("data")
     g.add_argument("--train", default=str(HERE / "data" / "rubric_sft_train.jsonl"), help="supervision JSONL")
     g.add_argument("--val", default=str(HERE / "data" / "rubric_sft_val.jsonl"), help="held-out turns JSONL")
-    g.add_argument("--max-len", type=int, default=1024, help="tokens per example (a longer prompt is cut from "
+    g.add_argument("--max-len", type=common.number(int, low=64), default=1024,
+                   help="tokens per example (a longer prompt is cut from "
                    "the left, with a warning)")
-    g.add_argument("--weight-tolerance", type=float, default=0.02, help="|sum of weights - 1| allowed")
+    g.add_argument("--weight-tolerance", type=common.number(low=0, high=0.5), default=0.02,
+                   help="|sum of weights - 1| allowed")
     g = p.add_argument_group("optimisation")
-    g.add_argument("--steps", type=int, default=150, help="optimizer steps")
-    g.add_argument("--batch-size", type=int, default=8, help="examples per step")
-    g.add_argument("--micro-batch-size", type=int, default=4, help="examples per forward/backward")
-    g.add_argument("--lr", type=float, default=2e-4, help="peak learning rate (AdamW, no weight decay)")
+    g.add_argument("--steps", type=count, default=150, help="optimizer steps")
+    g.add_argument("--batch-size", type=count, default=8, help="examples per step")
+    g.add_argument("--micro-batch-size", type=count, default=4, help="examples per forward/backward")
+    g.add_argument("--lr", type=common.number(above=0), default=2e-4,
+                   help="peak learning rate (AdamW, no weight decay)")
     g = p.add_argument_group("evaluation")
-    g.add_argument("--eval-every", type=int, default=50, help="evaluate on --val every N steps (and at 0)")
-    g.add_argument("--eval-limit", type=int, default=0, help="evaluate on the first N val turns (0 = all)")
-    g.add_argument("--eval-batch-size", type=int, default=8, help="turns per generate call")
-    g.add_argument("--max-new-tokens", type=int, default=256, help="token cap of a generated rubric")
+    g.add_argument("--eval-every", type=count, default=50, help="evaluate on --val every N steps (and at 0)")
+    g.add_argument("--eval-limit", type=common.number(int, low=0), default=0,
+                   help="evaluate on the first N val turns (0 = all)")
+    g.add_argument("--max-new-tokens", type=common.number(int, low=8), default=256,
+                   help="token cap of a generated rubric")
     common.add_run_args(p, "rubric-sft", resume="a run folder: continue from its last checkpoint", save_every=50)
-    args = p.parse_args(argv)
-    for flag in ("steps", "batch_size", "micro_batch_size", "eval_every", "save_every", "keep_checkpoints"):
-        common.check(getattr(args, flag) >= 1, f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
-    common.check(args.lr > 0, f"--lr must be > 0, got {args.lr}")
-    common.check(args.max_len >= 64, f"--max-len must be >= 64, got {args.max_len}")
-    common.check(0 <= args.weight_tolerance < 1, f"--weight-tolerance must be in [0, 1), got {args.weight_tolerance}")
-    common.check(args.max_new_tokens >= 8, f"--max-new-tokens must be >= 8, got {args.max_new_tokens}")
-    return args
+    return p.parse_args(argv)
 
 
 if __name__ == "__main__":

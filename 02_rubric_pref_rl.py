@@ -17,7 +17,7 @@ Reads   data/rubric_pref_train.jsonl / data/rubric_pref_test.jsonl (TRL's prefer
         the generator (--model + --adapter from 01), the judge (embed offline, hf:, api:).
 Writes  runs/<name>-<time>/: args.json, metrics.jsonl, rollouts.jsonl (every sampled rubric with its scores
         and reward), report.md + report.json (before / after), weights_by_turn.png, weights_by_emotion.png,
-        checkpoints/, adapter/, curves.png.
+        checkpoint.pt, adapter/, curves.png.
 
 Equations (CARE; docs/reference.md section 5)
   rubric score  S(y) = sum_d w_d * (1/|C_d|) sum_{c in C_d} s(y, c)      s in [0, 1], the judge's score (01)
@@ -64,10 +64,12 @@ import torch
 from tqdm import tqdm
 
 import common
+import plots
 
 sft = importlib.import_module("01_rubric_sft")  # the rubric format, parser, generation and criteria judge
 HERE = Path(__file__).resolve().parent
 DIMS = sft.DIMS
+GEN_BATCH = 16                                  # contexts per generate call
 
 
 # ---------------------------------------------------------------------------------------------
@@ -193,16 +195,16 @@ def main(argv=None):
     if args.report_limit:
         test, weight_turns = test[: args.report_limit], weight_turns[: args.report_limit]
     common.check_model_args(args)
+    model, tokenizer = common.load_policy(args, trainable=True)     # loaded before the run folder is made
+    judge = sft.CriteriaJudge(args)
     if not args.adapter:
         print("warning: no --adapter: starting from the base model, not from 01's SFT generator", file=sys.stderr)
     run_dir = common.open_run(args, ("metrics.jsonl", "rollouts.jsonl"))
-    model, tokenizer = common.load_policy(args, trainable=True)
-    judge = sft.CriteriaJudge(args)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer, scheduler = common.make_optimizer(params, args.lr, 0.0, args.steps)
-    ckpt, start = common.latest_checkpoint(run_dir / "checkpoints") if args.resume else None, 1
-    if ckpt is not None:
-        state = common.load_checkpoint(ckpt, model, optimizer, scheduler)
+    state = common.load_checkpoint(run_dir, model, optimizer, scheduler) if args.resume else None
+    start = 1
+    if state:
         start, before = state["step"] + 1, state["report_before"]
     else:
         before = report(model, tokenizer, judge, test, weight_turns, args)
@@ -219,15 +221,13 @@ def main(argv=None):
                          disable=not args.progress):
             train_step(step, args, run_dir, model, tokenizer, judge, train, optimizer, scheduler, logger)
             if step % args.save_every == 0 or step == args.steps:
-                common.save_checkpoint(run_dir / "checkpoints", step, model, optimizer, scheduler,
-                                       extra={"report_before": before}, keep=args.keep_checkpoints)
+                common.save_checkpoint(run_dir, step, model, optimizer, scheduler, extra={"report_before": before})
     except common.UserError:                  # keep the finished steps, then stop with the one message
-        common.checkpoint_on_error(run_dir, model, optimizer, scheduler, logger, start, args.keep_checkpoints,
-                                   extra={"report_before": before})
+        common.checkpoint_on_error(run_dir, model, optimizer, scheduler, logger, start, extra={"report_before": before})
         raise
     model.save_pretrained(run_dir / "adapter", safe_serialization=True)
     tokenizer.save_pretrained(run_dir / "adapter")
-    common.plot_metrics(run_dir, {"reward_mean": "reward (mean)", "recovery_rate": "preference recovered",
+    plots.curves(run_dir, {"reward_mean": "reward (mean)", "recovery_rate": "preference recovered",
                                   "parse_valid": "parse-valid share", "clip_frac": "clip fraction"})
     print(write_report(run_dir, before, report(model, tokenizer, judge, test, weight_turns, args)))
     print(f"frozen rubric generator: {run_dir / 'adapter'}")
@@ -241,7 +241,7 @@ def train_step(step, args, run_dir, model, tokenizer, judge, train, optimizer, s
     model.eval()
     pairs = [p for p in batch for _ in range(args.g)]
     gens = sft.generate_rubrics(model, tokenizer, [p["context"] for p in pairs], args.max_new_tokens,
-                                args.temperature, args.gen_batch_size)
+                                args.temperature, GEN_BATCH)
     parsed = [sft.parse_rubric(text, args.weight_tolerance) for text, _, _ in gens]
     # 2. judge chosen and rejected on every criterion; S(y); the rewards r = r_rec + r_margin + r_fmt
     judged = judge_rubrics(judge, pairs, [rb for rb, _ in parsed])
@@ -317,14 +317,14 @@ def report(model, tokenizer, judge, test_pairs, weight_turns, args) -> dict:
     the mean weights by turn index and by the user's emotion."""
     model.eval()
     gens = sft.generate_rubrics(model, tokenizer, [p["context"] for p in test_pairs], args.max_new_tokens, 0.0,
-                                args.gen_batch_size)
+                                GEN_BATCH)
     rubrics = [sft.parse_rubric(text, args.weight_tolerance)[0] for text, _, _ in gens]
     hits = [j is not None and j["S_chosen"] > j["S_rejected"] for j in judge_rubrics(judge, test_pairs, rubrics)]
     by_need: dict[str, list[bool]] = {}
     for p, h in zip(test_pairs, hits):
         by_need.setdefault(p.get("need", "all"), []).append(h)
     gens = sft.generate_rubrics(model, tokenizer, [r["messages"] for r in weight_turns], args.max_new_tokens, 0.0,
-                                args.gen_batch_size)
+                                GEN_BATCH)
     by_turn, by_emotion = [], []
     for r, (text, _, _) in zip(weight_turns, gens):
         rb = sft.parse_rubric(text, args.weight_tolerance)[0]
@@ -345,18 +345,16 @@ def mean_weights_by(rows: list[tuple]) -> dict:
     groups: dict = {}
     for key, w in rows:
         groups.setdefault(key, []).append([w[d] for d in DIMS])
-    numeric = lambda k: isinstance(k, (int, float))  # noqa: E731
-    order = sorted(groups, key=lambda k: (not numeric(k), k if numeric(k) else str(k)))      # numbers first
+    def numbers_first(k):
+        return (0, k, "") if isinstance(k, (int, float)) else (1, 0, str(k))
+
+    order = sorted(groups, key=numbers_first)
     return {str(k): {"n": len(groups[k]), "w": [round(sum(x[j] for x in groups[k]) / len(groups[k]), 4)
                                                for j in range(len(DIMS))]} for k in order}
 
 
 def write_report(run_dir: Path, before: dict, after: dict) -> str:
-    """report.json, report.md (before / after RL) and the two weight plots (stacked bars, side by side)."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    """report.json, report.md (before / after RL) and the two weight plots (plots.rubric_weights)."""
     (run_dir / "report.json").write_text(json.dumps({"before": before, "after": after}, indent=1))
     L = ["| held-out | before RL | after RL |", "|---|---|---|",
          f"| preference-recovery accuracy | {before['recovery_acc']:.3f} | {after['recovery_acc']:.3f} |",
@@ -369,23 +367,13 @@ def write_report(run_dir: Path, before: dict, after: dict) -> str:
             b = before[key].get(k, {"w": [float("nan")] * 3})["w"]
             w = v["w"]
             L.append(f"| {k} | {v['n']} | {' / '.join(f'{x:.2f}' for x in b)} | {' / '.join(f'{x:.2f}' for x in w)} |")
-        keys = list(dict.fromkeys([*before[key], *after[key]]))
-        fig, axes = plt.subplots(1, 2, figsize=(11, 3.6), sharey=True)
-        for ax, (label, table) in zip(axes, (("before RL", before[key]), ("after RL", after[key]))):
-            bottom = [0.0] * len(keys)
-            for j, d in enumerate(DIMS):
-                vals = [table.get(k, {"w": [0.0] * len(DIMS)})["w"][j] for k in keys]
-                ax.bar(keys, vals, bottom=bottom, label=d)
-                bottom = [b + v for b, v in zip(bottom, vals)]
-            ax.set_title(f"mean rubric weights by {name}, {label}", fontsize=9)
-            ax.tick_params(axis="x", rotation=45 if max((len(k) for k in keys), default=0) > 3 else 0)
-        axes[0].set_ylabel("weight"), axes[1].legend(loc="upper right", fontsize=8), fig.tight_layout()
-        common.save_figure(fig, run_dir / f"{key}.png")
+    plots.rubric_weights(run_dir, DIMS)
     (run_dir / "report.md").write_text("\n".join(L) + "\n")
     return "\n".join(L)
 
 
 def parse_args(argv=None):
+    count = common.number(int, low=1)          # argparse types: a bad value exits 2 with one line naming the flag
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     common.add_model_args(p)
@@ -397,47 +385,40 @@ def parse_args(argv=None):
     g.add_argument("--weight-tolerance", type=float, default=0.02, help="|sum of weights - 1| allowed")
     g = p.add_argument_group("reward")
     g.add_argument("--judge", default="embed", help="embed | hf:<model-or-path> | api:<model>: scores s(y, c)")
-    g.add_argument("--judge-retries", type=int, default=2, help="re-asks of an api: judge on malformed JSON (a "
+    g.add_argument("--judge-retries", type=common.number(int, low=0), default=2,
+                   help="re-asks of an api: judge on malformed JSON (a "
                    "local judge at temperature 0 is not re-asked: it would answer the same)")
-    g.add_argument("--margin-coef", type=float, default=0.5, help="lambda of the margin term")
-    g.add_argument("--margin-tau", type=float, default=0.05, help="tau: the score difference where tanh bends")
+    g.add_argument("--margin-coef", type=common.number(low=0), default=0.5, help="lambda of the margin term")
+    g.add_argument("--margin-tau", type=common.number(above=0), default=0.05,
+                   help="tau: the score difference where tanh bends")
     g.add_argument("--no-margin", action="store_true", help="ablation: drop the margin term")
     g.add_argument("--no-format", action="store_true", help="ablation: an invalid rubric gets 0, not -1")
     g.add_argument("--recovery-only", action="store_true", help="ablation: the recovery term only")
     g = p.add_argument_group("algorithm")
-    g.add_argument("--g", type=int, default=4, help="rubrics sampled per context (the group)")
-    g.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of the rubrics")
-    g.add_argument("--max-new-tokens", type=int, default=256, help="token cap of a rubric")
-    g.add_argument("--clip-low", type=float, default=0.2, help="ratio clip below: 1 - clip_low")
-    g.add_argument("--clip-high", type=float, default=0.28, help="ratio clip above: 1 + clip_high")
-    g.add_argument("--kl-coef", type=float, default=0.0, help="beta of the k3 KL to the adapter-off base "
+    g.add_argument("--g", type=common.number(int, low=2), default=4, help="rubrics sampled per context (the group)")
+    g.add_argument("--temperature", type=common.number(above=0), default=1.0,
+                   help="sampling temperature of the rubrics")
+    g.add_argument("--max-new-tokens", type=common.number(int, low=8), default=256, help="token cap of a rubric")
+    g.add_argument("--clip-low", type=common.number(low=0), default=0.2, help="ratio clip below: 1 - clip_low")
+    g.add_argument("--clip-high", type=common.number(low=0), default=0.28, help="ratio clip above: 1 + clip_high")
+    g.add_argument("--kl-coef", type=common.number(low=0), default=0.0,
+                   help="beta of the k3 KL to the adapter-off base "
                    "(the model before 01's SFT)")
     g = p.add_argument_group("optimisation")
-    g.add_argument("--steps", type=int, default=30, help="RL steps")
-    g.add_argument("--contexts-per-step", type=int, default=4, help="preference pairs per step")
-    g.add_argument("--lr", type=float, default=5e-5, help="peak learning rate (AdamW, no weight decay)")
-    g.add_argument("--minibatch-size", type=int, default=64, help="rubrics per optimizer step")
-    g.add_argument("--micro-batch-size", type=int, default=4, help="rubrics per forward/backward")
-    g.add_argument("--gen-batch-size", type=int, default=16, help="contexts per generate call")
+    g.add_argument("--steps", type=count, default=30, help="RL steps")
+    g.add_argument("--contexts-per-step", type=count, default=4, help="preference pairs per step")
+    g.add_argument("--lr", type=common.number(above=0), default=5e-5,
+                   help="peak learning rate (AdamW, no weight decay)")
+    g.add_argument("--minibatch-size", type=count, default=64, help="rubrics per optimizer step")
+    g.add_argument("--micro-batch-size", type=count, default=4, help="rubrics per forward/backward")
     common.add_backend_args(p)
     g = common.add_run_args(p, "rubric-rl", resume="a run folder: continue from its last checkpoint", save_every=10)
     g.add_argument("--report-limit", type=int, default=0, help="use the first N held-out pairs / turns (0 = all)")
     g.add_argument("--report-only", action="store_true", help="no training: the held-out report of --model "
                                                                "(+ --adapter), then stop")
     args = p.parse_args(argv)
-    c = common.check
-    c(args.g >= 2, f"--g must be >= 2 (advantages are normalised within the group), got {args.g}")
-    for flag in ("steps", "contexts_per_step", "minibatch_size", "micro_batch_size", "save_every",
-                 "keep_checkpoints"):
-        c(getattr(args, flag) >= 1, f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
-    c(args.lr > 0, f"--lr must be > 0, got {args.lr}")
-    c(args.temperature > 0, f"--temperature must be > 0 to sample a group, got {args.temperature}")
-    c(args.margin_tau > 0, f"--margin-tau must be > 0, got {args.margin_tau}")
-    c(args.margin_coef >= 0, f"--margin-coef must be >= 0, got {args.margin_coef}")
-    c(args.max_new_tokens >= 8, f"--max-new-tokens must be >= 8, got {args.max_new_tokens}")
-    c(args.judge == "embed" or args.judge.startswith(("hf:", "api:")),
-      f"--judge must be embed, hf:<model> or api:<model>, got '{args.judge}'")
-    common.check_backend_args(args)
+    common.check(args.judge == "embed" or args.judge.startswith(("hf:", "api:")),
+                 f"--judge must be embed, hf:<model> or api:<model>, got '{args.judge}'")
     args.use_margin = not (args.no_margin or args.recovery_only)
     args.use_format = not (args.no_format or args.recovery_only)
     return args

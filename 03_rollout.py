@@ -8,7 +8,7 @@ What it does
   04 and 05 import this environment; run alone, it samples a few dialogues and prints them.
 
 Reads   scenarios JSONL (data/scenarios_{train,test}.jsonl: id, persona, situation, opening, the 9 EMPA
-        ratings `items` or p0 = [C, A, P], optional user_lines); data/judge_prototypes.json (embed judge).
+        ratings `items` or p0 = [C, A, P], optional user_lines); data/judge_prototypes.json (offline.py's embed judge).
 Writes  <run>/rollouts.jsonl: every turn's messages, P_t, v_t, levels, distance, IDR reward, the user's
         emotion e_t and flags (truncated, judge_failed); <run>/args.json.
 
@@ -32,14 +32,14 @@ Equations (EMPA; docs/reference.md sections 1-4)
                     sections reaches them whole, its tags removed
 
 Judges and users (--judge, --user; what each is and is not: docs/environment.md)
-  embed | self | hf: | api:       the offline MiniLM-and-cue judge (EmbedJudge, rules in its docstring), or an
-             LLM with an MDEP-PR prompt (LLMJudge): malformed JSON is asked again (api: only: a local judge at
-             temperature 0 would repeat it), then the turn is judge_failed (the state stays, dE_t = 0, the turn
-             still counts toward --max-turns; 04 leaves it out of the loss); an endpoint that answers nothing
-             stops the run
-  scripted | self | hf: | api:    the scenario's own lines picked by the last turn's trend (ScriptedUser), or an
-             LLM role-playing the persona in 20-50 words, told the band and the trend (with --emotion-ends
-             its emotion, 0-100, in place of the band)
+  embed | self | hf: | api:       the offline MiniLM-and-cue judge (offline.py's EmbedJudge: its rules are
+             there), or an LLM with an MDEP-PR prompt (LLMJudge): malformed JSON is asked again (api: only: a
+             local judge at temperature 0 would repeat it), then the turn is judge_failed (the state stays,
+             dE_t = 0, the turn still counts toward --max-turns; 04 leaves it out of the loss); an endpoint that
+             answers nothing stops the run
+  scripted | self | hf: | api:    the scenario's own lines picked by the last turn's trend (offline.py's
+             ScriptedUser), or an LLM role-playing the persona in 20-50 words, told the band and the trend
+             (with --emotion-ends its emotion, 0-100, in place of the band)
   self       the policy's own frozen base (its LoRA adapter off) is that LLM: no second model is loaded
 
 Departures from EMPA
@@ -59,7 +59,6 @@ import argparse
 import json
 import math
 import os
-import random
 import re
 import time
 from dataclasses import dataclass, field
@@ -69,6 +68,7 @@ import torch
 from tqdm import tqdm
 
 import common
+import offline
 
 HERE = Path(__file__).resolve().parent
 AXES = ("C", "A", "P")
@@ -83,6 +83,7 @@ NEGATIVE_POINTS = {"C": (0.0, -2.0, -4.0), "A": (0.0, -2.0, -5.0), "P": (0.0, -2
 PROMPTS = json.loads((HERE / "data" / "prompts.json").read_text(encoding="utf-8"))
 JUDGE_PROMPT, USER_PROMPT = ("\n".join(PROMPTS[k]) for k in ("mdep_judge", "user"))
 TREND_TEXT, DEFAULT_USER_LINES = PROMPTS["trend"], PROMPTS["scripted_user_lines"]
+MAX_MESSAGE_CHARS = 2000            # a simulated-user message is cut to this (an LLM user can run on)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -188,13 +189,19 @@ def advance_state(tr: Trajectory, verdict: dict | None):
     emotion e_t. A failed judgement (None) leaves both where they were and flags the turn."""
     P_prev = tr.states[-1]
     if verdict is None:
-        tr.vs.append(None), tr.levels.append(None), tr.features.append({})
-        tr.states.append(list(P_prev)), tr.dEs.append(0.0), tr.emotions.append(tr.emotions[-1])
+        tr.vs.append(None)
+        tr.levels.append(None)
+        tr.features.append({})
+        tr.states.append(list(P_prev))
+        tr.dEs.append(0.0)
+        tr.emotions.append(tr.emotions[-1])
         return
     v = levels_to_v(verdict["levels"])
     r0 = norm(tr.scenario["p0"])                          # 0 for 05's SAGE profiles: no EMPA deficit
     v_star = [-x / r0 if r0 > 0 else 0.0 for x in tr.scenario["p0"]]               # v* = -P0 / ||P0||
-    tr.vs.append(v), tr.levels.append(verdict["levels"]), tr.features.append(verdict["features"])
+    tr.vs.append(v)
+    tr.levels.append(verdict["levels"])
+    tr.features.append(verdict["features"])
     tr.states.append([P_prev[i] + v[i] for i in range(3)])                          # P_t = P_{t-1} + v_t
     tr.dEs.append(sum(v[i] * v_star[i] for i in range(3)))                          # dE_t = v_t . v*
     # e_t = min(100, max(0, e_{t-1} + change_t)); the judge's own change when it states one (05's SAGE)
@@ -245,10 +252,12 @@ def policy_turn(model, tokenizer, live: list[Trajectory], args, kv) -> list[dict
     for tr, (reply_ids, ended) in zip(live, kv.generate(model, tokenizer, [tr.ids for tr in live], args)):
         text = tokenizer.decode(reply_ids, skip_special_tokens=True).strip()
         tr.spans.append((len(tr.ids), len(tr.ids) + len(reply_ids)))
-        tr.ids.extend(reply_ids), tr.truncated.append(not ended)
+        tr.ids.extend(reply_ids)
+        tr.truncated.append(not ended)
         seen = common.strip_thinking(text)          # a thinking model's <think> part reaches no one
         shown, ok = kardia_response(seen) if args.kardia_format else (seen, True)
-        tr.shown.append(shown), tr.formatted.append(ok)
+        tr.shown.append(shown)
+        tr.formatted.append(ok)
         cases.append({"scenario": tr.scenario, "history": seen_history(tr), "reply": shown,
                       "emotion": tr.emotions[-1]})
         tr.messages.append({"role": "assistant", "content": text})
@@ -271,10 +280,10 @@ def user_turn(tokenizer, going: list[Trajectory], user, args):
         if answer is None:
             tr.outcome = "user_failed"
             continue
-        if len(answer) > args.max_message_chars:
+        if len(answer) > MAX_MESSAGE_CHARS:
             common.warn(f"a simulated-user message of {len(answer):,} characters was cut to "
-                        f"--max-message-chars {args.max_message_chars} (scenario {tr.scenario['id']})")
-            answer = answer[: args.max_message_chars]
+                        f"{MAX_MESSAGE_CHARS} (scenario {tr.scenario['id']})")
+            answer = answer[:MAX_MESSAGE_CHARS]
         tr.messages.append({"role": "user", "content": answer})
         end = None if tr.truncated[-1] else tokenizer.decode(tr.ids[-1:])     # the end-of-turn token it sampled
         extra = next_user_ids(tokenizer, tr.messages, tr.messages[-2]["content"], end)
@@ -309,9 +318,9 @@ def main(argv=None):
     common.set_seed(args.seed)
     scenarios = load_scenarios(args.scenarios)[: args.num_scenarios or None]   # inputs checked before anything
     common.check_model_args(args)
-    run_dir = common.open_run(args)
     model, tokenizer = common.load_policy(args, trainable=False)
     judge, user = make_judge(args, (model, tokenizer)), make_user(args, (model, tokenizer))
+    run_dir = common.open_run(args)             # after every model loaded: a bad one leaves no folder
     t0 = time.time()
     records = [trajectory_record(tr, args) for tr in rollout(model, tokenizer, scenarios, judge, user, args)]
     common.append_jsonl(run_dir / "rollouts.jsonl", records)
@@ -364,173 +373,8 @@ def load_scenarios(path) -> list[dict]:
     return recs
 
 
-# judges: cases {scenario, history, reply} -> {"levels": {axis: (progress 0-2, negative 0-2)}, "features"}
-# or None (failed)
-class EmbedJudge:
-    """Offline judge: embeddings say what a reply is *about*, cue lists what *move* it makes (every
-    prototype, cue pattern and threshold is in the prototypes JSON). Rules, in order:
-      empty                         -> negative 1 on every axis
-      copied (repeats an earlier reply, or echoes the user / system prompt) -> no progress, C-1, A-1
-      off topic (low relevance and no detail of the user's story)           -> no progress, C-1, A-1
-      not language (fluency below its threshold)                            -> no progress
-      template (most sentences are generic comfort lines)                   -> A progress 1, A-1
-      generic (could be said to anyone)  -> only the main move, at most level 1; A-1 unless a question
-      otherwise, per axis: level 1 = a cue of the move (not contradicted by the embedding margin) or a
-      clear embedding margin; level 2 = the main move, >= 2 kinds of cue, relevant, specific, grounded
-      in the user's details with substance of its own, complete, and nothing harmful anywhere.
-      Harmful phrases of an axis cancel its progress and give its negative level (by count)."""
-
-    def __init__(self, prototypes_path, device="cpu"):
-        self.embed = common.EmbedBackend(device=device)
-        proto = json.loads(Path(prototypes_path).read_text(encoding="utf-8"))
-        self.th = proto["thresholds"]
-        self.stop = set(proto["stop_words"])  # words that carry no detail of anyone's story (and fluency's)
-        self.help = {a: self.embed.encode(proto["helpful"][a]) for a in AXES}     # [n, 384] per axis
-        self.harm = {a: self.embed.encode(proto["harmful"][a]) for a in AXES}
-        self.templates = self.embed.encode(proto["templates"])                    # one comfort line each
-        self.contrast = self.embed.encode(proto["contrast"])                      # other people's troubles
-        # cues[kind][axis]: compiled patterns, kind "helpful" (the move) or "harmful" (the harm)
-        self.cues = {kind: {a: [re.compile(p, re.I) for p in by_axis[a]] for a in AXES}
-                     for kind, by_axis in proto["cues"].items()}
-        # every word of the cue patterns: stock phrasing, not substance
-        self.cue_vocab = self.stems(" ".join(re.sub(r"\\[a-z]|[^a-z']", " ", p.pattern)
-                                             for by_axis in self.cues.values() for pats in by_axis.values()
-                                             for p in pats))
-
-    def stems(self, text: str) -> set[str]:
-        # detail words: no stop words, a common suffix dropped, the first 5 letters kept (yelled ~ yelling)
-        out = set()
-        for w in re.findall(r"[a-z][a-z']*", text.lower()):
-            if len(w) < 4 or w in self.stop:
-                continue
-            for suf in ("ing", "ed", "es", "s", "ly"):
-                if w.endswith(suf) and len(w) - len(suf) >= 3:
-                    w = w[: -len(suf)]
-                    break
-            out.add(w[:5])
-        return out
-
-    def judge(self, cases: list[dict]) -> list[dict | None]:
-        # embed every reply and its sentences in one batch up front (encode caches per text)
-        self.embed.encode([t for c in cases if c["reply"].strip()
-                           for t in [c["reply"].strip()] + sentences(c["reply"])])
-        out = []
-        for c in cases:
-            reply = c["reply"].strip()
-            if not reply:  # an empty reply: nothing gained, felt as dismissive on every axis
-                out.append({"levels": {a: (0, 1) for a in AXES}, "features": {"kind": "empty"}})
-                continue
-            S = self.embed.encode(sentences(reply))                              # [sentences, 384]
-            x = self.about(reply, c["history"], S)        # 1-2. what the reply is about, what kind it is
-            self.moves(reply, S, x)                       # 3. which move it makes, per axis
-            out.append({"levels": self.levels(reply, x), "features": x["feats"]})   # 4. the levels
-        return out
-
-    def about(self, reply: str, history: list[dict], S: torch.Tensor) -> dict:
-        th = self.th
-        users = [m["content"] for m in history if m["role"] == "user"]
-        said = " ".join(users)
-        earlier = [m["content"] for m in history if m["role"] == "assistant" and m["content"].strip()]
-        system = [m["content"] for m in history if m["role"] == "system"]
-        R = self.embed.encode([reply])[0]                                     # [384]
-        U = self.embed.encode([users[-1] if users else "", said])             # the last message, everything
-        # relevance: cosine to the user's last message or to everything they have said
-        rel = max(float(U[0] @ R), float(U[1] @ R))
-        # specificity: how much closer to this user than to other people's troubles (comfort that could be
-        # said to anyone is about as close to all of them)
-        spec = rel - float((self.contrast @ R).mean())
-        # grounding: detail words of the user's story the reply picks up; substance: detail words of its
-        # own, neither the user's nor cue phrasing (stock phrases filled in with the user's nouns have none)
-        ground = len(self.stems(reply) & self.stems(said))
-        substance = len(self.stems(reply) - self.stems(said) - self.cue_vocab)
-        # template: the share of sentences close to a generic comfort line
-        templ_sims = (self.templates @ S.T).max(0).values                    # the best line per sentence
-        templ_share = float((templ_sims >= th["template"]).float().mean())
-        # repetition: close in meaning to, or copied from, an earlier reply; echo: copies the user's (or the
-        # system prompt's) words back
-        rep = max(float((self.embed.encode(earlier) @ R).max()) if earlier else 0.0, copied_share(reply, earlier))
-        echo = copied_share(reply, users + system)
-        # fluency: the share of function words (keyword lists and word salad have almost none)
-        words = re.findall(r"[a-z][a-z']*", reply.lower())
-        fluency = sum(w in self.stop for w in words) / max(1, len(words))
-        cut = reply[-1].isalnum() or reply[-1] in ",;:-("      # stops mid-sentence
-        # 2. what kind of reply it is
-        x = {"rel": rel, "spec": spec, "ground": ground, "substance": substance, "fluency": fluency, "cut": cut,
-             "copied": rep >= th["repetition"] or echo >= th["copy"], "template": templ_share >= th["template_share"],
-             "generic": spec < th["specific1"] and ground < th["ground1"], "said": said}
-        x["off_topic"] = not x["template"] and rel < th["relevance1"] and ground < th["ground1"]
-        x["kind"] = ("copied" if x["copied"] else "off_topic" if x["off_topic"] else "template" if x["template"]
-                     else "generic" if x["generic"] else "specific")
-        x["feats"] = {"kind": x["kind"], "performative": x["kind"] in ("copied", "template", "generic"),
-                      "relevance": round(rel, 3), "specificity": round(spec, 3), "grounding": ground,
-                      "substance": substance, "template": round(float(templ_sims.max()), 3),
-                      "repetition": round(rep, 3), "echo": round(echo, 3), "fluency": round(fluency, 2), "cut_off": cut}
-        return x
-
-    def moves(self, reply: str, S: torch.Tensor, x: dict):
-        """Per axis: the kinds of evidence (patterns) of its helpful move, the distinct harmful phrases
-        (except those quoted from the user: "telling me 'lots of people fail' doesn't help"), and the
-        embedding margin (the best sentence's likeness to helpful minus to harmful descriptions)."""
-        top2 = lambda sims: sims.topk(min(2, sims.numel())).values.mean().item()  # noqa: E731
-        hits, bad, margin = {}, {}, {}
-        for a in AXES:
-            hits[a] = sum(bool(p.search(reply)) for p in self.cues["helpful"][a])
-            bad[a] = len({m.group(0).lower() for p in self.cues["harmful"][a] for m in p.finditer(reply)}
-                         - {m.group(0).lower() for p in self.cues["harmful"][a] for m in p.finditer(x["said"])})
-            margin[a] = max(top2(self.help[a] @ s) for s in S) - max(top2(self.harm[a] @ s) for s in S)
-            x["feats"].update({f"cues_{a}": hits[a], f"harm_{a}": bad[a], f"margin_{a}": round(margin[a], 3)})
-        x.update(hits=hits, bad=bad, margin=margin, top=max(AXES, key=lambda a: (hits[a] > 0, margin[a])))
-
-    def levels(self, reply: str, x: dict) -> dict:
-        """Per axis (progress 0-2, negative 0-2) by the rules in the class docstring."""
-        th, hits, bad, margin, top = self.th, x["hits"], x["bad"], x["margin"], x["top"]
-        levels = {}
-        for a in AXES:
-            progress = 0
-            if x["copied"] or x["off_topic"] or x["fluency"] < th["fluency"]:
-                pass  # nothing new, not about them, or not language: no progress
-            elif bad[a]:
-                pass  # a harmful phrase cancels this axis' progress (feelings named, then dismissed)
-            elif x["template"]:
-                progress = int(a == "A")  # generic comfort: a little affective relief, no more
-            elif x["generic"] and a != top:
-                pass  # could be said to anyone: only its main move counts, at level 1
-            elif (hits[a] and margin[a] >= th["progress1"]) or margin[a] >= th["progress_emb"]:
-                # level 1: a cue of the move the embedding does not contradict, or a clear embedding lean;
-                # level 2 (strict): the main move, made strongly, about this user's own details with
-                # substance of its own, complete, and free of anything formulaic or harmful
-                progress = 1
-                if (a == top and hits[a] >= th["cues2"] and margin[a] >= th["progress2"]
-                        and x["rel"] >= th["relevance2"] and x["spec"] >= th["specific2"]
-                        and x["ground"] >= th["ground2"] and x["substance"] >= th["substance2"]
-                        and x["kind"] == "specific" and not x["cut"] and not any(bad.values())):
-                    progress = 2
-            # negative: the axis' harmful phrases by count (changing the subject on C, minimising on A,
-            # lecturing or blaming on P)
-            negative = 2 if bad[a] >= th["harm2"][a] else 1 if bad[a] >= th["harm1"][a] else 0
-            if a == "C" and (x["copied"] or x["off_topic"]):
-                negative = max(negative, 1)  # not listening: saying it again, or talking past them
-            if a == "A" and (x["copied"] or x["off_topic"] or x["template"] or (x["generic"] and "?" not in reply)):
-                negative = max(negative, 1)  # performative empathy (a generic question is only weak)
-            levels[a] = (progress, negative)
-        return levels
-
-
-def sentences(text: str) -> list[str]:
-    text = text.strip()
-    return [s.strip() for s in re.split(r"(?<=[.!?;:])\s+|\n+", text) if s.strip()] or [text]
-
-
-def copied_share(text: str, sources: list[str]) -> float:
-    """The largest share of the text's word 4-grams found verbatim in one source."""
-    def grams(s):
-        w = re.findall(r"\w+", s.lower())
-        return {tuple(w[i:i + 4]) for i in range(len(w) - 3)}
-
-    mine = grams(text)
-    return max([len(mine & grams(s)) / len(mine) for s in sources] or [0.0]) if mine else 0.0
-
-
+# the LLM judge: cases {scenario, history, reply} -> {"levels": {axis: (progress 0-2, negative 0-2)},
+# "features"} or None (failed); offline.EmbedJudge answers the same way
 def parse_judge_json(text: str | None) -> dict | None:
     """The judge's JSON (perhaps in prose or a code fence) -> levels, or None if it is not valid."""
     obj, levels = common.first_json(text)[0] or {}, {}
@@ -557,22 +401,8 @@ class LLMJudge:
         return [None if lv is None else {"levels": lv, "features": {}} for lv in levels]
 
 
-# simulated users: items {scenario, k, history, trend, band} -> the user's next message, or None (failed)
-class ScriptedUser:
-    def __init__(self, seed: int):
-        self.seed = seed
-
-    def reply(self, items: list[dict]) -> list[str | None]:
-        out = []
-        for it in items:
-            lines = it["scenario"]["user_lines"][it["trend"]]
-            said = {m["content"] for m in it["history"] if m["role"] == "user"}
-            fresh = [s for s in lines if s not in said] or lines
-            rng = random.Random(f"{self.seed}|{it['scenario']['id']}|{it['k']}|{len(it['history'])}")
-            out.append(rng.choice(fresh))
-        return out
-
-
+# the LLM user: items {scenario, k, history, trend, band} -> the user's next message, or None (failed);
+# offline.ScriptedUser answers the same way
 class LLMUser:
     def __init__(self, backend: common.ChatBackend):
         self.backend = backend
@@ -600,13 +430,13 @@ def state_band(d: float, d0: float) -> str:
 
 def make_judge(args, policy=None):   # policy: the (model, tokenizer) whose frozen base is --judge self
     if args.judge == "embed":
-        return EmbedJudge(HERE / "data" / "judge_prototypes.json", device=str(common.pick_device()))
+        return offline.EmbedJudge(HERE / "data" / "judge_prototypes.json", device=str(common.pick_device()))
     return LLMJudge(common.make_chat_backend(args.judge, args, args.judge_concurrency, policy), args.judge_retries)
 
 
 def make_user(args, policy=None):    # policy: as for make_judge, for --user self
     if args.user == "scripted":
-        return ScriptedUser(args.seed)
+        return offline.ScriptedUser(args.seed)
     return LLMUser(common.make_chat_backend(args.user, args, args.user_concurrency, policy))
 
 
@@ -721,61 +551,52 @@ class TurnCache:
 
 
 def add_env_args(p: argparse.ArgumentParser, scenarios_default: str, k_default: int = 4):
+    count, at_least_0 = common.number(int, low=1), common.number(low=0)     # argparse types: a bad value exits 2
     g = p.add_argument_group("environment")
     g.add_argument("--scenarios", default=scenarios_default, help="scenarios JSONL")
-    g.add_argument("--k", type=int, default=k_default, help="trajectories per scenario (K)")
-    g.add_argument("--max-turns", type=int, default=3, help="assistant turns before a timeout (EMPA: 45)")
-    g.add_argument("--min-turns", type=int, default=2, help="no success or failure before this turn (EMPA: 12; "
+    g.add_argument("--k", type=count, default=k_default, help="trajectories per scenario (K)")
+    g.add_argument("--max-turns", type=count, default=3, help="assistant turns before a timeout (EMPA: 45)")
+    g.add_argument("--min-turns", type=count, default=2, help="no success or failure before this turn (EMPA: 12; "
                    "--emotion-ends ignores it)")
-    g.add_argument("--collapse-window", type=int, default=3, help="failure when the last N dE are all < 0 (EMPA: 5)")
-    g.add_argument("--eps", type=float, default=1.0, help="hinge tolerance eps (1 high, 2 medium, 3 low)")
+    g.add_argument("--collapse-window", type=count, default=3, help="failure when the last N dE are all < 0 (EMPA: 5)")
+    g.add_argument("--eps", type=at_least_0, default=1.0, help="hinge tolerance eps (1 high, 2 medium, 3 low)")
     g.add_argument("--judge", default="embed", help="embed | self | hf:<model-or-path> | api:<model>")
-    g.add_argument("--judge-retries", type=int, default=2, help="re-asks of an api: judge on malformed JSON (a "
-                   "local judge at temperature 0 is not re-asked: it would answer the same)")
+    g.add_argument("--judge-retries", type=common.number(int, low=0), default=2, help="re-asks of an api: judge on "
+                   "malformed JSON (a local judge at temperature 0 is not re-asked: it would answer the same)")
     g.add_argument("--user", default="scripted", help="scripted | self | hf:<model-or-path> | api:<model>")
-    g.add_argument("--judge-concurrency", type=int, default=None, help="the judge's own --api-concurrency "
+    g.add_argument("--judge-concurrency", type=count, default=None, help="the judge's own --api-concurrency "
                    "(match what its server batches, e.g. vLLM --max-num-seqs)")
-    g.add_argument("--user-concurrency", type=int, default=None, help="the simulated user's own --api-concurrency")
-    g.add_argument("--emotion-start", type=float, default=30.0,
+    g.add_argument("--user-concurrency", type=count, default=None, help="the simulated user's own --api-concurrency")
+    g.add_argument("--emotion-start", type=common.number(low=0, high=100), default=30.0,
                    help="the simulated user's emotion e_0 (0-100; RLVER trains from 30, SAGE evaluates from 40)")
     g.add_argument("--emotion-ends", action="store_true",
                    help="end dialogues by RLVER's rule (emotion >= 100 success, < 10 failure) instead of EMPA's")
     g.add_argument("--kardia-format", action="store_true", help="Kardia-R1's format: the policy writes "
                    "<understanding>, <reasoning>, <emotion>, <response>; only the response reaches the others (a "
                    "reply without the four sections: all of it, the tags removed)")
-    g.add_argument("--max-new-tokens", type=int, default=None,
+    g.add_argument("--max-new-tokens", type=count, default=None,
                    help="token cap of a reply (48; 192 with --kardia-format, room for the four sections)")
-    g.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (0 = greedy)")
-    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling top-p (04's loss scores the whole "
-                   "distribution: keep 1 for training)")
+    g.add_argument("--temperature", type=at_least_0, default=1.0, help="sampling temperature (0 = greedy)")
+    g.add_argument("--top-p", type=common.number(above=0, high=1), default=1.0, help="nucleus sampling top-p (04's "
+                   "loss scores the whole distribution: keep 1 for training)")
     g.add_argument("--no-kv-reuse", dest="kv_reuse", action="store_false", help="prefill each dialogue's whole "
                    "context every turn instead of keeping its KV cache from the last turn (slower: a check of the "
                    "cache)")
-    g.add_argument("--max-context", type=int, default=2048,
+    g.add_argument("--max-context", type=count, default=2048,
                    help="stop a dialogue (outcome context_limit) before its context passes this many tokens")
-    g.add_argument("--max-message-chars", type=int, default=2000, help="simulated-user messages are cut to this")
     common.add_backend_args(p)
 
 
 def check_env_args(args):
+    """What argparse's types cannot see: the reply cap's default, the judge and user specs, the context's room."""
     if args.max_new_tokens is None:
         args.max_new_tokens = 192 if args.kardia_format else 48
-    for flag in ("k", "max_turns", "min_turns", "collapse_window", "max_new_tokens", "max_message_chars"):
-        common.check(getattr(args, flag) >= 1, f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
-    common.check(args.eps >= 0, f"--eps must be >= 0, got {args.eps}")
-    common.check(args.temperature >= 0, f"--temperature must be >= 0, got {args.temperature}")
-    common.check(0 < args.top_p <= 1, f"--top-p must be in (0, 1], got {args.top_p}")
-    for flag, offline in (("judge", "embed"), ("user", "scripted")):
+    for flag, offline_spec in (("judge", "embed"), ("user", "scripted")):
         spec = getattr(args, flag)
-        common.check(spec in (offline, "self") or (spec.startswith(("hf:", "api:")) and spec.partition(":")[2]),
-                     f"--{flag} must be {offline}, self, hf:<model> or api:<model>, got '{spec}'")
+        common.check(spec in (offline_spec, "self") or (spec.startswith(("hf:", "api:")) and spec.partition(":")[2]),
+                     f"--{flag} must be {offline_spec}, self, hf:<model> or api:<model>, got '{spec}'")
     common.check(args.max_context > args.max_new_tokens,
                  f"--max-context must be larger than --max-new-tokens, got {args.max_context}")
-    common.check(0 <= args.emotion_start <= 100, f"--emotion-start must be in [0, 100], got {args.emotion_start}")
-    for flag in ("judge_concurrency", "user_concurrency"):
-        value = getattr(args, flag)
-        common.check(value is None or value >= 1, f"--{flag.replace('_', '-')} must be >= 1, got {value}")
-    common.check_backend_args(args)
 
 
 def parse_args(argv=None):

@@ -11,10 +11,10 @@ Imports 03_rollout (the environment: scenarios, the batched rollout, judges, use
 Reads   data/scenarios_train.jsonl (or --scenarios), the policy (--model, default the packaged
         SmolLM2-135M-Instruct), the judge and the user (03's flags), --rubric-model (02's adapter).
 Writes  runs/<name>-<time>/: args.json, metrics.jsonl (a line per step), rollouts.jsonl (every dialogue with
-        its rewards and advantages), checkpoints/step_N/ (adapter, optimizer, scheduler, RNG; atomic),
+        its rewards and advantages), checkpoint.pt (adapter, optimizer, scheduler, step; atomic),
         adapter/ (the final LoRA adapter, standard peft), curves.png (redrawn at each checkpoint),
         credit_step<N>.png (this run's first and last step, or --credit-steps: how MICA assigned credit, from
-        rollouts.jsonl; draw_credit(run_dir, step) redraws any logged step later).
+        rollouts.jsonl; plots.credit(run_dir, step) redraws any logged step later).
         05_eval.py --suite empa --adapters <run>/adapter compares it with the base on held-out scenarios.
 
 Equations (MICA; docs/reference.md section 2; each one is a loop below)
@@ -71,11 +71,9 @@ N GPUs: accelerate launch --num_processes N 04_mica_train.py ...  (each process 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import importlib
 import json
 import math
-import os
 import random
 import resource
 import time
@@ -83,10 +81,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
+from accelerate import Accelerator
+from accelerate.utils import broadcast, broadcast_object_list, gather_object
 from tqdm import tqdm
 
 import common
+import offline
+import plots
 
 sft = importlib.import_module("01_rubric_sft")   # CARE: the rubric format and parser, generation, criteria judge
 env = importlib.import_module("03_rollout")      # the environment: scenarios, rollout, judges, users, IDR
@@ -157,16 +158,16 @@ def grpo_advantages(rewards) -> list[list[float]]:
 
 def reinforce_pp_advantages(batch_rewards, gamma) -> list[list[list[float]]]:
     """batch_rewards[s][k][t] of the whole batch -> A[s][k][t]: returns whitened over the batch (data-
-    parallel: over every process's batch, the sums below summed over the processes)."""
+    parallel: train_loop hands it every process's rewards, gathered)."""
     # G_t per dialogue, then A = (G - mean) / (std + 1e-6) over every turn of the batch (no groups)
     G = [[discounted_returns(r, gamma) for r in group] for group in batch_rewards]
     flat = [x for group in G for g in group for x in g]
-    n, total = all_reduce([len(flat), sum(flat)])
+    n = len(flat)
     if n < 2:
         return [[[0.0] * len(g) for g in group] for group in G]
-    mean = total / n
+    mean = sum(flat) / n
     # the sample std (ddof = 1): sqrt( sum (G - mean)^2 / (n - 1) )
-    std = math.sqrt(all_reduce([sum((x - mean) ** 2 for x in flat)])[0] / (n - 1))
+    std = math.sqrt(sum((x - mean) ** 2 for x in flat) / (n - 1))
     return [[[(x - mean) / (std + 1e-6) for x in g] for g in group] for group in G]
 
 
@@ -335,20 +336,20 @@ class Sample:
                                        torch.tensor([end - start for start, end in self.scored()], dtype=torch.long))
 
 
-def ppo_update(model, tokenizer, optimizer, scheduler, samples: list[Sample], args, log_kl=False) -> dict:
+def ppo_update(model, tokenizer, optimizer, scheduler, samples: list[Sample], args, acc, log_kl=False) -> dict:
     """--ppo-epochs passes over minibatches of --minibatch-size dialogues (sorted by length: less padding),
     each one optimizer step with its gradient accumulated over micro-batches, the loss a token mean over the
-    minibatch; one scheduler step. Data-parallel: each process holds its own dialogues and takes its share
-    of every minibatch; N and the gradients are summed over the processes, so each takes the step that one
-    process would take on all the dialogues."""
+    minibatch; one scheduler step. Data-parallel (acc, accelerate's Accelerator, holds the processes): each
+    process holds its own dialogues and takes its share of every minibatch; N and the gradients are summed
+    over the processes (acc.reduce), so each takes the step that one process would take on all the dialogues."""
     device, params = next(model.parameters()).device, [p for p in model.parameters() if p.requires_grad]
-    n_ranks = world()[1]
+    n_ranks = acc.num_processes
     # the dialogues with something to score, by length, cut into this process's share of each minibatch;
     # every process gets as many minibatches (empty ones where it has run out)
     order = sorted((i for i, s in enumerate(samples) if s.n_tokens() > 0), key=lambda i: len(samples[i].ids))
     size = math.ceil(args.minibatch_size / n_ranks)
     minibatches = [order[j:j + size] for j in range(0, len(order), size)]
-    minibatches += [[] for _ in range(int(all_reduce([len(minibatches)], op="max")[0]) - len(minibatches))]
+    minibatches += [[] for _ in range(max(gather_object([len(minibatches)])) - len(minibatches))]
     if not minibatches:
         return {"loss": math.nan, "clip_frac": math.nan, "ratio_min": math.nan, "ratio_max": math.nan,
                 "kl": math.nan, "grad_norm": math.nan, "train_tokens": 0, "optimizer_steps": 0, "skipped_updates": 1}
@@ -356,13 +357,16 @@ def ppo_update(model, tokenizer, optimizer, scheduler, samples: list[Sample], ar
     need_ref = args.kl_coef > 0 or log_kl
     old, ref = old_and_ref_logprobs(model, tokenizer, samples, minibatches, args, need_ref)
     model.train()
-    zero = lambda: torch.zeros((), dtype=torch.float64, device=device)  # noqa: E731
-    loss_total, clipped, kl_total = zero(), zero(), zero()   # summed on the device, copied once at the end
+    def zero():                                 # a sum kept on the device, copied once at the end
+        return torch.zeros((), dtype=torch.float64, device=device)
+
+    loss_total, clipped, kl_total = zero(), zero(), zero()
     ratio_lo, ratio_hi = zero() + math.inf, zero() - math.inf
     grad_norms, tokens, nonfinite_grad = [], 0, 0
     for _ in range(args.ppo_epochs):
         for mb in minibatches:
-            N = all_reduce([sum(samples[i].n_tokens() for i in mb)])[0]   # the minibatch's reply tokens
+            # N: the minibatch's reply tokens, over every process
+            N = int(acc.reduce(torch.tensor(sum(samples[i].n_tokens() for i in mb), device=acc.device), "sum"))
             optimizer.zero_grad(set_to_none=True)
             for micro in micro_batches(mb, args.micro_batch_size):
                 ids, attn, mask = collate([samples[i] for i in micro], tokenizer.pad_token_id, device)
@@ -378,12 +382,15 @@ def ppo_update(model, tokenizer, optimizer, scheduler, samples: list[Sample], ar
                     kl_total += kl.detach().sum()
                     if args.kl_coef > 0:
                         loss_sum = loss_sum + args.kl_coef * kl.sum()
-                (loss_sum / N).backward()
+                acc.backward(loss_sum / N)
                 loss_total += loss_sum.detach().double() / N
                 clipped += was_clipped.sum()
                 tokens += len(A)
-            if n_ranks > 1:
-                all_reduce_grads(params)                       # summed over the processes
+            if n_ranks > 1:                # the gradients summed over the processes, in one flat buffer
+                grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in params]
+                flat = acc.reduce(torch.cat([g.reshape(-1) for g in grads]), "sum")
+                for p, g in zip(params, flat.split([p.numel() for p in params])):
+                    p.grad = g.view_as(p)
             grad_norms.append(float(torch.nn.utils.clip_grad_norm_(params, MAX_GRAD_NORM)))
             if math.isfinite(grad_norms[-1]):
                 optimizer.step()
@@ -391,11 +398,14 @@ def ppo_update(model, tokenizer, optimizer, scheduler, samples: list[Sample], ar
                 optimizer.zero_grad(set_to_none=True)
                 nonfinite_grad += 1
     scheduler.step()
-    loss_total, clipped, kl_total, tokens = all_reduce(     # one copy from the device, one collective
-        torch.stack([loss_total, clipped, kl_total]).tolist() + [tokens])
-    neg_lo, hi = all_reduce([-float(ratio_lo), float(ratio_hi)], op="max")
+    # the sums over every process: one copy from the device, one collective
+    totals = torch.stack([loss_total, clipped, kl_total, torch.tensor(float(tokens), dtype=torch.float64,
+                                                                      device=device)])
+    loss_total, clipped, kl_total, tokens = acc.reduce(totals, "sum").tolist()
+    ratios = gather_object([(float(ratio_lo), float(ratio_hi))])        # every process's (min, max)
     n_updates = args.ppo_epochs * len(minibatches)            # the micro losses add up to a minibatch's loss
-    return {"loss": loss_total / n_updates, "clip_frac": clipped / tokens, "ratio_min": -neg_lo, "ratio_max": hi,
+    return {"loss": loss_total / n_updates, "clip_frac": clipped / tokens, "ratio_min": min(lo for lo, _ in ratios),
+            "ratio_max": max(hi for _, hi in ratios),
             "kl": kl_total / tokens if need_ref else math.nan, "grad_norm": sum(grad_norms) / len(grad_norms),
             "train_tokens": int(tokens), "optimizer_steps": n_updates, "skipped_updates": nonfinite_grad}
 
@@ -428,14 +438,15 @@ def old_and_ref_logprobs(model, tokenizer, samples, minibatches, args, need_ref:
 # ---------------------------------------------------------------------------------------------
 # The main loop
 # ---------------------------------------------------------------------------------------------
-def train_loop(args, run_dir, scenarios, model, tokenizer, judge, user, optimizer, scheduler, logger, start, care):
-    rank, n_ranks = world()
+def train_loop(args, acc, run_dir, scenarios, model, tokenizer, judge, user, optimizer, scheduler, logger, start,
+               care):
+    rank, n_ranks = acc.process_index, acc.num_processes
     for step in tqdm(range(start, args.steps + 1), desc="train", initial=start - 1, total=args.steps,
                      disable=not args.progress):
         t0, before = time.time(), common.api_counts(judge, user)
         step_seed = args.seed * 100_003 + step          # every step's randomness depends on (seed, step)
         torch.manual_seed(step_seed * n_ranks + rank)   # (and on the process: each samples its own)
-        if isinstance(user, env.ScriptedUser):
+        if isinstance(user, offline.ScriptedUser):
             user.seed = step_seed
         batch = random.Random(step_seed).sample(scenarios, min(args.scenarios_per_step, len(scenarios)))
         batch = batch[rank::n_ranks]                    # data-parallel: this process's share of the scenarios
@@ -458,8 +469,11 @@ def train_loop(args, run_dir, scenarios, model, tokenizer, judge, user, optimize
             advs = [mica_advantages(r, args.alpha, args.gamma) for r in rewards]
         elif args.advantage == "grpo":
             advs = [grpo_advantages(r) for r in rewards]
-        else:
-            advs = reinforce_pp_advantages(rewards, args.gamma)
+        else:   # whitened over the whole batch: every process's rewards, gathered, then this process's part
+            everyone = gather_object([rewards])
+            mine = sum(len(part) for part in everyone[:rank])
+            advs = reinforce_pp_advantages([g for part in everyone for g in part], args.gamma)
+            advs = advs[mine:mine + len(rewards)]
         # a group whose rewards are all equal (or that has one dialogue) has zero advantage and teaches
         # nothing (counted); a non-finite advantage is set to 0 (counted): its tokens add no policy gradient
         degenerate = sum(all(abs(a) < 1e-9 for A in group for a in A) for group in advs)
@@ -471,7 +485,7 @@ def train_loop(args, run_dir, scenarios, model, tokenizer, judge, user, optimize
         t1, lr = time.time(), optimizer.param_groups[0]["lr"]
         log_kl = args.kl_coef == 0 and args.log_kl_every > 0 and step % args.log_kl_every == 0
         upd = ppo_update(model, tokenizer, optimizer, scheduler, as_samples(flat_trajs, flat_advs, failed), args,
-                         log_kl)
+                         acc, log_kl)
         # 5. log, keep the rollouts (with MICA's two terms, for the credit picture), checkpoint (data-
         # parallel: process 0 gathers every process's and writes)
         terms = ([t for r in rewards for t in zip(turn_level_advantages(r, args.gamma), group_level_advantages(r))]
@@ -482,14 +496,13 @@ def train_loop(args, run_dir, scenarios, model, tokenizer, judge, user, optimize
                   **{k: v - before.get(k, 0) for k, v in common.api_counts(judge, user).items()}}
         records = [dialogue_record(args, step, tr, r, A, F, terms[i] if terms else None) for i, (tr, r, A, F) in
                    enumerate(zip(flat_trajs, [r for g in rewards for r in g], flat_advs, failed))]
-        log_step(run_dir, logger, step, records, [x for g in rewards for r in g for x in r], counts, upd, lr, t0,
+        log_step(acc, run_dir, logger, step, records, [x for g in rewards for r in g for x in r], counts, upd, lr, t0,
                  t_roll, time.time() - t1)
-        if rank == 0 and (step % args.save_every == 0 or step == args.steps):
-            common.save_checkpoint(run_dir / "checkpoints", step, model, optimizer, scheduler,
-                                   keep=args.keep_checkpoints)
-            common.plot_metrics(run_dir, CURVES)
-        if rank == 0 and step in (args.credit_steps or (start, args.steps)) and args.advantage == "mica":
-            draw_credit(run_dir, step)              # how MICA assigned credit (default: the first and last step)
+        if acc.is_main_process and (step % args.save_every == 0 or step == args.steps):
+            common.save_checkpoint(run_dir, step, model, optimizer, scheduler)
+            plots.curves(run_dir, CURVES)
+        if acc.is_main_process and step in (args.credit_steps or (start, args.steps)) and args.advantage == "mica":
+            plots.credit(run_dir, step)             # how MICA assigned credit (default: the first and last step)
 
 
 def main(argv=None):
@@ -498,56 +511,50 @@ def main(argv=None):
     print(args.preset_note)
     scenarios = env.load_scenarios(args.scenarios)  # inputs checked before anything is created
     common.check_model_args(args)
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():    # accelerate launch, torchrun
-        if torch.cuda.is_available():
-            torch.cuda.set_device(common.pick_device())
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-    rank, n_ranks = world()
+    # one process, or each of `accelerate launch --num_processes N`'s: NCCL on GPUs, gloo on CPUs (cpu=True)
+    acc = Accelerator(cpu=not torch.cuda.is_available())
+    n_ranks = acc.num_processes
     common.check(min(args.scenarios_per_step, len(scenarios)) >= n_ranks,
                  f"--scenarios-per-step must be >= the number of processes ({n_ranks}): each takes its own")
-    args.progress = args.progress and rank == 0     # one progress bar, one log: process 0's
-    box = [str(common.open_run(args, ("metrics.jsonl", "rollouts.jsonl"))) if rank == 0 else None]
-    if n_ranks > 1:
-        dist.broadcast_object_list(box, src=0)      # process 0 made (or checked) the run folder; all write there
-    run_dir = Path(box[0])
-    model, tokenizer = common.load_policy(args, trainable=True)
+    args.progress = args.progress and acc.is_main_process     # one progress bar, one log: process 0's
+    model, tokenizer = common.load_policy(args, trainable=True)     # every model loads before the run folder
     judge, user = env.make_judge(args, (model, tokenizer)), env.make_user(args, (model, tokenizer))
     care = load_care(args, (model, tokenizer))
+    box = [str(common.open_run(args, ("metrics.jsonl", "rollouts.jsonl"))) if acc.is_main_process else None]
+    run_dir = Path(broadcast_object_list(box)[0])   # process 0 made (or checked) the run folder; all write there
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer, scheduler = common.make_optimizer(params, args.lr, WEIGHT_DECAY, args.steps)
-    ckpt, start = common.latest_checkpoint(run_dir / "checkpoints") if args.resume else None, 1
-    if ckpt is not None:                            # every process loads the same checkpoint
-        start = common.load_checkpoint(ckpt, model, optimizer, scheduler)["step"] + 1
-    for p in params if n_ranks > 1 else []:         # every process starts from process 0's adapter
-        dist.broadcast(p.data, src=0)
-    logger = common.MetricsLogger(run_dir) if rank == 0 else None
-    if rank == 0:
+    state = common.load_checkpoint(run_dir, model, optimizer, scheduler) if args.resume else None
+    start = state["step"] + 1 if state else 1       # every process loads the same checkpoint
+    for p in params:                                # every process starts from process 0's adapter
+        broadcast(p.data)
+    logger = common.MetricsLogger(run_dir) if acc.is_main_process else None
+    if acc.is_main_process:
         print(f"run folder {run_dir} | trainable parameters {sum(p.numel() for p in params):,} | device "
               f"{common.pick_device()}" + (f" | data-parallel over {n_ranks} processes" if n_ranks > 1 else "")
-              + (f" | resumed from {ckpt} at step {start}" if ckpt else ""))
+              + (f" | resumed from {run_dir / 'checkpoint.pt'} at step {start}" if state else ""))
     try:
-        train_loop(args, run_dir, scenarios, model, tokenizer, judge, user, optimizer, scheduler, logger, start, care)
+        train_loop(args, acc, run_dir, scenarios, model, tokenizer, judge, user, optimizer, scheduler, logger, start,
+                   care)
     except common.UserError:    # the judge's endpoint went down, say: keep what was learned, then stop
-        common.checkpoint_on_error(run_dir, model, optimizer, scheduler, logger, start, args.keep_checkpoints)
+        common.checkpoint_on_error(run_dir, model, optimizer, scheduler, logger, start)
         raise
-    if n_ranks > 1:   # the processes must hold the same adapter: checked, and the fingerprints written down
-        hashes = gather(adapter_sha256(model))
-        if rank == 0:
-            (run_dir / "data_parallel.json").write_text(json.dumps({"world_size": n_ranks, "adapter_sha256": hashes},
-                                                                   indent=2))
-            common.check(len(set(hashes)) == 1, f"the {n_ranks} processes ended with different adapters: {hashes}")
-    if rank == 0:
+    if n_ranks > 1:   # the processes must hold the same adapter: checked, and each one's weight sum written down
+        sums = gather_object([sum(float(p.detach().double().sum()) for p in params)])
+        if acc.is_main_process:
+            (run_dir / "data_parallel.json").write_text(json.dumps({"world_size": n_ranks, "adapter_sums": sums}))
+            common.check(len(set(sums)) == 1, f"the {n_ranks} processes ended with different adapters: {sums}")
+    if acc.is_main_process:
         model.save_pretrained(run_dir / "adapter", safe_serialization=True)
         tokenizer.save_pretrained(run_dir / "adapter")
         print(f"final adapter: {run_dir / 'adapter'} (05_eval.py --adapters takes it); curves: "
-              f"{common.plot_metrics(run_dir, CURVES)}")
-    if n_ranks > 1:
-        dist.destroy_process_group()
+              f"{plots.curves(run_dir, CURVES)}")
+    acc.end_training()
 
 
 # ---------------------------------------------------------------------------------------------
 # --- supporting pieces ---: the update's samples, the step log and the credit picture, CARE's rubrics and
-# Kardia-R1's criteria, data-parallel collectives, presets, CLI
+# Kardia-R1's criteria, presets, CLI
 # ---------------------------------------------------------------------------------------------
 def as_samples(trajs, advs=None, failed=None) -> list[Sample]:
     """Dialogues as the update's samples: each reply's span with its turn's advantage A[k][t], None (left out
@@ -581,11 +588,11 @@ def dialogue_record(args, step, tr, r, A, failed, terms) -> dict:
     return rec
 
 
-def log_step(run_dir, logger, step, records, rewards, counts, upd, lr, t0, t_roll, t_upd):
+def log_step(acc, run_dir, logger, step, records, rewards, counts, upd, lr, t0, t_roll, t_upd):
     """rollouts.jsonl and one metrics line; data-parallel: process 0 gathers every process's share, writes."""
-    parts = gather({"records": records, "rewards": rewards, "counts": counts, "t_roll": t_roll, "t_upd": t_upd,
-                    "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20})
-    if world()[0] != 0:
+    parts = gather_object([{"records": records, "rewards": rewards, "counts": counts, "t_roll": t_roll,
+                            "t_upd": t_upd, "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}])
+    if not acc.is_main_process:
         return                                            # the other processes go on to the next step
     records = [rec for part in parts for rec in part["records"]]
     rewards = [x for part in parts for x in part["rewards"]]
@@ -615,45 +622,12 @@ def log_step(run_dir, logger, step, records, rewards, counts, upd, lr, t0, t_rol
     })
 
 
-def draw_credit(run_dir: Path, step: int) -> Path:
-    """credit_step<N>.png from rollouts.jsonl: the K dialogues of the step's first scenario, one panel each,
-    per turn the reward r_t, the return G_t, MICA's A_turn and A_group, and the mixed A (cut-off turns
-    marked x, failed turns left out of the loss shaded)."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    records = list({(r["scenario_id"], r["k"]): r for r in common.read_jsonl(run_dir / "rollouts.jsonl")
-                    if r["step"] == step}.values())     # a step a resumed run logged again: its last lines
-    dialogues = [r for r in records if r["scenario_id"] == records[0]["scenario_id"]]
-    fig, axes = plt.subplots(1, len(dialogues), figsize=(3.4 * len(dialogues), 3.2), squeeze=False, sharey=True)
-    for ax, rec in zip(axes[0], dialogues):
-        t = [turn["t"] for turn in rec["turns"]]
-        for key, label in (("reward", "r_t"), ("G", "G_t"), ("A_turn", "A_turn"), ("A_group", "A_group"),
-                           ("advantage", "A")):
-            ax.plot(t, [turn[key] for turn in rec["turns"]], marker="o", markersize=3, label=label)
-        for turn in rec["turns"]:
-            if turn["truncated"]:
-                ax.plot(turn["t"], turn["reward"], "kx")
-            if turn["judge_failed"]:
-                ax.axvspan(turn["t"] - 0.4, turn["t"] + 0.4, color="0.85")
-        ax.axhline(0, color="0.6", linewidth=0.6)
-        ax.set_title(f"k={rec['k']}: {rec['outcome']}, d {rec['initial_distance']} -> {rec['final_distance']}",
-                     fontsize=8)
-        ax.set_xlabel("turn", fontsize=8), ax.set_xticks(t), ax.tick_params(labelsize=7)
-    axes[0][0].legend(fontsize=7)
-    fig.suptitle(f"{run_dir.name}, step {step}, scenario {dialogues[0]['scenario_id']}: how MICA assigned credit",
-                 fontsize=9)
-    fig.tight_layout()
-    return common.save_figure(fig, run_dir / f"credit_step{step}.png")
-
-
 def load_care(args, policy):
     """--reward care / kardia: (the frozen rubric generator and its tokenizer, or None; 01's criteria judge:
     embed, self (the policy's frozen base), hf: or api:); else None."""
     if not {"care", "kardia"} & set(args.reward_weights):
         return None
-    gen_args = argparse.Namespace(**{**vars(args), "model": args.rubric_base or args.model,
+    gen_args = argparse.Namespace(**{**vars(args), "model": args.model,
                                      "adapter": args.rubric_model, "gradient_checkpointing": False})
     rubric_model, rubric_tok = (common.load_policy(gen_args, trainable=False)
                                 if args.rubric_model and "care" in args.reward_weights else (None, None))
@@ -699,50 +673,6 @@ def kardia_criteria(scenario: dict, user_message: str) -> tuple[list[str], str]:
              "Safety: nothing harmful, dismissive, judgemental or unsafe"], emotion)
 
 
-# data-parallel training (accelerate launch --num_processes N, or torchrun): a few collectives, each a no-op
-# in a single process
-def world() -> tuple[int, int]:
-    """(rank, number of processes): (0, 1) when not launched data-parallel."""
-    return (dist.get_rank(), dist.get_world_size()) if dist.is_available() and dist.is_initialized() else (0, 1)
-
-
-def all_reduce(values, op="sum") -> list[float]:
-    """A few numbers summed (or the max) over the processes."""
-    if world()[1] == 1:
-        return list(values)
-    device = common.pick_device() if dist.get_backend() == "nccl" else "cpu"
-    t = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
-    return t.tolist()
-
-
-def all_reduce_grads(params):
-    """The gradients summed over the processes in one flat buffer (a process with nothing to learn from in
-    this minibatch adds zeros)."""
-    flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
-    dist.all_reduce(flat)
-    for p, g in zip(params, flat.split([p.numel() for p in params])):
-        p.grad = g.view_as(p)
-
-
-def gather(obj) -> list:
-    """Every process's obj (picklable), in rank order."""
-    out = [obj] + [None] * (world()[1] - 1)
-    if world()[1] > 1:
-        dist.all_gather_object(out, obj)
-    return out
-
-
-def adapter_sha256(model) -> str:
-    """A fingerprint of the trainable (LoRA) weights: the same on every process while they stay in step."""
-    h = hashlib.sha256()
-    for name, p in model.named_parameters():
-        if p.requires_grad:
-            h.update(name.encode())
-            h.update(p.detach().float().cpu().numpy().tobytes())
-    return h.hexdigest()
-
-
 CURVES = {"return_mean": "return (mean per dialogue)", "reward_mean": "reward (mean per turn)",
           "truncated_frac": "cut-off share", "kl": "KL to the base", "clip_frac": "clip fraction"}
 REWARDS = ("idr", "rlver", "care", "kardia")  # the per-turn reward components --reward can combine
@@ -765,6 +695,7 @@ PRESETS = {
 
 
 def parse_args(argv=None):
+    count = common.number(int, low=1)          # argparse types: a bad value exits 2 with one line naming the flag
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     common.add_model_args(p)
@@ -772,14 +703,14 @@ def parse_args(argv=None):
     g = p.add_argument_group("algorithm")
     g.add_argument("--advantage", choices=["mica", "grpo", "reinforce_pp"], default="mica",
                    help="credit assignment: MICA mixed turn/group, GRPO outcome, REINFORCE++ batch-whitened")
-    g.add_argument("--alpha", type=float, default=0.4, help="MICA's weight of the turn-level advantage")
-    g.add_argument("--gamma", type=float, default=0.85, help="discount of the per-turn returns")
+    g.add_argument("--alpha", type=common.number(low=0, high=1), default=0.4,
+                   help="MICA's weight of the turn-level advantage")
+    g.add_argument("--gamma", type=common.number(low=0, high=1), default=0.85, help="discount of the per-turn returns")
     g.add_argument("--reward", default="idr", help="per-turn reward: idr (MICA's incremental distance), rlver "
                    "(the simulated user's emotion change / 100; dialogues end by RLVER's emotion rule), care (CARE's "
                    "adaptive rubric, judged per criterion), kardia (Kardia-R1's fixed rubric, + its format term "
                    "with --kardia-format), or a weighted sum such as idr+0.5*care")
     g.add_argument("--rubric-model", default=None, help="--reward care: the frozen rubric generator (02's adapter)")
-    g.add_argument("--rubric-base", default=None, help="the generator's base model (default: --model)")
     g.add_argument("--rubric", choices=["adaptive", "uniform", "weights-only", "criteria-only"], default="adaptive",
                    help="CARE's Table-3 ablations: the generator's weights and criteria, or w = 1/3 and fixed "
                         "generic criteria, or one of the two from the generator")
@@ -787,25 +718,29 @@ def parse_args(argv=None):
     g.add_argument("--care-distance", choices=["weighted", "plain"], default="weighted",
                    help="with idr+care: weight turn t's distance by 3 w_t of its rubric (this project's design; "
                         "the rewards then do not telescope), or plain MICA IDR")
-    g.add_argument("--idr-weights", default="1,1,1", help="w = (w_C, w_A, w_P) of the hinge distance")
+    g.add_argument("--idr-weights", type=idr_weights, default=(1.0, 1.0, 1.0),
+                   help="w = (w_C, w_A, w_P) of the hinge distance")
     g.add_argument("--truncation-penalty", type=float, default=0.5, help="a reply cut off at --max-new-tokens "
                    "loses this share of one turn's nominal reward range (IDR sqrt(3), RLVER 0.1, CARE and Kardia 1)")
-    g.add_argument("--clip-low", type=float, default=0.2, help="ratio clip below: 1 - clip_low")
-    g.add_argument("--clip-high", type=float, default=0.28, help="ratio clip above: 1 + clip_high")
-    g.add_argument("--kl-coef", type=float, default=0.0, help="beta of the k3 KL to the base model (0 = off)")
+    g.add_argument("--clip-low", type=common.number(low=0), default=0.2, help="ratio clip below: 1 - clip_low")
+    g.add_argument("--clip-high", type=common.number(low=0), default=0.28, help="ratio clip above: 1 + clip_high")
+    g.add_argument("--kl-coef", type=common.number(low=0), default=0.0,
+                   help="beta of the k3 KL to the base model (0 = off)")
     g.add_argument("--log-kl-every", type=int, default=5,
                    help="with --kl-coef 0, measure the KL to the base every N steps (one forward, no gradient)")
-    g.add_argument("--credit-steps", default="", help="MICA: the steps whose credit picture credit_step<N>.png is "
+    g.add_argument("--credit-steps", type=step_list, default=[],
+                   help="MICA: the steps whose credit picture credit_step<N>.png is "
                    "drawn, comma-separated (default: this run's first and last)")
     g = p.add_argument_group("optimisation")
-    g.add_argument("--steps", type=int, default=20, help="training steps (rollout + update)")
-    g.add_argument("--scenarios-per-step", type=int, default=4,
+    g.add_argument("--steps", type=count, default=20, help="training steps (rollout + update)")
+    g.add_argument("--scenarios-per-step", type=count, default=4,
                    help="scenarios per step, each rolled out K times (data-parallel: in all, shared out)")
-    g.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (AdamW; LoRA on SmolLM2)")
-    g.add_argument("--ppo-epochs", type=int, default=1, help="passes over each rollout batch")
-    g.add_argument("--minibatch-size", type=int, default=8, help="dialogues per optimizer step (data-parallel: "
+    g.add_argument("--lr", type=common.number(above=0), default=1e-3,
+                   help="peak learning rate (AdamW; LoRA on SmolLM2)")
+    g.add_argument("--ppo-epochs", type=count, default=1, help="passes over each rollout batch")
+    g.add_argument("--minibatch-size", type=count, default=8, help="dialogues per optimizer step (data-parallel: "
                    "in all); 8 of the default 16 gives 2 optimizer steps per rollout, MICA's proportion")
-    g.add_argument("--micro-batch-size", type=int, default=2, help="dialogues per forward/backward, per process "
+    g.add_argument("--micro-batch-size", type=count, default=2, help="dialogues per forward/backward, per process "
                    "(the gradient accumulates up to a minibatch)")
     g.add_argument("--preset", default="auto", choices=["auto", *PRESETS],
                    help="the defaults to start from: cpu (the reference CPU budget), demo (make demo), gpu (one "
@@ -838,29 +773,31 @@ def parse_reward_spec(spec: str) -> dict[str, float]:
     return out
 
 
+def idr_weights(text: str) -> tuple[float, ...]:
+    """--idr-weights: "1,1,1" -> (w_C, w_A, w_P), three numbers >= 0 (argparse's type)."""
+    try:
+        w = tuple(float(x) for x in text.split(","))
+    except ValueError:
+        w = ()
+    if len(w) != 3 or min(w) < 0:
+        raise argparse.ArgumentTypeError(f"must be 3 comma-separated numbers >= 0, got '{text}'")
+    return w
+
+
+def step_list(text: str) -> list[int]:
+    """--credit-steps: "1,20" -> [1, 20], sorted (argparse's type)."""
+    try:
+        return sorted({int(x) for x in text.split(",") if x.strip()})
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be step numbers, comma-separated, got '{text}'") from None
+
+
 def check_args(args):
-    """04's flags (one message naming the flag, exit 2), and the reward spec parsed."""
+    """What argparse's types cannot see (one message naming the flag, exit 2), and the reward spec parsed."""
     env.check_env_args(args)
     c = common.check
-    c(0.0 <= args.alpha <= 1.0, f"--alpha must be in [0, 1], got {args.alpha}")
-    c(0.0 <= args.gamma <= 1.0, f"--gamma must be in [0, 1], got {args.gamma}")
     c(args.k >= 2 or args.advantage == "reinforce_pp",
       f"--k must be >= 2 for --advantage {args.advantage} (it normalises within the K), got {args.k}")
-    for flag in ("steps", "scenarios_per_step", "ppo_epochs", "minibatch_size", "micro_batch_size", "save_every",
-                 "keep_checkpoints"):
-        c(getattr(args, flag) >= 1, f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
-    c(args.lr > 0, f"--lr must be > 0, got {args.lr}")
-    c(min(args.clip_low, args.clip_high, args.kl_coef) >= 0, "--clip-low, --clip-high and --kl-coef must be >= 0")
-    try:
-        args.idr_weights = tuple(float(x) for x in args.idr_weights.split(","))
-    except ValueError:
-        raise common.UserError(f"--idr-weights must be 3 comma-separated numbers, got '{args.idr_weights}'") from None
-    c(len(args.idr_weights) == 3 and min(args.idr_weights) >= 0,
-      f"--idr-weights must be 3 non-negative numbers, got {args.idr_weights}")
-    try:
-        args.credit_steps = sorted({int(x) for x in args.credit_steps.split(",") if x.strip()})
-    except ValueError:
-        raise common.UserError(f"--credit-steps must be step numbers, comma-separated: '{args.credit_steps}'") from None
     c(all(1 <= x <= args.steps for x in args.credit_steps), f"--credit-steps must lie in 1..--steps {args.steps}")
     args.reward_weights = parse_reward_spec(args.reward)
     c("care" not in args.reward_weights or args.rubric == "uniform" or args.rubric_model,

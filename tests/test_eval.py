@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 import common
+import offline
 from conftest import ROOT, LoopbackServer, ok, prompt_text, run_script, write_jsonl
 
 ev = importlib.import_module("05_eval")
@@ -223,7 +224,7 @@ def test_max_cases_samples_by_language_and_category(tmp_path, capsys):
 
 
 def test_the_offline_proxy_scores_empty_and_gibberish_replies_clearly_below_a_supportive_one():
-    judge = ev.env.EmbedJudge(ROOT / "data" / "judge_prototypes.json")
+    judge = offline.EmbedJudge(ROOT / "data" / "judge_prototypes.json")
     task = ev.load_eqbench3(SAMPLES / "eqbench3_sample.txt")[0][0]
     replies = {"empty": "", "gibberish": "blorp fzzt quaxle wub wub zindo prrk.",
                "keyword salad": "meeting manager mock-ups VP launch Greg credit onboarding redesign weeks",
@@ -332,7 +333,7 @@ def test_an_llm_user_writes_the_first_message_without_reciting_the_scene():
     assert len(user.backend.asked) == 2 and no_first["player"] in user.backend.asked[0][0]["content"]
     s = ev.sage_scenario(no_first, written[no_first["id"]])
     assert (s["opening"], s["opening_from"]) == ("儿子今年又不回家过年了。", "user model")
-    assert ev.sage_openings(profiles, ev.env.ScriptedUser(0), args) == {}      # scripted: the offline line
+    assert ev.sage_openings(profiles, offline.ScriptedUser(0), args) == {}      # scripted: the offline line
 
 
 def test_option_loglik_matches_a_direct_computation(tiny_model):

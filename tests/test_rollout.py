@@ -4,8 +4,10 @@ import re
 
 import pytest
 import torch
+from accelerate import Accelerator
 
 import common
+import offline
 from conftest import env_args
 
 
@@ -65,7 +67,7 @@ def test_rollout_states_rewards_and_spans(env, trainer, tiny):
               {"C": (2, 0), "A": (1, 1), "P": (1, 0)}]
     args = env_args(env, k=3, max_turns=3, min_turns=12, max_new_tokens=6)
     torch.manual_seed(0)
-    trajs = env.rollout(model, tok, [SCEN], StubJudge(script), env.ScriptedUser(0), args)
+    trajs = env.rollout(model, tok, [SCEN], StubJudge(script), offline.ScriptedUser(0), args)
     assert len(trajs) == 3
     for tr in trajs:
         assert tr.T == 3 and tr.outcome == "timeout"
@@ -92,7 +94,7 @@ def test_failed_judgement_is_flagged_and_left_out(env, trainer, tiny):
     model, tok = tiny
     script = [{"C": (1, 0), "A": (2, 0), "P": (0, 0)}, None, {"C": (2, 0), "A": (1, 1), "P": (1, 0)}]
     args = env_args(env, k=2, max_turns=3, min_turns=12, max_new_tokens=4)
-    trajs = env.rollout(model, tok, [SCEN], StubJudge(script), env.ScriptedUser(0), args)
+    trajs = env.rollout(model, tok, [SCEN], StubJudge(script), offline.ScriptedUser(0), args)
     tr = trajs[0]
     assert tr.judge_failed == [False, True, False]
     assert tr.states[2] == tr.states[1]                         # the state does not move
@@ -110,7 +112,7 @@ def test_truncation_penalty(env, trainer, tiny):
     model, tok = tiny
     args = env_args(env, k=2, max_turns=2, min_turns=12, max_new_tokens=1)
     trajs = env.rollout(model, tok, [SCEN], StubJudge([{"C": (0, 0), "A": (0, 0), "P": (0, 0)}]),
-                        env.ScriptedUser(0), args)
+                        offline.ScriptedUser(0), args)
     tr = trajs[0]
     targs = argparse.Namespace(idr_weights=(1, 1, 1), eps=1.0, truncation_penalty=0.5, reward_weights={"idr": 1.0})
     assert any(tr.truncated)
@@ -135,7 +137,7 @@ def test_token_logprobs_match_full_forward(trainer, tiny, env):
     model, tok = tiny
     args = env_args(env, k=2, max_turns=2, min_turns=12, max_new_tokens=5)
     trajs = env.rollout(model, tok, [SCEN], StubJudge([{"C": (1, 0), "A": (1, 0), "P": (1, 0)}]),
-                        env.ScriptedUser(0), args)
+                        offline.ScriptedUser(0), args)
     ids, attn, mask = trainer.collate(trainer.as_samples(trajs), tok.pad_token_id, "cpu")
     with torch.no_grad():
         lp = common.token_logprobs(model, ids, attn, mask)
@@ -150,7 +152,7 @@ def test_token_logprobs_in_chunks_equal_in_one_piece(trainer, tiny, env, monkeyp
     model, tok = tiny
     args = env_args(env, k=2, max_turns=2, min_turns=12, max_new_tokens=5)
     trajs = env.rollout(model, tok, [SCEN], StubJudge([{"C": (1, 0), "A": (1, 0), "P": (1, 0)}]),
-                        env.ScriptedUser(0), args)
+                        offline.ScriptedUser(0), args)
     ids, attn, mask = trainer.collate(trainer.as_samples(trajs), tok.pad_token_id, "cpu")
     out = []
     for chunk in (common.LOGIT_CHUNK, 3 * model.config.vocab_size):       # one piece; 3 rows a chunk
@@ -174,7 +176,7 @@ def test_emotion_is_kept_and_rlver_rewards_and_end_rule(env, trainer, tiny):
     script = [{"C": (1, 0), "A": (2, 0), "P": (0, 0)}, {"C": (1, 1), "A": (1, 0), "P": (1, 0)},
               {"C": (2, 0), "A": (1, 1), "P": (1, 0)}]
     args = env_args(env, k=2, max_turns=3, min_turns=12, max_new_tokens=4)
-    tr = env.rollout(model, tok, [SCEN], StubJudge(script), env.ScriptedUser(0), args)[0]
+    tr = env.rollout(model, tok, [SCEN], StubJudge(script), offline.ScriptedUser(0), args)[0]
     assert tr.emotions == [30.0, 40.0, 42.5, 50.0]
     assert trainer.rlver_emotion_rewards(tr.emotions) == pytest.approx([0.1, 0.025, 0.075])
     targs = argparse.Namespace(idr_weights=(1, 1, 1), eps=1.0, truncation_penalty=0.0,
@@ -183,11 +185,11 @@ def test_emotion_is_kept_and_rlver_rewards_and_end_rule(env, trainer, tiny):
     rec = env.trajectory_record(tr, args)
     assert [t["emotion"] for t in rec["turns"]] == [40.0, 42.5, 50.0] and rec["final_emotion"] == 50.0
     # RLVER's end rule: from 95, +10 reaches 100 at once -> success; from 12, an off-topic reply -> failure
-    hi = env.rollout(model, tok, [SCEN], StubJudge(script), env.ScriptedUser(0),
+    hi = env.rollout(model, tok, [SCEN], StubJudge(script), offline.ScriptedUser(0),
                      env_args(env, k=2, max_turns=3, max_new_tokens=4, emotion_start=95.0, emotion_ends=True))
     assert all(t.outcome == "success" and t.T == 1 and t.emotions == [95.0, 100.0] for t in hi)
     off = [{"C": (0, 1), "A": (0, 1), "P": (0, 0)}]                 # sum v = -4 -> change -10
-    lo = env.rollout(model, tok, [SCEN], StubJudge(off), env.ScriptedUser(0),
+    lo = env.rollout(model, tok, [SCEN], StubJudge(off), offline.ScriptedUser(0),
                      env_args(env, k=2, max_turns=3, max_new_tokens=4, emotion_start=12.0, emotion_ends=True))
     assert all(t.outcome == "failure" and t.emotions == [12.0, 2.0] for t in lo)
 
@@ -347,7 +349,7 @@ def test_kv_reuse_same_dialogues_fewer_tokens_prefilled(env, tiny):
             args = env_args(env, k=3, max_turns=3, min_turns=12, max_new_tokens=6, temperature=0.0,
                             kv_reuse=reuse, seed=0)
             trajs = env.rollout(model, tok, scenarios, StubJudge([{"C": (1, 0), "A": (0, 0), "P": (0, 0)}]),
-                                env.ScriptedUser(0), args)
+                                offline.ScriptedUser(0), args)
             runs[reuse] = ([tr.ids for tr in trajs], [tr.spans for tr in trajs], list(fed))
     finally:
         hook.remove()
@@ -395,7 +397,7 @@ def test_the_clip_engages_on_the_second_minibatch(trainer, tiny_model):
         ids = tok("I feel so alone since my dad died. That sounds really painful.")["input_ids"]
         samples = [trainer.Sample(ids, [(4, len(ids))], [1.0 if i % 2 else -1.0]) for i in range(8)]
         args.minibatch_size = minibatch_size
-        out[minibatch_size] = trainer.ppo_update(model, tok, opt, sched, samples, args)
+        out[minibatch_size] = trainer.ppo_update(model, tok, opt, sched, samples, args, Accelerator())
     assert out[8]["optimizer_steps"] == 1 and out[8]["clip_frac"] == 0.0 and out[8]["ratio_max"] == pytest.approx(1.0)
     assert out[4]["optimizer_steps"] == 2 and out[4]["clip_frac"] > 0       # tokens after the first step
     assert out[4]["ratio_min"] < 0.99 or out[4]["ratio_max"] > 1.01
@@ -415,7 +417,7 @@ def test_a_failed_criteria_judge_leaves_its_turn_out_like_a_failed_empa_judge(en
     model, tok = tiny
     args = env_args(env, k=2, max_turns=3, min_turns=12, max_new_tokens=4)
     trajs = env.rollout(model, tok, [SCEN], StubJudge([{"C": (1, 0), "A": (1, 0), "P": (0, 0)}]),
-                        env.ScriptedUser(0), args)
+                        offline.ScriptedUser(0), args)
     fail_on = {(0, 1), (1, 2)}                      # (dialogue, turn) where the criteria judge fails
 
     # one judge item per turn and dimension: Kardia-R1 asks twice a turn (reply, emotion), CARE once per dimension

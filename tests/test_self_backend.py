@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import common
+import offline
 from conftest import JUDGE_OK, USER_OK, ok, run_script
 from conftest import env_args as shared_env_args
 
@@ -152,7 +153,7 @@ def test_malformed_judge_json_is_masked_and_only_the_api_judge_is_asked_again(en
     def run(judge_spec, **over):
         fake = FakeGenerator(model, tok, policy=lambda b: f"reply {'AB'[b]}", judge=answer).install(monkeypatch, env)
         args = env_args(env, judge=judge_spec, k=2, max_turns=2, min_turns=12, max_new_tokens=8, **over)
-        trajs = env.rollout(model, tok, [SCEN], env.make_judge(args, (model, tok)), env.ScriptedUser(0), args)
+        trajs = env.rollout(model, tok, [SCEN], env.make_judge(args, (model, tok)), offline.ScriptedUser(0), args)
         return [(tr.judge_failed, tr.states) for tr in trajs], fake
 
     got_self, fake = run("self")

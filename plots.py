@@ -1,0 +1,117 @@
+"""plots.py: every figure of the project, each drawn from files a run folder already holds.
+
+  curves(run_dir, keys)          <run>/metrics.jsonl -> curves.png, one panel per metric (01, 02, 04)
+  credit(run_dir, step)          <run>/rollouts.jsonl -> credit_step<N>.png, how MICA assigned credit (04)
+  rubric_weights(run_dir)        <run>/report.json -> weights_by_turn.png, weights_by_emotion.png (02)
+  comparison, trajectories, series                  05's held-out pictures (results.json, transcripts.jsonl)
+
+A stage calls these at its end (04 also at each checkpoint); any of them can redraw a finished run later:
+  python -c "import plots; plots.credit(__import__('pathlib').Path('runs/mica-<time>'), 3)"
+Every figure is written whole or not at all (a temporary file, then renamed). A support module: it imports
+common.py, never a stage.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import matplotlib
+
+import common
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402  (after the backend is chosen: no display is needed)
+
+
+def save(fig, path: Path) -> Path:
+    """A figure as a PNG, whole or not at all (a temporary file, then renamed); the figure closed."""
+    tmp = path.with_name(f".{path.name}.tmp.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    os.replace(tmp, path)
+    return path
+
+
+def last_lines_by(records: list[dict], key) -> list[dict]:
+    """One record per key(record), the last one: a step a resumed run logged again counts once."""
+    return list({key(r): r for r in records}.values())
+
+
+def curves(run_dir: Path, keys: dict) -> Path | None:
+    """<run>/metrics.jsonl -> <run>/curves.png, one panel per metric ({key: title}) by step, non-finite values
+    skipped. None before the first line."""
+    path = Path(run_dir) / "metrics.jsonl"
+    lines = [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
+    rows = sorted(last_lines_by(lines, lambda r: r["step"]), key=lambda r: r["step"])
+    if not rows:
+        return None
+    fig, axes = plt.subplots(1, len(keys), figsize=(3.2 * len(keys), 3.0), squeeze=False)
+    for ax, (key, title) in zip(axes[0], keys.items()):
+        pts = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
+        ax.plot([s for s, _ in pts], [v for _, v in pts], marker="o", markersize=3)
+        ax.set_title(title, fontsize=9)
+        ax.set_xlabel("step", fontsize=8)
+        ax.tick_params(labelsize=7)
+        ax.xaxis.get_major_locator().set_params(integer=True)
+    fig.suptitle(Path(run_dir).name, fontsize=9)
+    fig.tight_layout()
+    return save(fig, Path(run_dir) / "curves.png")
+
+
+def credit(run_dir: Path, step: int) -> Path:
+    """credit_step<N>.png from rollouts.jsonl: the K dialogues of the step's first scenario, one panel each,
+    per turn the reward r_t, the return G_t, MICA's A_turn and A_group, and the mixed A (cut-off turns
+    marked x, failed turns left out of the loss shaded)."""
+    records = last_lines_by([r for r in common.read_jsonl(Path(run_dir) / "rollouts.jsonl") if r["step"] == step],
+                            lambda r: (r["scenario_id"], r["k"]))
+    dialogues = [r for r in records if r["scenario_id"] == records[0]["scenario_id"]]
+    fig, axes = plt.subplots(1, len(dialogues), figsize=(3.4 * len(dialogues), 3.2), squeeze=False, sharey=True)
+    for ax, rec in zip(axes[0], dialogues):
+        t = [turn["t"] for turn in rec["turns"]]
+        for key, label in (("reward", "r_t"), ("G", "G_t"), ("A_turn", "A_turn"), ("A_group", "A_group"),
+                           ("advantage", "A")):
+            ax.plot(t, [turn[key] for turn in rec["turns"]], marker="o", markersize=3, label=label)
+        for turn in rec["turns"]:
+            if turn["truncated"]:
+                ax.plot(turn["t"], turn["reward"], "kx")
+            if turn["judge_failed"]:
+                ax.axvspan(turn["t"] - 0.4, turn["t"] + 0.4, color="0.85")
+        ax.axhline(0, color="0.6", linewidth=0.6)
+        ax.set_title(f"k={rec['k']}: {rec['outcome']}, d {rec['initial_distance']} -> {rec['final_distance']}",
+                     fontsize=8)
+        ax.set_xlabel("turn", fontsize=8)
+        ax.set_xticks(t)
+        ax.tick_params(labelsize=7)
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(f"{Path(run_dir).name}, step {step}, scenario {dialogues[0]['scenario_id']}: how MICA assigned "
+                 "credit", fontsize=9)
+    fig.tight_layout()
+    return save(fig, Path(run_dir) / f"credit_step{step}.png")
+
+
+def rubric_weights(run_dir: Path, dims) -> list[Path]:
+    """<run>/report.json (02's before / after RL) -> weights_by_turn.png and weights_by_emotion.png: the mean
+    rubric weights as stacked bars, before and after side by side."""
+    report = json.loads((Path(run_dir) / "report.json").read_text())
+    out = []
+    for name, key in (("turn index", "weights_by_turn"), ("user emotion", "weights_by_emotion")):
+        keys = list(dict.fromkeys([*report["before"][key], *report["after"][key]]))
+        fig, axes = plt.subplots(1, 2, figsize=(11, 3.6), sharey=True)
+        for ax, label in zip(axes, ("before", "after")):
+            table, bottom = report[label][key], [0.0] * len(keys)
+            for j, d in enumerate(dims):
+                vals = [table.get(k, {"w": [0.0] * len(dims)})["w"][j] for k in keys]
+                ax.bar(keys, vals, bottom=bottom, label=d)
+                bottom = [b + v for b, v in zip(bottom, vals)]
+            ax.set_title(f"mean rubric weights by {name}, {label} RL", fontsize=9)
+            ax.tick_params(axis="x", rotation=45 if max((len(k) for k in keys), default=0) > 3 else 0)
+        axes[0].set_ylabel("weight")
+        axes[1].legend(loc="upper right", fontsize=8)
+        fig.tight_layout()
+        out.append(save(fig, Path(run_dir) / f"{key}.png"))
+    return out
+
+
+# ---- 05's held-out pictures -------------------------------------------------------------------
