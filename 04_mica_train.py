@@ -718,8 +718,8 @@ def parse_args(argv=None):
     g.add_argument("--care-distance", choices=["weighted", "plain"], default="weighted",
                    help="with idr+care: weight turn t's distance by 3 w_t of its rubric (this project's design; "
                         "the rewards then do not telescope), or plain MICA IDR")
-    g.add_argument("--idr-weights", type=idr_weights, default=(1.0, 1.0, 1.0),
-                   help="w = (w_C, w_A, w_P) of the hinge distance")
+    g.add_argument("--idr-weights", nargs=3, type=common.number(low=0), default=(1.0, 1.0, 1.0),
+                   metavar=("W_C", "W_A", "W_P"), help="w = (w_C, w_A, w_P) of the hinge distance")
     g.add_argument("--truncation-penalty", type=float, default=0.5, help="a reply cut off at --max-new-tokens "
                    "loses this share of one turn's nominal reward range (IDR sqrt(3), RLVER 0.1, CARE and Kardia 1)")
     g.add_argument("--clip-low", type=common.number(low=0), default=0.2, help="ratio clip below: 1 - clip_low")
@@ -728,9 +728,9 @@ def parse_args(argv=None):
                    help="beta of the k3 KL to the base model (0 = off)")
     g.add_argument("--log-kl-every", type=int, default=5,
                    help="with --kl-coef 0, measure the KL to the base every N steps (one forward, no gradient)")
-    g.add_argument("--credit-steps", type=step_list, default=[],
-                   help="MICA: the steps whose credit picture credit_step<N>.png is "
-                   "drawn, comma-separated (default: this run's first and last)")
+    g.add_argument("--credit-steps", nargs="+", type=count, default=[],
+                   help="MICA: the steps whose credit picture credit_step<N>.png is drawn (default: this run's "
+                   "first and last)")
     g = p.add_argument_group("optimisation")
     g.add_argument("--steps", type=count, default=20, help="training steps (rollout + update)")
     g.add_argument("--scenarios-per-step", type=count, default=4,
@@ -773,32 +773,13 @@ def parse_reward_spec(spec: str) -> dict[str, float]:
     return out
 
 
-def idr_weights(text: str) -> tuple[float, ...]:
-    """--idr-weights: "1,1,1" -> (w_C, w_A, w_P), three numbers >= 0 (argparse's type)."""
-    try:
-        w = tuple(float(x) for x in text.split(","))
-    except ValueError:
-        w = ()
-    if len(w) != 3 or min(w) < 0:
-        raise argparse.ArgumentTypeError(f"must be 3 comma-separated numbers >= 0, got '{text}'")
-    return w
-
-
-def step_list(text: str) -> list[int]:
-    """--credit-steps: "1,20" -> [1, 20], sorted (argparse's type)."""
-    try:
-        return sorted({int(x) for x in text.split(",") if x.strip()})
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be step numbers, comma-separated, got '{text}'") from None
-
-
 def check_args(args):
     """What argparse's types cannot see (one message naming the flag, exit 2), and the reward spec parsed."""
     env.check_env_args(args)
     c = common.check
     c(args.k >= 2 or args.advantage == "reinforce_pp",
       f"--k must be >= 2 for --advantage {args.advantage} (it normalises within the K), got {args.k}")
-    c(all(1 <= x <= args.steps for x in args.credit_steps), f"--credit-steps must lie in 1..--steps {args.steps}")
+    c(all(x <= args.steps for x in args.credit_steps), f"--credit-steps must lie in 1..--steps {args.steps}")
     args.reward_weights = parse_reward_spec(args.reward)
     c("care" not in args.reward_weights or args.rubric == "uniform" or args.rubric_model,
       f"--reward {args.reward} with --rubric {args.rubric} needs --rubric-model (a 02_rubric_pref_rl.py adapter)")

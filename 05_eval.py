@@ -8,17 +8,20 @@ What it does
               index, and each adapter against the base, paired dialogue by dialogue (same scenario, k, seed):
               the IDR return d(P0) - d(P_T), the collapse share and the cut-off share, with a 95% t interval
               over scenarios (a scenario's K dialogues are not independent) and a verdict line each.
-    eqbench3  scenario_prompts.txt: each scenario's fixed user turns played to the model, then the judge
-              scores the task's criteria 0-20 (role-play and drafting; analysis: ids 401-420); replies are
-              capped at --max-new-tokens (48 by default: raise it for real results).
-    sage      SAGE / RLVER profiles on 03's rollout: emotion from 40, at most +-10 a turn, 10 turns.
-    emobench  EmoBench EU (emotion and cause) and EA (best response or action), multiple choice.
+    eqbench3  benchmarks/eqbench3.py: each scenario's fixed user turns played to the model, then the judge
+              scores the task's criteria 0-20; replies are capped at --max-new-tokens (48 by default: raise
+              it for real results).
+    sage      benchmarks/sage.py: SAGE / RLVER profiles on 03's rollout (handed to it): emotion from 40, at
+              most +-10 a turn, 10 turns.
+    emobench  benchmarks/emobench.py: EmoBench EU (emotion and cause) and EA (best response or action).
+  Each benchmark's loader, protocol, score and departures are in its own file's docstring.
   Each batch of --batch-size cases is appended to cases.jsonl when it is done, so --resume RUN skips the
   finished batches after a kill and reruns the rest whole (the same seeds and batch-mates as a run never
   stopped); --max-cases N samples N cases per suite and file (EMPA: N scenarios, K dialogues each),
   stratified by language and category, by --seed.
 
-Imports 03_rollout: the environment (scenarios, the batched rollout, judges, users, the EMPA state).
+Imports 03_rollout: the environment (scenarios, the batched rollout, judges, users, the EMPA state); and the
+        support modules benchmarks/ (the external benchmarks) and plots.py (the pictures).
 Reads   --scenarios, --eqbench3 (a scenario_prompts.txt; a 4-scenario sample ships), --sage-profiles (JSONL:
         id, player, scene, main_cha, cha_group, task, first_talk?), --emobench-eu / -ea (JSONL with EmoBench's
         fields); UTF-8, a byte-order mark or CRLF is fine. The defaults of the last four are small samples
@@ -36,21 +39,16 @@ Equations (docs/reference.md sections 3, 4, 6; r0 = ||P0||, rho_max = sqrt(12), 
              max(0, S_proj)/rho_max * 100;   tau = sum_t ||v_t|| / ||P0 - P_T|| -> (3 - tau)/2 * 100
   Stability  R_pos = the share of turns with dE_t > 0 -> R_pos * 100;   Align = (1/T) sum_t dE_t/||v_t|| (0 when
              v_t = 0) -> (Align + 1)/2 * 100;   R_pen = (1/T) sum_t sum_axis |negative level| -> (3 - R_pen)/3 * 100
-  EQ-Bench 3 score = 5 * the mean over tasks of (the mean of the task's criterion scores, each 0-20)
-  SAGE       e_0 = 40, e_t = min(100, max(0, e_{t-1} + clip(change_t, -10, 10))); ends at e >= 100 (success),
-             e < 10 (failure) or after --sage-turns; Sentient score = the mean final emotion
-  EmoBench   accuracy; an EU item is correct only when the emotion and the cause are both right
+  EQ-Bench 3, SAGE, EmoBench: their scores are in their files' docstrings (benchmarks/)
   95% CI     mean +- t_{0.975, n-1} * sd / sqrt(n) over n independent units: scenarios (EMPA: a scenario's
              dialogues averaged first), tasks, profiles, items; none below 2 units
 
 Choices and departures (numbered as in docs/evaluation.md, where each is in full)
   1. S_proj's u_t = v* (--s-proj step: -P_{t-1}/||P_{t-1}||); R_pen counts levels (--r-pen points).
   2. tau undefined (P_T = P0): its index is 0; no index is clamped.  3. Judge-failed turns are left out; a
-     case with no judged turn, or whose user failed, is excluded and counted.  4. SAGE runs on 03's rollout;
-     offline its emotion change comes from the levels (English only); without first_talk the user opens with
-     what an LLM user writes from the profile (offline: a line naming main_cha), never the scene.
-  5. EQ-Bench 3 offline is a PROXY of the embed judge's levels; analysis tasks are not scored.
-  6. EmoBench scores each option by its mean log-probability as the answer, each prompt computed once.
+     case with no judged turn, or whose user failed, is excluded and counted.  4-6. SAGE, EQ-Bench 3 (offline
+     a PROXY of the embed judge's levels) and EmoBench: their departures in benchmarks/sage.py, eqbench3.py
+     and emobench.py.
 
 CPU:  python 05_eval.py --adapters runs/mica-20261130-120000/adapter      (SmolLM2, embed judge, scripted user)
       make demo: after 04's 4 steps, --suite empa on 4 held-out scenarios x K=4 with the training rules
@@ -61,13 +59,11 @@ GPU:  python 05_eval.py --model Qwen2.5-7B-Instruct --adapters runs/mica-A/adapt
 from __future__ import annotations
 
 import argparse
-import copy
 import importlib
 import json
 import math
 import os
 import random
-import re
 import statistics
 import sys
 import zlib
@@ -78,6 +74,8 @@ import torch
 from tqdm import tqdm
 
 import common
+import plots
+from benchmarks import emobench, eqbench3, sage
 
 env = importlib.import_module("03_rollout")   # the environment: scenarios, judges, users, the rollout
 HERE = Path(__file__).resolve().parent
@@ -88,12 +86,6 @@ EPM_KEYS = ("EPM", "Outcome", "Efficiency", "Stability", "RDI_idx", "E_total_idx
 # the base-versus-adapter measures of the EMPA suite: (key, label, is higher better)
 PAIRED = (("idr_return", "IDR return", True), ("collapse", "collapse share", False),
           ("cut_off", "cut-off share", False))
-EQ_PROXY = "EQ-Bench 3 (offline proxy)"   # the column when the embed judge's levels stood in for the criteria
-# EmoBench's question templates ("en", "zh"), EQ-Bench 3's criteria (roleplay / analysis) and the axis that stands
-# in for each in the offline proxy, the judges' and SAGE's prompts (lists of lines), SAGE's offline opening
-TEXTS = json.loads((HERE / "data" / "prompts.json").read_text(encoding="utf-8"))
-TEXTS.update({k: "\n".join(TEXTS[k]) for k in ("eqbench3_judge", "sage_judge", "sage_first_message")})
-ROLEPLAY_CRITERIA, ANALYSIS_CRITERIA = (tuple(TEXTS["eqbench3_criteria"][k]) for k in ("roleplay", "analysis"))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -185,15 +177,15 @@ def main(argv=None):
     # 1. read and check every input before anything is created
     data = load_suite_data(args)
     common.check_model_args(args)
-    # 2. the run folder (new, or the one to resume: its finished batches are skipped)
+    # 2. the base model, loaded once, then the judge and the user (self: that base)
+    model, tok = common.load_policy(args, trainable=False)
+    judge = env.make_judge(args, (model, tok)) if {"empa", "eqbench3", "sage"} & set(args.suites) else None
+    user = env.make_user(args, (model, tok)) if {"empa", "sage"} & set(args.suites) else None
+    # 3. the run folder (new, or the one to resume: its finished batches are skipped)
     run_dir = common.open_run(args, ("cases.jsonl", "transcripts.jsonl"))
     done = {k for k, r in last_records(run_dir).items() if not r.get("failed")}
     if args.resume:
         print(f"resume {run_dir}: {len(done)} cases finished; batches of finished cases are skipped")
-    # 3. the base model, loaded once, then the judge and the user (self: that base)
-    model, tok = common.load_policy(args, trainable=False)
-    judge = env.make_judge(args, (model, tok)) if {"empa", "eqbench3", "sage"} & set(args.suites) else None
-    user = env.make_user(args, (model, tok)) if {"empa", "sage"} & set(args.suites) else None
     print(f"run folder {run_dir} | models: {', '.join(['base'] + args.adapters)} | device {common.pick_device()}")
     try:
         for label, adapter in [("base", None)] + [(a, a) for a in args.adapters]:
@@ -271,13 +263,15 @@ def case_ids(suite, unit, k) -> list[str]:
 
 
 def run_suite(suite, model, tok, batch, judge, user, args) -> tuple[list[dict], list[dict]]:
-    if suite != "emobench":
-        return {"empa": empa_cases, "eqbench3": eqbench3_cases, "sage": sage_cases}[suite](
-            model, tok, batch, judge, user, args)
-    choose = lambda qs: [max(range(len(s)), key=s.__getitem__)  # noqa: E731  the best mean log-probability
-                         for s in option_logliks(model, tok, qs, args.batch_size)]
-    return [c for kind in ("EU", "EA") for c in emobench_cases(
-        [it for it in batch if it["case"].startswith(kind + "-")], kind, choose)], []
+    """One batch of a suite -> (cases, transcripts): EMPA here, the others from benchmarks/ (SAGE on 03's
+    environment, handed to it)."""
+    if suite == "empa":
+        return empa_cases(model, tok, batch, judge, user, args)
+    if suite == "eqbench3":
+        return eqbench3.cases(model, tok, batch, judge, user, args)
+    if suite == "sage":
+        return sage.cases(model, tok, batch, judge, user, args, env)
+    return emobench.run(model, tok, batch, args.batch_size), []
 
 
 def empa_cases(model, tok, scenarios, judge, user, args) -> tuple[list[dict], list[dict]]:
@@ -303,209 +297,6 @@ def empa_cases(model, tok, scenarios, judge, user, args) -> tuple[list[dict], li
     return cases, transcripts
 
 
-def eqbench3_cases(model, tok, tasks, judge, user, args) -> tuple[list[dict], list[dict]]:
-    """The user is unused (the turns are fixed). Offline (no LLM judge) role-play and drafting get the proxy
-    scores and analysis tasks are not played: nothing offline can judge an analysis (reported as such)."""
-    llm = isinstance(judge, env.LLMJudge)
-    # 1. play each task's fixed user turns; every task of the batch answers its turn i in one generate call
-    unscored = [not llm and t["kind"] == "analysis" for t in tasks]
-    convs, cut = [[] for _ in tasks], list(unscored)       # cut: no further turns are played
-    for i in range(max(len(t["prompts"]) for t in tasks)):
-        live, ctx = [], []
-        for j, t in enumerate(tasks):
-            ids = common.render_ids(tok, convs[j] + [{"role": "user", "content": t["prompts"][i]}]) \
-                if i < len(t["prompts"]) and not cut[j] else None
-            if ids is not None and len(ids) + args.max_new_tokens > args.max_context:
-                cut[j], ids = True, None             # later turns do not fit: judged on what was played
-            if ids is not None:
-                live.append(j), ctx.append(ids)
-        replies = (common.generate_batch(model, tok, ctx, args.max_new_tokens, args.temperature, args.top_p)
-                   if live else [])
-        for j, (reply_ids, _) in zip(live, replies):
-            convs[j] += [{"role": "user", "content": tasks[j]["prompts"][i]},
-                         {"role": "assistant", "content": tok.decode(reply_ids, skip_special_tokens=True).strip()}]
-    # 2. the judge scores the task's criteria 0-20
-    criteria = [ANALYSIS_CRITERIA if t["kind"] == "analysis" else ROLEPLAY_CRITERIA for t in tasks]
-    if llm:
-        prompts = [[{"role": "user", "content": TEXTS["eqbench3_judge"].format(
-            kind=t["kind"], transcript="\n\n".join(f"[{m['role']}]\n{m['content']}" for m in c),
-            criteria="\n".join(f"- {x}" for x in cr), shape=json.dumps({x: 0 for x in cr}))}]
-            for t, c, cr in zip(tasks, convs, criteria)]
-        scores = common.ask_json(judge.backend, prompts, lambda i, text: parse_criteria(text, criteria[i]),
-                                 args.judge_retries, who="eqbench3 judge", noun="cases")
-    else:
-        scores = eqbench3_proxy_scores(convs, criteria, judge)
-    # 3. score = 5 * the mean of the task's criterion scores
-    cases, transcripts = [], []
-    for t, c, s, skip in zip(tasks, convs, scores, unscored):
-        s = s if c else None
-        case = {"case": t["id"], "kind": t["kind"], "category": t["category"], "replies": len(c) // 2,
-                "context_limit": not skip and len(c) // 2 < len(t["prompts"]),
-                "failed": None if s or skip else "judge failed" if c else "no turn fits in --max-context"}
-        if s:
-            case.update(criteria=s, score=5 * sum(s.values()) / len(s), proxy=not llm)
-        if skip:
-            case["unscored"] = "not scored (needs an LLM judge)"
-        cases.append(case)
-        transcripts.append({"case": t["id"], "messages": c})
-    return cases, transcripts
-
-
-def eqbench3_proxy_scores(convs, criteria, judge) -> list[dict | None]:
-    """The offline proxy (not EQ-Bench): the MDEP-PR levels of every reply -> per axis clip(10 + 5 (progress -
-    negative), 0, 20) -> each criterion the mean of its stand-in axis over the replies. A reply that is not
-    language (the judge's fluency check: gibberish, keyword salad) scores as an empty one: negative 1 everywhere."""
-    fluency_min, cases, owner = getattr(judge, "th", {}).get("fluency", 0.0), [], []
-    for j, c in enumerate(convs):
-        for i in range(1, len(c), 2):
-            cases.append({"scenario": {"id": str(j), "persona": "", "situation": ""}, "history": c[:i],
-                          "reply": c[i]["content"]})
-            owner.append(j)
-    per_axis = [{a: [] for a in env.AXES} for _ in convs]
-    for j, v in zip(owner, judge.judge(cases) if cases else []):
-        if v is not None:
-            not_language = v["features"].get("fluency", 1.0) < fluency_min
-            for a in env.AXES:
-                progress, negative = (0, 1) if not_language else v["levels"][a]
-                per_axis[j][a].append(max(0.0, min(20.0, 10.0 + 5.0 * (progress - negative))))
-    axis = TEXTS["eqbench3_proxy_axis"]      # the criterion's stand-in axis; None: no reply judged
-    return [{x: statistics.mean(per_axis[j][axis[x]]) for x in cr} if all(per_axis[j].values()) else None
-            for j, cr in enumerate(criteria)]
-
-
-def sage_scenario(p: dict, written: str | None = None) -> dict:
-    """A profile as 03's rollout and users see a scenario; p0 = 0 (the user's state is its emotion). The user
-    opens with first_talk, else what an LLM user wrote (sage_openings), else a short line naming main_cha:
-    never with the scene, the simulator's private background."""
-    offline = TEXTS["sage_offline_opening"][p["language"]].format(name=p["main_cha"].strip())
-    opening, source = ((p["first_talk"], "first_talk") if (p.get("first_talk") or "").strip() else
-                       (written, "user model") if written else (offline, "offline line"))
-    return {"id": p["id"], "persona": p["player"], "situation": f"{p['scene']} {p['task']}", "profile": p,
-            "opening": opening, "opening_from": source, "p0": [0.0, 0.0, 0.0],
-            "user_lines": TEXTS["sage_zh_lines"] if p["language"] == "zh" else env.DEFAULT_USER_LINES}
-
-
-def sage_openings(profiles, user, args) -> dict:
-    """{id: the first message} of the profiles without first_talk, written by the LLM user (any user with a
-    chat backend) from the profile, as SAGE's simulator does; asked again (--judge-retries) when empty or
-    reciting the scene. Missing where there is no LLM user or no usable answer (sage_scenario's line)."""
-    backend, need = getattr(user, "backend", None), [p for p in profiles if not (p.get("first_talk") or "").strip()]
-    if backend is None or not need:
-        return {}
-    prompts = [[{"role": "user", "content": TEXTS["sage_first_message"].format(
-        name=p["main_cha"], player=p["player"], scene=p["scene"], task=p["task"])}] for p in need]
-    scenes = [p["scene"].strip()[:120] for p in need]         # an answer that recites the scene is not usable
-    written = common.ask_json(backend, prompts, lambda i, t: t.strip() if t and t.strip() and not (
-        scenes[i] and scenes[i] in t) else None, args.judge_retries, who="sage user", noun="openings",
-        max_tokens=120, temperature=0.7)
-    if None in written:
-        common.warn(f"sage: {written.count(None)} of {len(need)} first messages unusable: the offline line instead")
-    return {p["id"]: w for p, w in zip(need, written) if w}
-
-
-class SageJudge:
-    """SAGE's simulator as the judge of 03's rollout: an LLM reads the reply and states the change of its
-    emotion (JSON, parsed, asked again when malformed: api: only). It gives no EMPA levels (v_t = 0)."""
-
-    def __init__(self, backend, retries: int):
-        self.backend, self.retries = backend, retries
-
-    def judge(self, cases: list[dict]) -> list[dict | None]:
-        prompts = [[{"role": "user", "content": TEXTS["sage_judge"].format(
-            player=c["scenario"]["persona"], scene=c["scenario"]["profile"]["scene"],
-            task=c["scenario"]["profile"]["task"], emotion=c["emotion"],
-            history="\n".join(common.transcript_lines(c["history"], user="You") + [f"Supporter: {c['reply']}"]))}]
-            for c in cases]
-        changes = common.ask_json(self.backend, prompts, lambda i, text: parse_change(text), self.retries,
-                                  who="sage judge", noun="cases")
-        return [None if ch is None else {"levels": {a: (0, 0) for a in env.AXES}, "features": {}, "change": ch}
-                for ch in changes]
-
-
-def sage_cases(model, tok, profiles, judge, user, args) -> tuple[list[dict], list[dict]]:
-    """03's rollout by SAGE's rules: one dialogue per profile, e_0 = --sage-start, at most --sage-turns, ending
-    at e >= 100 or e < 10. The change is the LLM judge's (SageJudge), or offline the embed judge's levels:
-    change_t = clip(2.5 * sum_axis v_t,axis, -10, 10) (03's emotion_change)."""
-    sage_args = argparse.Namespace(**{**vars(args), "k": 1, "max_turns": args.sage_turns,
-                                      "emotion_start": args.sage_start, "emotion_ends": True})
-    if isinstance(judge, env.LLMJudge):
-        judge = SageJudge(judge.backend, args.judge_retries)
-    elif any(p["language"] == "zh" for p in profiles):
-        common.warn("sage: Chinese profiles with the offline judge, whose cues are English: their emotion changes "
-                    "mean little (an LLM judge reads both)")
-    written = sage_openings(profiles, user, args)
-    cases, transcripts = [], []
-    for tr in env.rollout(model, tok, [sage_scenario(p, written.get(p["id"])) for p in profiles], judge, user,
-                          sage_args, desc="sage turns"):
-        changes = [e1 - e0 for e0, e1, v in zip(tr.emotions, tr.emotions[1:], tr.vs) if v is not None]
-        failed = "user failed" if tr.outcome == "user_failed" else "judge failed on every turn" if not changes else None
-        cases.append({"case": tr.scenario["id"], "opening": tr.scenario["opening_from"], "outcome": tr.outcome,
-                      "turns": tr.T, "judged_turns": len(changes), "final_emotion": tr.emotions[-1],
-                      "emotions": tr.emotions, "changes": changes, "failed": failed})
-        transcripts.append({"case": tr.scenario["id"], **env.trajectory_record(tr, sage_args)})
-    return cases, transcripts
-
-
-def mcq_prompt(item, question, options, emotion=None) -> str:
-    T = TEXTS["emobench"]["zh" if item["language"].lower().startswith(("zh", "ch")) else "en"]
-    lettered = "\n".join(f"{chr(65 + i)}. {o}" for i, o in enumerate(options))
-    qtype = item.get("question type", "").strip().lower()
-    text = T[question].format(scenario=item["scenario"], subject=item["subject"], emotion=emotion or T["this"],
-                              qtype=T["qtypes"].get(qtype, qtype))           # EA's type in the prompt's language
-    return text + T["choices"].format(choices=lettered) + T["loglik"]
-
-
-def emobench_cases(items, kind, choose) -> list[dict]:
-    """choose(questions) -> the chosen option index per {prompt, options} question. EU asks the emotion, then
-    the cause naming the chosen emotion; it is correct only when both are right."""
-    head = lambda it: {"case": it["case"], "task": kind, "language": it["language"], "failed": None,  # noqa: E731
-                       "category": it["category"] if kind == "EA" else it["coarse_category"]}
-    if kind == "EA":
-        picks = choose([{"prompt": mcq_prompt(it, "EA", it["choices"]), "options": it["choices"]} for it in items])
-        return [{**head(it), "pred": it["choices"][p], "answered": True,
-                 "correct": int(it["choices"][p] == it["label"])} for it, p in zip(items, picks)]
-    named = [it["emotion_choices"][p] for it, p in zip(items, choose(
-        [{"prompt": mcq_prompt(it, "emotion", it["emotion_choices"]), "options": it["emotion_choices"]}
-         for it in items]))]
-    cause = choose([{"prompt": mcq_prompt(it, "cause", it["cause_choices"], e), "options": it["cause_choices"]}
-                    for it, e in zip(items, named)])
-    out = []
-    for it, e, c in zip(items, named, cause):
-        emotion_ok, cause_ok = e == it["emotion_label"], it["cause_choices"][c] == it["cause_label"]
-        out.append({**head(it), "pred": [e, it["cause_choices"][c]], "answered": True,
-                    "emotion_correct": int(emotion_ok), "cause_correct": int(cause_ok),
-                    "correct": int(emotion_ok and cause_ok)})
-    return out
-
-
-@torch.no_grad()
-def option_logliks(model, tokenizer, questions: list[dict], batch_size: int) -> list[list[float]]:
-    """Multiple choice, {prompt, options} -> score(option) = (1/|o|) sum_j log pi(o_j | prompt, o_<j): the option
-    as the assistant's answer to the prompt as a user message. Each prompt is computed once: its forward pass
-    gives log pi(o_1 | prompt) and a KV cache, and its options run on copies of that cache, at most batch_size
-    at a time (right-padded): n options cost |prompt| + sum |o| tokens instead of n |prompt| + sum |o|."""
-    device, out = next(model.parameters()).device, []
-    for q in questions:
-        prompt = common.render_ids(tokenizer, [{"role": "user", "content": q["prompt"]}])
-        P, scores = len(prompt), []
-        head = model(input_ids=torch.tensor([prompt], device=device), use_cache=True, logits_to_keep=1)
-        first = head.logits[0, -1].float().log_softmax(-1)                 # log pi(. | prompt): scores o_1
-        opts = [tokenizer(o, add_special_tokens=False)["input_ids"] for o in q["options"]]
-        for start in range(0, len(opts), batch_size):
-            ids, attn, _ = common.right_pad(opts[start:start + batch_size], tokenizer.pad_token_id, device=device)
-            B, L = ids.shape
-            cache = copy.deepcopy(head.past_key_values)
-            cache.batch_select_indices(torch.zeros(B, dtype=torch.long, device=device))   # the prompt, B times
-            logits = model(input_ids=ids, attention_mask=torch.cat([attn.new_ones(B, P), attn], 1),
-                           position_ids=torch.arange(P, P + L, device=device).expand(B, L),
-                           past_key_values=cache, use_cache=True).logits      # [B, L, V]: position j predicts o_{j+1}
-            # sum_j log pi(o_j | prompt, o_<j): o_1 from the prompt's last position, o_j (j >= 2) from o_{j-1}'s
-            rest = logits[:, :-1].float().log_softmax(-1).gather(-1, ids[:, 1:, None]).squeeze(-1)    # [B, L-1]
-            scores += ((first[ids[:, 0]] + (rest * attn[:, 1:]).sum(1)) / attn.sum(1)).tolist()
-        out.append(scores)
-    return out
-
-
 def switch_adapter(model, path, name: str):
     """The peft adapter folder `path` onto the model (the base, or a PeftModel holding others) as `name`, made
     the active one for inference; the base weights are shared, not copied."""
@@ -521,101 +312,6 @@ def switch_adapter(model, path, name: str):
                                f"({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
     model.set_adapter(name)
     return model.eval()
-
-
-# loaders: EQ-Bench 3 text, SAGE profiles, EmoBench EU / EA
-def load_eqbench3(path) -> tuple[list[dict], dict]:
-    """scenario_prompts.txt -> tasks {id, category, title, kind, prompts, _where} and counts. Headers are 8 '#'
-    then `id | category | title` (spacing, extra or missing fields tolerated); turn markers are 7 '#' then
-    `Prompt<N>` or `<N>`. Lines outside a prompt and scenarios without prompts are counted, skipped."""
-    tasks, stats, cur, prompt = [], {"ignored_lines": 0, "empty_scenarios": 0, "duplicates": 0}, None, None
-    for lineno, line in common.text_lines(path):
-        head = re.match(r"^\s*#{8}(?!#)\s*(.*)$", line)
-        turn = re.match(r"^\s*#{7}(?!#)\s*(?:prompt\s*)?(\d+)\s*:?\s*$", line, re.I)
-        if head:
-            parts = [x.strip() for x in head.group(1).split("|")]
-            category = parts[1] if len(parts) > 2 else ""
-            sid = parts[0] or f"line{lineno}"
-            kind = ("analysis" if (sid.isdigit() and 401 <= int(sid) <= 420) or "analys" in category.lower()
-                    else "drafting" if "draft" in category.lower() else "roleplay")
-            title = " | ".join(parts[2:]) if len(parts) > 2 else (parts[1] if len(parts) == 2 else "")
-            tasks.append(cur := {"id": sid, "category": category, "title": title, "kind": kind, "prompts": [],
-                                 "_where": f"{path}:{lineno}"})
-            prompt = None
-        elif turn and cur is not None:
-            cur["prompts"].append(prompt := [])
-        elif prompt is not None:
-            prompt.append(line)
-        elif line.strip():
-            stats["ignored_lines"] += 1            # comments, notes before a scenario's first prompt
-    kept, seen = [], set()
-    for t in tasks:
-        t["prompts"] = [p for p in ("\n".join(lines).strip() for lines in t["prompts"]) if p]
-        if not t["prompts"]:
-            stats["empty_scenarios"] += 1
-        elif t["id"] in seen:
-            stats["duplicates"] += 1               # the first scenario with an id wins
-        else:
-            seen.add(t["id"])
-            kept.append(t)
-    common.check(kept, f"{path}: no scenarios with prompts (expected '######## <id> | <category> | <title>' "
-                       f"headers and '####### Prompt1' turn markers)")
-    stats.update(scenarios=len(kept), prompts=sum(len(t["prompts"]) for t in kept))
-    return kept, stats
-
-
-def load_sage_profiles(path) -> list[dict]:
-    recs = common.read_jsonl(path, {"id": (str, int), "player": str, "scene": str, "main_cha": str,
-                                    "cha_group": (str, list), "task": str}, {"first_talk": str}, unique=("id",))
-    for r in recs:       # the language, from the text (the profiles do not state it)
-        r["id"], r["language"] = str(r["id"]), "zh" if re.search(r"[\u4e00-\u9fff]", r["player"] + r["scene"]) else "en"
-    return recs
-
-
-EMOBENCH_FIELDS = {  # the public files' fields (EA's "question type" with its space)
-    "EU": {"qid": (str, int), "language": str, "coarse_category": str, "finegrained_category": str, "scenario": str,
-           "subject": str, "emotion_choices": list, "emotion_label": str, "cause_choices": list, "cause_label": str},
-    "EA": {"qid": (str, int), "language": str, "category": str, "question type": str, "scenario": str,
-           "subject": str, "choices": list, "label": str}}
-
-
-def load_emobench(path: str, kind: str) -> list[dict]:
-    recs = common.read_jsonl(path, EMOBENCH_FIELDS[kind], unique=("language", "qid"))
-    for r in recs:
-        for choices, label in ([("emotion_choices", "emotion_label"), ("cause_choices", "cause_label")]
-                               if kind == "EU" else [("choices", "label")]):
-            ok = len(r[choices]) >= 2 and all(isinstance(c, str) and c.strip() for c in r[choices])
-            common.check(ok, f"{r['_where']}: field '{choices}' must be a list of 2+ non-empty strings")
-            common.check(r[label] in r[choices], f"{r['_where']}: field '{label}' is not one of '{choices}'")
-        r["case"] = f"{kind}-{r['language']}-{r['qid']}"
-    return recs
-
-
-# LLM judge answers: JSON out of free text
-def parse_criteria(text, criteria) -> dict | None:
-    """{criterion: 0-20} for every criterion, or None."""
-    obj, out = common.first_json(text)[0], {}
-    if obj is None:
-        return None
-    for c in criteria:
-        x = obj.get(c)
-        x = float(x) if isinstance(x, str) and re.fullmatch(r"\s*\d+(\.\d+)?\s*", x) else x
-        if not isinstance(x, (int, float)) or isinstance(x, bool) or not 0 <= x <= 20:
-            return None
-        out[c] = float(x)
-    return out
-
-
-def parse_change(text) -> float | None:
-    """The SAGE simulator's emotion change, clipped to [-10, 10], or None."""
-    obj = common.first_json(text)[0]
-    x = obj.get("change") if obj else None
-    if x is None:
-        m = re.search(r'"?change"?\s*[:=]\s*([+-]?\d+(?:\.\d+)?)', text or "")
-        x = float(m.group(1)) if m else None
-    if not isinstance(x, (int, float)) or isinstance(x, bool) or not math.isfinite(x):
-        return None
-    return max(-10.0, min(10.0, float(x)))
 
 
 # results: the last record of every (model, suite, case), summaries, the table, plots
@@ -676,7 +372,7 @@ def fmt(mean_half, n=None) -> str:
 
 def results_table(summary: dict, suites) -> str:
     proxy = any(by.get("eqbench3", {}).get("proxy") for by in summary.values())
-    cols = {"empa": ["EMPA EPM-Index", "EMPA success %"], "eqbench3": [EQ_PROXY if proxy else "EQ-Bench 3"],
+    cols = {"empa": ["EMPA EPM-Index", "EMPA success %"], "eqbench3": [eqbench3.PROXY if proxy else "EQ-Bench 3"],
             "sage": ["SAGE Sentient", "SAGE success / failure"], "emobench": ["EmoBench EU %", "EmoBench EA %"]}
     head = [c for s in suites for c in cols[s]]
     lines = ["| model | " + " | ".join(head) + " |", "|---" * (len(head) + 1) + "|"]
@@ -711,8 +407,8 @@ def write_results(run_dir: Path, args) -> str:
           "mean ± 95% t interval over independent units (EMPA: scenarios, their K dialogues averaged first; "
           "EQ-Bench 3: tasks; SAGE: profiles; EmoBench: items); n = cases kept (for EMPA, its scenarios and their "
           "dialogues); failed cases are excluded and counted."]
-    if EQ_PROXY in table:
-        md += ["", f"{EQ_PROXY}: MDEP-PR levels stand in for the criteria (not EQ-Bench); analysis needs an LLM judge."]
+    if eqbench3.PROXY in table:
+        md += ["", f"{eqbench3.PROXY}: MDEP-PR levels stand in for the criteria (not EQ-Bench); analysis needs an LLM judge."]
     rows = [(m, by["empa"]) for m, by in summary.items() if by.get("empa", {}).get("n")]
     if rows:
         md += ["", "EMPA details (means over scenarios; the indices are scaled to 0-100, and RDI, tau and R_pen "
@@ -722,9 +418,11 @@ def write_results(run_dir: Path, args) -> str:
         md += [f"| {m} | {json.dumps(e['outcomes'])} | " + " | ".join(f"{e[k][0]:.2f}" for k in EPM_KEYS[1:]) + " |"
                for m, e in rows]
     md += ["", "```", *compared, "```"] if compared else []
+    def line(d, p):               # {name: value} as "name value, ..." at p decimals
+        return ", ".join(f"{k} {v:.{p}f}" for k, v in d.items())
+
     for m, by in summary.items():
         q, b = by.get("eqbench3", {}), by.get("emobench", {})
-        line = lambda d, p: ", ".join(f"{k} {v:.{p}f}" for k, v in d.items())  # noqa: E731
         md += ["", f"{m}, EQ-Bench 3 by task kind: {line(q['by_kind'], 2)}"] if q.get("n") else []
         for t in (t for t in ("EU", "EA") if t in b):
             md += ["", f"{m}, EmoBench {t} accuracy % by category: {line(b[t + '_by_category'], 1)}; by language: "
@@ -735,17 +433,19 @@ def write_results(run_dir: Path, args) -> str:
          "summary": summary, "comparison": comparison, "cases": records}, indent=1, ensure_ascii=False, default=str))
     for suite, key, ylabel, name in (("empa", "distances", "hinge distance d(P_t)", "distance_per_turn.png"),
                                      ("sage", "emotions", "user emotion e_t", "emotion_per_turn.png")):
-        series = {m: runs for m in models
-                  if (runs := [r[key] for r in records if r["model"] == m and r["suite"] == suite
-                               and not r.get("failed")])}
+        series = {}
+        for m in models:
+            runs = [r[key] for r in records if r["model"] == m and r["suite"] == suite and not r.get("failed")]
+            if runs:
+                series[m] = runs
         if series:
-            plot_series(series, ylabel, run_dir / name)
+            plots.series(series, ylabel, run_dir / name)
     if comparison:                 # the comparison as a picture, and one held-out case of each model
-        draw_comparison(comparison, run_dir / "comparison.png")
+        plots.comparison(comparison, PAIRED, run_dir / "comparison.png")
         dialogues = {(t["model"], t["case"]): t for t in read_lines(run_dir / "transcripts.jsonl")
                      if t["suite"] == "empa"}
         case = next(c for m, c in dialogues if m == "base" and all((a, c) in dialogues for a in comparison))
-        draw_trajectories({m: dialogues[m, case] for m in ["base", *comparison]}, run_dir / "trajectories.png")
+        plots.trajectories({m: dialogues[m, case] for m in ["base", *comparison]}, env.AXES, run_dir / "trajectories.png")
         compared += ["", f"one held-out dialogue, {case} (the same scenario, k and seed), "
                          "the distance after each turn:"]
         compared += side_by_side(dialogues["base", case], dialogues[next(iter(comparison)), case])
@@ -771,73 +471,6 @@ def side_by_side(left: dict, right: dict, width=58) -> list[str]:
         rows = itertools.zip_longest(column(left, t), column(right, t), fillvalue="")
         out += [f"{a:<{width}} | {b}" for a, b in rows]
     return out
-
-
-def draw_comparison(comparison: dict, path: Path):
-    """comparison.png: per measure, the base and each adapter, their means with the 95% t interval over
-    scenarios (written to a temporary file, then renamed)."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    adapters = list(comparison)
-    fig, axes = plt.subplots(1, len(PAIRED), figsize=(4.2 * len(PAIRED), 3.4), squeeze=False)
-    for ax, (key, label, higher) in zip(axes[0], PAIRED):
-        first = comparison[adapters[0]][key]
-        points = [("base", first["base_ci"])] + [(Path(a).parent.name or a, comparison[a][key]["adapter_ci"])
-                                                 for a in adapters]
-        for x, (name, (mean, half)) in enumerate(points):
-            ax.errorbar([x], [mean], yerr=[[half or 0.0], [half or 0.0]], fmt="o", capsize=5)
-        ax.set_xticks(range(len(points)), [name for name, _ in points], fontsize=7, rotation=15)
-        ax.set_title(f"{label} ({'higher' if higher else 'lower'} is better)", fontsize=9)
-        ax.tick_params(labelsize=7)
-    fig.suptitle(f"held out: mean and 95% t interval over {first['scenarios']} scenarios "
-                 f"({first['dialogues']} dialogues a model)", fontsize=9)
-    fig.tight_layout()
-    common.save_figure(fig, path)
-
-
-def draw_trajectories(dialogues: dict, path: Path):
-    """trajectories.png: one held-out case of each model, the state C, A, P after each turn (0: P0)."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(dialogues), figsize=(4 * len(dialogues), 3.2), squeeze=False, sharey=True)
-    for ax, (model, rec) in zip(axes[0], dialogues.items()):
-        states = [rec["p0"]] + [tu["state"] for tu in rec["turns"]]
-        for i, axis in enumerate(env.AXES):
-            ax.plot(range(len(states)), [P[i] for P in states], marker="o", markersize=3, label=axis)
-        ax.axhline(0, color="0.6", linewidth=0.6)
-        ax.set_title(f"{'base' if model == 'base' else Path(model).parent.name}: {rec['outcome']}", fontsize=8)
-        ax.set_xlabel("turn", fontsize=8), ax.tick_params(labelsize=7)
-    axes[0][0].set_ylabel("state P_t (the goal: every axis >= -eps)", fontsize=8), axes[0][0].legend(fontsize=7)
-    fig.suptitle(f"one held-out case, {rec['scenario_id']}#{rec['k']}, each model (the same seed)", fontsize=9)
-    fig.tight_layout()
-    common.save_figure(fig, path)
-
-
-def plot_series(series: dict, ylabel: str, path: Path, xlabel: str = "turn (0 = before the first reply)"):
-    """series: {model: [one list of values by turn per case]} -> per turn the mean and a +-1 sd band over the
-    cases still going, one line per model (a PNG at path). experiments/credit.py draws its seeds' learning
-    curves with it (its x axis: the evaluation step)."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for label, runs in series.items():
-        rows = [[r[t] for r in runs if len(r) > t] for t in range(max(len(r) for r in runs))]
-        means = [sum(v) / len(v) for v in rows]
-        sds = [common.mean_std(v)[1] if len(v) > 1 else 0.0 for v in rows]
-        ax.plot(range(len(rows)), means, label=f"{label} (n={len(runs)})")
-        ax.fill_between(range(len(rows)), [m - s for m, s in zip(means, sds)], [m + s for m, s in zip(means, sds)],
-                        alpha=0.2)
-    ax.set_xlabel(xlabel), ax.set_ylabel(ylabel)
-    ax.set_title(f"{ylabel}: mean and ±1 sd over those still going"), ax.legend(fontsize=8)
-    ax.xaxis.get_major_locator().set_params(integer=True)
-    fig.tight_layout()
-    common.save_figure(fig, path)
 
 
 def parse_args(argv=None):
@@ -892,16 +525,16 @@ def load_suite_data(args) -> dict:
     if "empa" in args.suites:
         data["empa"] = sample_cases(env.load_scenarios(args.scenarios), args, "empa", lambda s: (s.get("kind", ""),))
     if "eqbench3" in args.suites:
-        tasks, stats = load_eqbench3(args.eqbench3)
+        tasks, stats = eqbench3.load(args.eqbench3)
         print(f"eqbench3: read {stats['scenarios']} scenarios and {stats['prompts']} prompts from {args.eqbench3} "
               f"({stats['ignored_lines']} lines outside prompts, {stats['empty_scenarios']} scenarios without prompts "
               f"and {stats['duplicates']} duplicate ids skipped)")
         data["eqbench3"] = sample_cases(tasks, args, "eqbench3", lambda t: (t["kind"],))
     if "sage" in args.suites:
-        data["sage"] = sample_cases(load_sage_profiles(args.sage_profiles), args, "sage", lambda p: (p["language"],))
+        data["sage"] = sample_cases(sage.load_profiles(args.sage_profiles), args, "sage", lambda p: (p["language"],))
     if "emobench" in args.suites:
         data["emobench"] = [it for kind in ("EU", "EA") for it in sample_cases(
-            load_emobench(getattr(args, f"emobench_{kind.lower()}"), kind), args, f"emobench {kind}",
+            emobench.load(getattr(args, f"emobench_{kind.lower()}"), kind), args, f"emobench {kind}",
             lambda it: (it["language"], it.get("coarse_category", it.get("category"))))]
     return data
 
@@ -928,7 +561,9 @@ def sample_cases(units: list, args, name: str, strata) -> list:
         return [i for g, m in groups.items() for i in take(m, share[g], level + 1)]
 
     picked = [units[i] for i in sorted(take(list(range(len(units))), n, 0))]
-    label = lambda u: "/".join(map(str, strata(u)))  # noqa: E731
+    def label(u):                 # the stratum's name, e.g. "en/Sadness"
+        return "/".join(map(str, strata(u)))
+
     have, taken = Counter(map(label, units)), Counter(map(label, picked))      # units per stratum
     print(f"{name}: --max-cases {n} of {len(units)}, stratified (seed {args.seed}): "
           + ", ".join(f"{k} {taken[k]}/{have[k]}" for k in have))

@@ -115,3 +115,60 @@ def rubric_weights(run_dir: Path, dims) -> list[Path]:
 
 
 # ---- 05's held-out pictures -------------------------------------------------------------------
+def comparison(comparison: dict, measures, path: Path) -> Path:
+    """comparison.png: per measure, the base and each adapter, their means with the 95% t interval over
+    scenarios (written to a temporary file, then renamed)."""
+    adapters = list(comparison)
+    fig, axes = plt.subplots(1, len(measures), figsize=(4.2 * len(measures), 3.4), squeeze=False)
+    for ax, (key, label, higher) in zip(axes[0], measures):
+        first = comparison[adapters[0]][key]
+        points = [("base", first["base_ci"])] + [(Path(a).parent.name or a, comparison[a][key]["adapter_ci"])
+                                                 for a in adapters]
+        for x, (name, (mean, half)) in enumerate(points):
+            ax.errorbar([x], [mean], yerr=[[half or 0.0], [half or 0.0]], fmt="o", capsize=5)
+        ax.set_xticks(range(len(points)), [name for name, _ in points], fontsize=7, rotation=15)
+        ax.set_title(f"{label} ({'higher' if higher else 'lower'} is better)", fontsize=9)
+        ax.tick_params(labelsize=7)
+    fig.suptitle(f"held out: mean and 95% t interval over {first['scenarios']} scenarios "
+                 f"({first['dialogues']} dialogues a model)", fontsize=9)
+    fig.tight_layout()
+    return save(fig, path)
+
+
+def trajectories(dialogues: dict, axes_names, path: Path) -> Path:
+    """trajectories.png: one held-out case of each model, the state C, A, P after each turn (0: P0)."""
+    fig, axes = plt.subplots(1, len(dialogues), figsize=(4 * len(dialogues), 3.2), squeeze=False, sharey=True)
+    for ax, (model, rec) in zip(axes[0], dialogues.items()):
+        states = [rec["p0"]] + [tu["state"] for tu in rec["turns"]]
+        for i, axis in enumerate(axes_names):
+            ax.plot(range(len(states)), [P[i] for P in states], marker="o", markersize=3, label=axis)
+        ax.axhline(0, color="0.6", linewidth=0.6)
+        ax.set_title(f"{'base' if model == 'base' else Path(model).parent.name}: {rec['outcome']}", fontsize=8)
+        ax.set_xlabel("turn", fontsize=8)
+        ax.tick_params(labelsize=7)
+    axes[0][0].set_ylabel("state P_t (the goal: every axis >= -eps)", fontsize=8)
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(f"one held-out case, {rec['scenario_id']}#{rec['k']}, each model (the same seed)", fontsize=9)
+    fig.tight_layout()
+    return save(fig, path)
+
+
+def series(curves: dict, ylabel: str, path: Path, xlabel: str = "turn (0 = before the first reply)") -> Path:
+    """curves: {model: [one list of values by turn per case]} -> per turn the mean and a +-1 sd band over the
+    cases still going, one line per model (a PNG at path). experiments/credit.py draws its seeds' learning
+    curves with it (its x axis: the evaluation step)."""
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for label, runs in curves.items():
+        rows = [[r[t] for r in runs if len(r) > t] for t in range(max(len(r) for r in runs))]
+        means = [sum(v) / len(v) for v in rows]
+        sds = [common.mean_std(v)[1] if len(v) > 1 else 0.0 for v in rows]
+        ax.plot(range(len(rows)), means, label=f"{label} (n={len(runs)})")
+        ax.fill_between(range(len(rows)), [m - s for m, s in zip(means, sds)], [m + s for m, s in zip(means, sds)],
+                        alpha=0.2)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(f"{ylabel}: mean and ±1 sd over those still going")
+    ax.legend(fontsize=8)
+    ax.xaxis.get_major_locator().set_params(integer=True)
+    fig.tight_layout()
+    return save(fig, path)

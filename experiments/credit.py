@@ -59,10 +59,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
+import plots  # noqa: E402
 
 env = importlib.import_module("03_rollout")        # the EMPA state, IDR, episode rules, scenarios
 trainer = importlib.import_module("04_mica_train")  # the advantage estimators
-evaluation = importlib.import_module("05_eval")     # the t interval over independent units, the curves' picture
+evaluation = importlib.import_module("05_eval")     # the t interval over independent units
 
 AXES = env.AXES                                       # ("C", "A", "P")
 MOVES = ("validate", "clarify", "reflect", "suggest", "affirm", "lecture", "change_subject")
@@ -461,7 +462,7 @@ def main(argv=None):
         for r in rows:
             f.write(json.dumps(r) + "\n")
     # the learning curves: mean and +-1 sd over the seeds, 05's picture with its x axis named for this
-    evaluation.plot_series({e["name"]: [r["curve"] for r in rows if r["estimator"] == e["name"]] for e in estimators},
+    plots.series({e["name"]: [r["curve"] for r in rows if r["estimator"] == e["name"]] for e in estimators},
                            "held-out IDR return", out / "credit.png",
                            xlabel=f"evaluation (every {args.eval_every} training steps)")
     text = table(rows, estimators, threshold, uniform, greedy, ceiling, args, time.time() - t0)

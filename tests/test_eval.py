@@ -11,6 +11,7 @@ import pytest
 
 import common
 import offline
+from benchmarks import emobench, eqbench3, sage
 from conftest import ROOT, LoopbackServer, ok, prompt_text, run_script, write_jsonl
 
 ev = importlib.import_module("05_eval")
@@ -46,7 +47,7 @@ def test_epm_tau_undefined_and_ci():
 
 
 def test_eqbench3_sample_and_irregular_text(tmp_path):
-    tasks, stats = ev.load_eqbench3(SAMPLES / "eqbench3_sample.txt")
+    tasks, stats = eqbench3.load(SAMPLES / "eqbench3_sample.txt")
     assert (stats["scenarios"], stats["prompts"]) == (4, 7)
     assert [(t["id"], t["kind"], len(t["prompts"])) for t in tasks] == [
         ("1", "roleplay", 3), ("7", "drafting", 2), ("15", "roleplay", 1), ("402", "analysis", 1)]
@@ -58,7 +59,7 @@ def test_eqbench3_sample_and_irregular_text(tmp_path):
             "######## 3 | Dup | same id again\r\n####### Prompt1\r\ndup\r\n"
             "######## 405 | Something | analysis by id\r\n####### 1\r\nread this\r\n#######  2\r\nand this")
     (tmp_path / "odd.txt").write_bytes(text.encode())
-    tasks, stats = ev.load_eqbench3(tmp_path / "odd.txt")
+    tasks, stats = eqbench3.load(tmp_path / "odd.txt")
     assert [t["id"] for t in tasks] == ["3", "9", "405"]
     assert stats == {"scenarios": 3, "prompts": 5, "ignored_lines": 4, "empty_scenarios": 1, "duplicates": 1}
     assert tasks[0]["prompts"] == ["first\n\nstill first", "second"]
@@ -67,50 +68,50 @@ def test_eqbench3_sample_and_irregular_text(tmp_path):
     assert tasks[2]["kind"] == "analysis" and tasks[2]["prompts"] == ["read this", "and this"]
     (tmp_path / "none.txt").write_text("# nothing\n## Prompt1\n")
     with pytest.raises(common.UserError, match="no scenarios with prompts"):
-        ev.load_eqbench3(tmp_path / "none.txt")
+        eqbench3.load(tmp_path / "none.txt")
     (tmp_path / "bin.txt").write_bytes(b"######## 1 | a | b\n####### 1\n\xff\xfe\n")
     with pytest.raises(common.UserError, match=r"bin.txt:3: not UTF-8"):
-        ev.load_eqbench3(tmp_path / "bin.txt")
+        eqbench3.load(tmp_path / "bin.txt")
 
 
 def test_sage_profiles_including_chinese(tmp_path):
-    profiles = ev.load_sage_profiles(SAMPLES / "sage_profiles.jsonl")
+    profiles = sage.load_profiles(SAMPLES / "sage_profiles.jsonl")
     zh = [p for p in profiles if "林晓" in p["player"]][0]
     assert zh["first_talk"].startswith("我被调岗了") and zh["cha_group"] == ["林晓", "朋友"]
-    s = ev.sage_scenario(zh)
-    assert s["opening"] == zh["first_talk"] and s["user_lines"] is ev.TEXTS["sage_zh_lines"]
+    s = sage.scenario(zh)
+    assert s["opening"] == zh["first_talk"] and s["user_lines"] is sage.TEXTS["sage_zh_lines"]
     assert [p["language"] for p in profiles] == ["en", "zh", "zh", "en"]
     no_first = [p for p in profiles if "first_talk" not in p][0]     # offline: a short line naming main_cha
-    s = ev.sage_scenario(no_first)
+    s = sage.scenario(no_first)
     assert (s["opening"], s["opening_from"]) == ("你好，我是老陈。能跟你聊聊吗？有件事一直压在我心里。", "offline line")
-    assert ev.sage_scenario(no_first, "儿子又不回来过年了。")["opening"] == "儿子又不回来过年了。"
-    assert ev.sage_scenario(profiles[0])["user_lines"] is ev.env.DEFAULT_USER_LINES
+    assert sage.scenario(no_first, "儿子又不回来过年了。")["opening"] == "儿子又不回来过年了。"
+    assert sage.scenario(profiles[0])["user_lines"] == ev.env.DEFAULT_USER_LINES
     en = {**profiles[0], "first_talk": "  "}                         # blank first_talk: not used
-    assert ev.sage_scenario(en)["opening"] == \
+    assert sage.scenario(en)["opening"] == \
         "Hi, I'm Dev. Can I talk to you about something? It's been weighing on me."
     for p in profiles + [en]:                                        # no dialogue opens with (part of) its scene
-        assert p["scene"][:40] not in ev.sage_scenario(p)["opening"]
+        assert p["scene"][:40] not in sage.scenario(p)["opening"]
     bad = {k: v for k, v in zh.items() if k not in ("task", "_where")}
     write_jsonl(tmp_path / "p.jsonl", [{k: v for k, v in zh.items() if k != "_where"}, bad])
     with pytest.raises(common.UserError, match=r"p.jsonl:2: missing field 'task'"):
-        ev.load_sage_profiles(tmp_path / "p.jsonl")
+        sage.load_profiles(tmp_path / "p.jsonl")
 
 
 def test_emobench_loaders(tmp_path):
-    eu = ev.load_emobench(str(SAMPLES / "emobench_eu.jsonl"), "EU")
-    ea = ev.load_emobench(str(SAMPLES / "emobench_ea.jsonl"), "EA")
+    eu = emobench.load(str(SAMPLES / "emobench_eu.jsonl"), "EU")
+    ea = emobench.load(str(SAMPLES / "emobench_ea.jsonl"), "EA")
     assert len(eu) == 6 and len(ea) == 6
     assert {r["language"] for r in eu} == {"en", "zh"} == {r["language"] for r in ea}
     assert "question type" in ea[0] and eu[3]["case"] == "EU-zh-1"
     item = {k: v for k, v in ea[0].items() if k not in ("_where", "case")}
     write_jsonl(tmp_path / "ea.jsonl", [item, {**item, "qid": 9, "label": "not a choice"}])
     with pytest.raises(common.UserError, match=r"ea.jsonl:2: field 'label' is not one of 'choices'"):
-        ev.load_emobench(str(tmp_path / "ea.jsonl"), "EA")
+        emobench.load(str(tmp_path / "ea.jsonl"), "EA")
     write_jsonl(tmp_path / "ea2.jsonl", [{k: v for k, v in item.items() if k != "question type"}])
     with pytest.raises(common.UserError, match=r"ea2.jsonl:1: missing field 'question type'"):
-        ev.load_emobench(str(tmp_path / "ea2.jsonl"), "EA")
+        emobench.load(str(tmp_path / "ea2.jsonl"), "EA")
     with pytest.raises(common.UserError, match="no_such_file.jsonl: no such file"):    # paths only, no hub names
-        ev.load_emobench("no_such_file.jsonl", "EU")
+        emobench.load("no_such_file.jsonl", "EU")
 
 
 def variants(tmp_path, name, text) -> dict:
@@ -140,9 +141,9 @@ def test_every_loader_reads_a_bom_and_a_crlf_file_as_the_plain_one(tmp_path, loa
         text = text[text.index("######## 1 |"):]
     if loader == "read_jsonl":                        # U+2028 inside a record is no line end
         text += json.dumps({"id": "x", "note": "a\u2028b"}, ensure_ascii=False) + "\n"
-    read = {"eqbench3": ev.load_eqbench3, "eqbench3_header_first": ev.load_eqbench3, "sage": ev.load_sage_profiles,
-            "emobench_eu": lambda p: ev.load_emobench(str(p), "EU"),
-            "emobench_ea": lambda p: ev.load_emobench(str(p), "EA"),
+    read = {"eqbench3": eqbench3.load, "eqbench3_header_first": eqbench3.load, "sage": sage.load_profiles,
+            "emobench_eu": lambda p: emobench.load(str(p), "EU"),
+            "emobench_ea": lambda p: emobench.load(str(p), "EA"),
             "scenarios": ev.env.load_scenarios, "read_jsonl": common.read_jsonl}[loader]
     files = variants(tmp_path, source.name, text)
     got = {tag: as_read(read(p), p) for tag, p in files.items()}
@@ -167,21 +168,21 @@ def test_json_errors_name_the_column_once(tmp_path):
     write_jsonl(p, [{"id": "a", "first_talk": 3, "player": "p", "scene": "s", "main_cha": "m", "cha_group": [],
                      "task": "t"}])
     with pytest.raises(common.UserError, match=r"x.jsonl:1: field 'first_talk' must be str, got int"):
-        ev.load_sage_profiles(p)
+        sage.load_profiles(p)
     item = json.loads((SAMPLES / "emobench_ea.jsonl").read_text(encoding="utf-8").splitlines()[0])
     write_jsonl(p, [item, {**item, "scenario": "another"}])
     with pytest.raises(common.UserError, match=r"x.jsonl:2: language, qid 'en/1' again \(first on line 1\)"):
-        ev.load_emobench(str(p), "EA")
+        emobench.load(str(p), "EA")
 
 
 def test_the_chinese_ea_prompt_names_the_question_type_in_chinese():
-    ea = ev.load_emobench(str(SAMPLES / "emobench_ea.jsonl"), "EA")
-    zh = {it["question type"]: ev.mcq_prompt(it, "EA", it["choices"]) for it in ea if it["language"] == "zh"}
+    ea = emobench.load(str(SAMPLES / "emobench_ea.jsonl"), "EA")
+    zh = {it["question type"]: emobench.mcq_prompt(it, "EA", it["choices"]) for it in ea if it["language"] == "zh"}
     assert "最有效的回应是什么" in zh["Response"] and "最有效的行动是什么" in zh["Action"]
     for prompt in zh.values():                       # the question line has no English in it
         question = prompt.splitlines()[1]
         assert question.startswith("问题：") and not any("a" <= ch.lower() <= "z" for ch in question)
-    en = [ev.mcq_prompt(it, "EA", it["choices"]) for it in ea if it["language"] == "en"]
+    en = [emobench.mcq_prompt(it, "EA", it["choices"]) for it in ea if it["language"] == "en"]
     assert "the most effective action for Lena?" in en[0]
 
 
@@ -214,7 +215,7 @@ def test_max_cases_samples_by_language_and_category(tmp_path, capsys):
             assert got == want, (order, seed)
             picks[order, seed] = sorted(it["case"] for it in taken)
     assert picks[None, 0] == sorted(it["case"] for it in ev.sample_cases(
-        ev.load_emobench(str(tmp_path / "eaNone.jsonl"), "EA"), ev.parse_args(["--max-cases", "20"]), "emobench EA",
+        emobench.load(str(tmp_path / "eaNone.jsonl"), "EA"), ev.parse_args(["--max-cases", "20"]), "emobench EA",
         lambda it: (it["language"], it["category"])))                   # the same seed draws the same items
     assert picks[None, 0] != picks[None, 7]
     out = capsys.readouterr().out
@@ -225,7 +226,7 @@ def test_max_cases_samples_by_language_and_category(tmp_path, capsys):
 
 def test_the_offline_proxy_scores_empty_and_gibberish_replies_clearly_below_a_supportive_one():
     judge = offline.EmbedJudge(ROOT / "data" / "judge_prototypes.json")
-    task = ev.load_eqbench3(SAMPLES / "eqbench3_sample.txt")[0][0]
+    task = eqbench3.load(SAMPLES / "eqbench3_sample.txt")[0][0]
     replies = {"empty": "", "gibberish": "blorp fzzt quaxle wub wub zindo prrk.",
                "keyword salad": "meeting manager mock-ups VP launch Greg credit onboarding redesign weeks",
                "supportive": "I'm thinking that Greg took credit for six weeks of my work on the onboarding "
@@ -235,7 +236,7 @@ def test_the_offline_proxy_scores_empty_and_gibberish_replies_clearly_below_a_su
                              "be visible.'"}
     convs = [[{"role": "user", "content": task["prompts"][0]}, {"role": "assistant", "content": r}]
              for r in replies.values()]
-    scores = ev.eqbench3_proxy_scores(convs, [ev.ROLEPLAY_CRITERIA] * len(convs), judge)
+    scores = eqbench3.proxy_scores(convs, [eqbench3.ROLEPLAY_CRITERIA] * len(convs), judge)
     score = {k: 5 * sum(s.values()) / len(s) for k, s in zip(replies, scores)}
     assert score["empty"] == 25.0 and score["keyword salad"] == 25.0       # negative 1 on every axis: 5/20 each
     assert score["supportive"] >= 60.0
@@ -264,16 +265,16 @@ def test_emobench_shared_prompt_scoring_gives_the_old_choices_on_the_sample(tiny
 
     tok = common.load_tokenizer(tiny_model)
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
-    eu = ev.load_emobench(str(SAMPLES / "emobench_eu.jsonl"), "EU")
-    ea = ev.load_emobench(str(SAMPLES / "emobench_ea.jsonl"), "EA")
-    questions = ([{"prompt": ev.mcq_prompt(it, "EA", it["choices"]), "options": it["choices"]} for it in ea]
-                 + [{"prompt": ev.mcq_prompt(it, "emotion", it["emotion_choices"]),
+    eu = emobench.load(str(SAMPLES / "emobench_eu.jsonl"), "EU")
+    ea = emobench.load(str(SAMPLES / "emobench_ea.jsonl"), "EA")
+    questions = ([{"prompt": emobench.mcq_prompt(it, "EA", it["choices"]), "options": it["choices"]} for it in ea]
+                 + [{"prompt": emobench.mcq_prompt(it, "emotion", it["emotion_choices"]),
                      "options": it["emotion_choices"]} for it in eu]
-                 + [{"prompt": ev.mcq_prompt(it, "cause", it["cause_choices"], it["emotion_label"]),
+                 + [{"prompt": emobench.mcq_prompt(it, "cause", it["cause_choices"], it["emotion_label"]),
                      "options": it["cause_choices"]} for it in eu])
     old = old_option_logliks(model, tok, questions)
     for batch_size in (1, 3, 8):                     # options in one batch, or split across several
-        new = ev.option_logliks(model, tok, questions, batch_size)
+        new = emobench.option_logliks(model, tok, questions, batch_size)
         assert [max(range(len(s)), key=s.__getitem__) for s in new] == \
             [max(range(len(s)), key=s.__getitem__) for s in old]
         for a, b in zip(new, old):
@@ -281,8 +282,8 @@ def test_emobench_shared_prompt_scoring_gives_the_old_choices_on_the_sample(tiny
 
 
 def test_emobench_scoring_with_a_fake_scorer():
-    eu = ev.load_emobench(str(SAMPLES / "emobench_eu.jsonl"), "EU")
-    ea = ev.load_emobench(str(SAMPLES / "emobench_ea.jsonl"), "EA")
+    eu = emobench.load(str(SAMPLES / "emobench_eu.jsonl"), "EU")
+    ea = emobench.load(str(SAMPLES / "emobench_ea.jsonl"), "EA")
     asked = []
 
     def fake(questions):
@@ -297,7 +298,7 @@ def test_emobench_scoring_with_a_fake_scorer():
             picks.append((q["options"].index(gold) + 1) % len(q["options"]) if wrong else q["options"].index(gold))
         return picks
 
-    cases = ev.emobench_cases(eu, "EU", fake) + ev.emobench_cases(ea, "EA", fake)
+    cases = emobench.cases(eu, "EU", fake) + emobench.cases(ea, "EA", fake)
     by = {c["case"]: c for c in cases}
     assert by["EU-en-2"]["emotion_correct"] == 1 and by["EU-en-2"]["cause_correct"] == 0
     assert by["EU-en-2"]["correct"] == 0                     # EU needs both the emotion and the cause
@@ -323,17 +324,17 @@ class FakeChat:
 
 
 def test_an_llm_user_writes_the_first_message_without_reciting_the_scene():
-    profiles = ev.load_sage_profiles(SAMPLES / "sage_profiles.jsonl")
+    profiles = sage.load_profiles(SAMPLES / "sage_profiles.jsonl")
     no_first = [p for p in profiles if "first_talk" not in p][0]
     args = type("A", (), {"judge_retries": 1})()
     # first answer recites the scene (rejected, asked again), the second is the character speaking
     user = type("U", (), {"backend": FakeChat([no_first["scene"] + " 我该怎么办？", "  儿子今年又不回家过年了。  "])})()
-    written = ev.sage_openings(profiles, user, args)
+    written = sage.openings(profiles, user, args)
     assert written == {no_first["id"]: "儿子今年又不回家过年了。"}
     assert len(user.backend.asked) == 2 and no_first["player"] in user.backend.asked[0][0]["content"]
-    s = ev.sage_scenario(no_first, written[no_first["id"]])
+    s = sage.scenario(no_first, written[no_first["id"]])
     assert (s["opening"], s["opening_from"]) == ("儿子今年又不回家过年了。", "user model")
-    assert ev.sage_openings(profiles, offline.ScriptedUser(0), args) == {}      # scripted: the offline line
+    assert sage.openings(profiles, offline.ScriptedUser(0), args) == {}      # scripted: the offline line
 
 
 def test_option_loglik_matches_a_direct_computation(tiny_model):
@@ -344,7 +345,7 @@ def test_option_loglik_matches_a_direct_computation(tiny_model):
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
     q = {"prompt": "I feel so alone since my dad died.",
          "options": ["That sounds really painful.", "What happened next?", "alone", "我很难过"]}
-    got = ev.option_logliks(model, tok, [q, q], batch_size=3)      # the options in padded batches of 3 and 1
+    got = emobench.option_logliks(model, tok, [q, q], batch_size=3)      # the options in padded batches of 3 and 1
     prompt = ev.common.render_ids(tok, [{"role": "user", "content": q["prompt"]}])
     want = []
     with torch.no_grad():
@@ -356,17 +357,17 @@ def test_option_loglik_matches_a_direct_computation(tiny_model):
 
 
 def test_judge_answer_parsing():
-    crit = ev.ROLEPLAY_CRITERIA
+    crit = eqbench3.ROLEPLAY_CRITERIA
     good = "Sure.\n```json\n" + json.dumps({c: 12 for c in crit}) + "\n```"
-    assert ev.parse_criteria(good, crit) == {c: 12.0 for c in crit}
-    assert ev.parse_criteria(json.dumps({c: "7" for c in crit}), crit)["pragmatic_ei"] == 7.0
-    assert ev.parse_criteria(json.dumps({c: 21 for c in crit}), crit) is None          # out of 0-20
-    assert ev.parse_criteria(json.dumps({crit[0]: 5}), crit) is None                     # a criterion missing
-    assert ev.parse_criteria("no json", crit) is None and ev.parse_criteria(None, crit) is None
-    assert ev.parse_change('{"analysis": "ok", "change": 4}') == 4.0
-    assert ev.parse_change('{"change": -25}') == -10.0                                  # clipped
-    assert ev.parse_change('analysis... change: +3') == 3.0
-    assert ev.parse_change('{"change": "a lot"}') is None and ev.parse_change("") is None
+    assert eqbench3.parse_criteria(good, crit) == {c: 12.0 for c in crit}
+    assert eqbench3.parse_criteria(json.dumps({c: "7" for c in crit}), crit)["pragmatic_ei"] == 7.0
+    assert eqbench3.parse_criteria(json.dumps({c: 21 for c in crit}), crit) is None          # out of 0-20
+    assert eqbench3.parse_criteria(json.dumps({crit[0]: 5}), crit) is None                     # a criterion missing
+    assert eqbench3.parse_criteria("no json", crit) is None and eqbench3.parse_criteria(None, crit) is None
+    assert sage.parse_change('{"analysis": "ok", "change": 4}') == 4.0
+    assert sage.parse_change('{"change": -25}') == -10.0                                  # clipped
+    assert sage.parse_change('analysis... change: +3') == 3.0
+    assert sage.parse_change('{"change": "a lot"}') is None and sage.parse_change("") is None
 
 
 @pytest.mark.parametrize("flags, make, message", [
@@ -467,7 +468,7 @@ def test_eval_script_all_suites_with_an_adapter_then_resume(tiny_model, tiny_ada
     assert f"held out: {tiny_adapter} vs base on 4 scenarios, 4 dialogues paired" in p.stdout
     assert res["comparison"][tiny_adapter]["idr_return"]["scenarios"] == 4
     transcripts = [json.loads(x) for x in (run / "transcripts.jsonl").read_text(encoding="utf-8").splitlines()]
-    profiles = {p["id"]: p for p in ev.load_sage_profiles(SAMPLES / "sage_profiles.jsonl")}
+    profiles = {p["id"]: p for p in sage.load_profiles(SAMPLES / "sage_profiles.jsonl")}
     for t in (t for t in transcripts if t["suite"] == "sage"):      # no SAGE dialogue opens with its scene
         assert profiles[t["case"]]["scene"][:40] not in t["turns"][0]["user"]
     assert (run / "distance_per_turn.png").exists() and (run / "emotion_per_turn.png").exists()
@@ -503,7 +504,7 @@ def test_eval_with_an_llm_judge_on_a_loopback_server_then_endpoint_down(tiny_mod
         text = prompt_text(body)
         if "EQ-Bench" in text:
             calls["eq"] += 1
-            crit = ev.ANALYSIS_CRITERIA if "task (analysis)" in text else ev.ROLEPLAY_CRITERIA
+            crit = eqbench3.ANALYSIS_CRITERIA if "task (analysis)" in text else eqbench3.ROLEPLAY_CRITERIA
             return ok("hmm" if calls["eq"] == 1 else json.dumps({c: 10 for c in crit}))
         if "Write the first message you send" in text:             # the LLM user opens a profile without first_talk
             calls["opening"] += 1
