@@ -366,7 +366,7 @@ def judge_by_dimension(judge, cases: list[dict]) -> list[dict | None]:
 
 def parse_args(argv=None):
     count = common.number(int, low=1)          # argparse types: a bad value exits 2 with one line naming the flag
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+    p = common.ArgumentParser(description=__doc__.split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     common.add_model_args(p)
     g = p.add_argument_group("data")

@@ -696,7 +696,7 @@ PRESETS = {
 
 def parse_args(argv=None):
     count = common.number(int, low=1)          # argparse types: a bad value exits 2 with one line naming the flag
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+    p = common.ArgumentParser(description=__doc__.split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     common.add_model_args(p)
     env.add_env_args(p, scenarios_default=str(HERE / "data" / "scenarios_train.jsonl"))

@@ -408,7 +408,8 @@ def write_results(run_dir: Path, args) -> str:
           "EQ-Bench 3: tasks; SAGE: profiles; EmoBench: items); n = cases kept (for EMPA, its scenarios and their "
           "dialogues); failed cases are excluded and counted."]
     if eqbench3.PROXY in table:
-        md += ["", f"{eqbench3.PROXY}: MDEP-PR levels stand in for the criteria (not EQ-Bench); analysis needs an LLM judge."]
+        md += ["", f"{eqbench3.PROXY}: MDEP-PR levels stand in for the criteria (not EQ-Bench); analysis needs an "
+                   "LLM judge."]
     rows = [(m, by["empa"]) for m, by in summary.items() if by.get("empa", {}).get("n")]
     if rows:
         md += ["", "EMPA details (means over scenarios; the indices are scaled to 0-100, and RDI, tau and R_pen "
@@ -474,7 +475,7 @@ def side_by_side(left: dict, right: dict, width=58) -> list[str]:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+    p = common.ArgumentParser(description=__doc__.split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     common.add_model_args(p)
     env.add_env_args(p, scenarios_default=str(HERE / "data" / "scenarios_test.jsonl"), k_default=1)
@@ -483,10 +484,10 @@ def parse_args(argv=None):
     g = p.add_argument_group("evaluation")
     g.add_argument("--suite", default=",".join(SUITES), help="comma-separated suites: " + ", ".join(SUITES))
     g.add_argument("--adapters", nargs="*", default=[], help="peft adapter folders, evaluated after the base model")
-    g.add_argument("--max-cases", type=int, default=0, help="at most this many cases per suite and file, sampled "
+    g.add_argument("--max-cases", type=common.number(int, low=0), default=0, help="at most this many cases per suite and file, sampled "
                    "by --seed and stratified by language and category (EMPA, EQ-Bench: by kind; EMPA: scenarios, K "
                    "dialogues each); 0 = all")
-    g.add_argument("--batch-size", type=int, default=8, help="cases generated together (EmoBench: options scored "
+    g.add_argument("--batch-size", type=common.number(int, low=1), default=8, help="cases generated together (EmoBench: options scored "
                    "together after their shared prompt); saved after each batch")
     g.add_argument("--r-pen", choices=["levels", "points"], default="levels", help="EPM R_pen counts negative "
                    "levels or points")
@@ -498,8 +499,8 @@ def parse_args(argv=None):
                              ("--emobench-eu", "emobench_eu.jsonl", "EmoBench EU JSONL"),
                              ("--emobench-ea", "emobench_ea.jsonl", "EmoBench EA JSONL")):
         g.add_argument(flag, default=str(HERE / "data" / "eval" / name), help=what)
-    g.add_argument("--sage-turns", type=int, default=10, help="SAGE: turns before the episode stops")
-    g.add_argument("--sage-start", type=float, default=40.0, help="SAGE: the user's starting emotion (0-100)")
+    g.add_argument("--sage-turns", type=common.number(int, low=1), default=10,
+                   help="SAGE: turns before the episode stops")
     common.add_run_args(p, "eval", resume="a run folder of this script: finish its unfinished cases")
     args = p.parse_args(argv)
     env.check_env_args(args)
@@ -512,10 +513,6 @@ def parse_args(argv=None):
     for a in args.adapters:
         c(os.path.exists(os.path.join(a, "adapter_config.json")), f"--adapters {a}: no adapter_config.json there")
     c(len(set(args.adapters)) == len(args.adapters) and "base" not in args.adapters, "--adapters: each folder once")
-    c(args.max_cases >= 0, f"--max-cases must be >= 0, got {args.max_cases}")
-    c(args.batch_size >= 1, f"--batch-size must be >= 1, got {args.batch_size}")
-    c(args.sage_turns >= 1, f"--sage-turns must be >= 1, got {args.sage_turns}")
-    c(0 <= args.sage_start <= 100, f"--sage-start must be in [0, 100], got {args.sage_start}")
     return args
 
 

@@ -49,6 +49,14 @@ class UserError(Exception):
     """A problem the user can fix: a bad flag, a bad data line, a missing model, an endpoint down."""
 
 
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse, its errors one line naming the flag ("error: argument --k: must be >= 1, got 0"), exit code 2
+    (through run_main), not a usage block."""
+
+    def error(self, message):
+        raise UserError(message)
+
+
 def run_main(main, argv=None):
     """Run a script's main(); a UserError prints one line and exits with code 2, never a traceback."""
     try:

@@ -34,15 +34,16 @@ import common
 HERE = Path(__file__).resolve().parents[1]
 TEXTS = json.loads((HERE / "data" / "prompts.json").read_text(encoding="utf-8"))
 TEXTS.update({k: "\n".join(TEXTS[k]) for k in ("sage_judge", "sage_first_message")})
+START = 40.0                 # the user's emotion before the first reply (SAGE's simulator starts at 40)
 AXES = ("C", "A", "P")       # 03's axes: SAGE's simulator gives no levels on them (v_t = 0)
 
 
 def cases(model, tok, profiles, judge, user, args, env) -> tuple[list[dict], list[dict]]:
-    """03's rollout by SAGE's rules: one dialogue per profile, e_0 = --sage-start, at most --sage-turns, ending
+    """03's rollout by SAGE's rules: one dialogue per profile, e_0 = START (40), at most --sage-turns, ending
     at e >= 100 or e < 10. The change is the LLM judge's (SageJudge), or offline the embed judge's levels:
     change_t = clip(2.5 * sum_axis v_t,axis, -10, 10) (03's emotion_change)."""
     sage_args = argparse.Namespace(**{**vars(args), "k": 1, "max_turns": args.sage_turns,
-                                      "emotion_start": args.sage_start, "emotion_ends": True})
+                                      "emotion_start": START, "emotion_ends": True})
     if getattr(judge, "backend", None) is not None:     # an LLM judge: SAGE's simulator states the change
         judge = SageJudge(judge.backend, args.judge_retries)
     elif any(p["language"] == "zh" for p in profiles):

@@ -53,7 +53,7 @@ def dialogues_from(path: str) -> list[tuple[str, list[dict]]]:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+    p = common.ArgumentParser(description=__doc__.split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--teacher", required=True, help="api:<model> or hf:<model>: the LLM that writes the rubrics")
     p.add_argument("--label", required=True, help="dialogues to label: JSONL with messages, or ESConv-style dialog")

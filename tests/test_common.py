@@ -455,6 +455,14 @@ def test_number_is_an_argparse_type_with_bounds(capsys):
         with pytest.raises(SystemExit) as ei:
             p.parse_args(argv)
         assert ei.value.code == 2 and says in capsys.readouterr().err
+    # the stages' parser: the same words as one UserError (run_main prints one line, exit 2), no usage block
+    stage = common.ArgumentParser(prog="x")
+    stage.add_argument("--k", type=common.number(int, low=1))
+    with pytest.raises(common.UserError, match=r"^argument --k: must be >= 1, got 0$"):
+        stage.parse_args(["--k", "0"])
+    with pytest.raises(SystemExit) as ei:
+        common.run_main(stage.parse_args, ["--k", "0"])
+    assert ei.value.code == 2 and capsys.readouterr().err == "error: argument --k: must be >= 1, got 0\n"
 
 
 def test_embed_backend():

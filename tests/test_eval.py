@@ -373,7 +373,7 @@ def test_judge_answer_parsing():
 @pytest.mark.parametrize("flags, make, message", [
     (["--suite", "empa,nope"], None, "--suite: unknown suite(s) ['nope']"),
     (["--adapters", "/no/such/adapter"], None, "--adapters /no/such/adapter: no adapter_config.json"),
-    (["--sage-start", "150"], None, "--sage-start must be in [0, 100]"),
+    (["--sage-turns", "0"], None, "argument --sage-turns: must be >= 1, got 0"),
     (["--adapter", "x"], None, "05_eval.py takes --adapters"),
     (["--suite", "sage", "--sage-profiles", "{p}"], '{"id": 1}\n{"id": 2, oops}\n',
      "p.jsonl:1: missing field 'player'"),
@@ -449,8 +449,8 @@ def test_eval_script_all_suites_with_an_adapter_then_resume(tiny_model, tiny_ada
     assert "score" not in eq and eq["replies"] == 0
     rp = by[("base", "eqbench3", "1")]
     assert rp["proxy"] and rp["score"] == pytest.approx(5 * sum(rp["criteria"].values()) / 6)
-    sage = [r for r in recs if r["suite"] == "sage"]                # the profile without first_talk: not its scene
-    assert {r["case"]: r["opening"] for r in sage if r["model"] == "base"}["sage-zh-2"] == "offline line"
+    sage_cases = [r for r in recs if r["suite"] == "sage"]                # the profile without first_talk: not its scene
+    assert {r["case"]: r["opening"] for r in sage_cases if r["model"] == "base"}["sage-zh-2"] == "offline line"
     # the adapter is really applied: its EmoBench log-likelihood choices are not the base's, or EMPA differs
     same = lambda a, b: ({k: v for k, v in a.items() if k != "model"}  # noqa: E731
                          == {k: v for k, v in b.items() if k != "model"})
@@ -527,8 +527,8 @@ def test_eval_with_an_llm_judge_on_a_loopback_server_then_endpoint_down(tiny_mod
         "sage-en-1": "first_talk", "sage-zh-1": "first_talk", "sage-zh-2": "user model", "sage-en-2": "first_talk"}
     opened = [json.loads(x) for x in (only_run(tmp_path / "ok") / "transcripts.jsonl").read_text().splitlines()]
     assert [t["turns"][0]["user"] for t in opened if t["case"] == "sage-zh-2"] == ["我儿子今年又不回家过年了。"]
-    sage = [r for r in recs if r["suite"] == "sage"]
-    assert len(sage) == 4 and all(r["emotions"] == [40, 50, 60] for r in sage)       # +15 clipped to +10
+    sage_cases = [r for r in recs if r["suite"] == "sage"]
+    assert len(sage_cases) == 4 and all(r["emotions"] == [40, 50, 60] for r in sage_cases)       # +15 clipped to +10
     for f in only_run(tmp_path / "ok").rglob("*"):
         assert "sk-test-secret-42" not in f.read_bytes().decode(errors="ignore"), f
     assert "sk-test-secret-42" not in p.stdout + p.stderr
