@@ -66,7 +66,8 @@ GPU:  python 04_mica_train.py --model Qwen2.5-7B-Instruct     (the gpu preset: 4
           and plays the user; for results a served judge: --judge api:Qwen2.5-72B-Instruct \\
           --user api:Qwen2.5-72B-Instruct --api-base http://localhost:8000/v1)
 N GPUs: accelerate launch --num_processes N 04_mica_train.py ...  (each process rolls out its share of the
-        scenarios; gradients and token counts are summed over the processes; process 0 writes; docs/scale.md)
+        scenarios; accelerate sums the gradients and token counts over the processes; process 0 writes;
+        docs/scale.md)
 """
 from __future__ import annotations
 

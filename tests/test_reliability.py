@@ -86,8 +86,9 @@ def test_training_completes_through_faults_and_logs_the_counts(tiny_model, tmp_p
 
 
 def test_eval_completes_through_30_percent_faults(tiny_model, tmp_path, fault_server):
-    ev = __import__("importlib").import_module("05_eval")
-    eq = json.dumps({c: 12 for c in ev.ROLEPLAY_CRITERIA + ev.ANALYSIS_CRITERIA})
+    from benchmarks import eqbench3
+
+    eq = json.dumps({c: 12 for c in eqbench3.ROLEPLAY_CRITERIA + eqbench3.ANALYSIS_CRITERIA})
     server = fault_server(rate=0.3, hang_s=1.6, answers=[("EQ-Bench 3 task", eq),
                                                          ("SAGE protocol", '{"analysis": "ok", "change": 5}')])
     p = run_script("05_eval.py", "--model", tiny_model, "--suite", "empa,eqbench3,sage", "--max-turns", "2",
