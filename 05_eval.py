@@ -419,6 +419,7 @@ def write_results(run_dir: Path, args) -> str:
         md += [f"| {m} | {json.dumps(e['outcomes'])} | " + " | ".join(f"{e[k][0]:.2f}" for k in EPM_KEYS[1:]) + " |"
                for m, e in rows]
     md += ["", "```", *compared, "```"] if compared else []
+
     def line(d, p):               # {name: value} as "name value, ..." at p decimals
         return ", ".join(f"{k} {v:.{p}f}" for k, v in d.items())
 
@@ -446,7 +447,8 @@ def write_results(run_dir: Path, args) -> str:
         dialogues = {(t["model"], t["case"]): t for t in read_lines(run_dir / "transcripts.jsonl")
                      if t["suite"] == "empa"}
         case = next(c for m, c in dialogues if m == "base" and all((a, c) in dialogues for a in comparison))
-        plots.trajectories({m: dialogues[m, case] for m in ["base", *comparison]}, env.AXES, run_dir / "trajectories.png")
+        plots.trajectories({m: dialogues[m, case] for m in ["base", *comparison]}, env.AXES,
+                           run_dir / "trajectories.png")
         compared += ["", f"one held-out dialogue, {case} (the same scenario, k and seed), "
                          "the distance after each turn:"]
         compared += side_by_side(dialogues["base", case], dialogues[next(iter(comparison)), case])
@@ -484,10 +486,11 @@ def parse_args(argv=None):
     g = p.add_argument_group("evaluation")
     g.add_argument("--suite", default=",".join(SUITES), help="comma-separated suites: " + ", ".join(SUITES))
     g.add_argument("--adapters", nargs="*", default=[], help="peft adapter folders, evaluated after the base model")
-    g.add_argument("--max-cases", type=common.number(int, low=0), default=0, help="at most this many cases per suite and file, sampled "
-                   "by --seed and stratified by language and category (EMPA, EQ-Bench: by kind; EMPA: scenarios, K "
-                   "dialogues each); 0 = all")
-    g.add_argument("--batch-size", type=common.number(int, low=1), default=8, help="cases generated together (EmoBench: options scored "
+    g.add_argument("--max-cases", type=common.number(int, low=0), default=0,
+                   help="at most this many cases per suite and file, sampled by --seed and stratified by language "
+                   "and category (EMPA, EQ-Bench: by kind; EMPA: scenarios, K dialogues each); 0 = all")
+    g.add_argument("--batch-size", type=common.number(int, low=1), default=8,
+                   help="cases generated together (EmoBench: options scored "
                    "together after their shared prompt); saved after each batch")
     g.add_argument("--r-pen", choices=["levels", "points"], default="levels", help="EPM R_pen counts negative "
                    "levels or points")

@@ -449,7 +449,7 @@ def test_eval_script_all_suites_with_an_adapter_then_resume(tiny_model, tiny_ada
     assert "score" not in eq and eq["replies"] == 0
     rp = by[("base", "eqbench3", "1")]
     assert rp["proxy"] and rp["score"] == pytest.approx(5 * sum(rp["criteria"].values()) / 6)
-    sage_cases = [r for r in recs if r["suite"] == "sage"]                # the profile without first_talk: not its scene
+    sage_cases = [r for r in recs if r["suite"] == "sage"]          # the profile without first_talk: not its scene
     assert {r["case"]: r["opening"] for r in sage_cases if r["model"] == "base"}["sage-zh-2"] == "offline line"
     # the adapter is really applied: its EmoBench log-likelihood choices are not the base's, or EMPA differs
     same = lambda a, b: ({k: v for k, v in a.items() if k != "model"}  # noqa: E731
