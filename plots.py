@@ -17,19 +17,25 @@ import math
 import os
 from pathlib import Path
 
-import matplotlib
-
 import common
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402  (after the backend is chosen: no display is needed)
+
+def pyplot():
+    """matplotlib's pyplot on its file-only Agg backend (no display needed), imported when the first figure is
+    drawn: a stage that draws nothing does not pay for it at start."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
 
 
 def save(fig, path: Path) -> Path:
     """A figure as a PNG, whole or not at all (a temporary file, then renamed); the figure closed."""
     tmp = path.with_name(f".{path.name}.tmp.png")
     fig.savefig(tmp, dpi=110)
-    plt.close(fig)
+    pyplot().close(fig)
     os.replace(tmp, path)
     return path
 
@@ -42,6 +48,7 @@ def last_lines_by(records: list[dict], key) -> list[dict]:
 def curves(run_dir: Path, keys: dict) -> Path | None:
     """<run>/metrics.jsonl -> <run>/curves.png, one panel per metric ({key: title}) by step, non-finite values
     skipped. None before the first line."""
+    plt = pyplot()
     path = Path(run_dir) / "metrics.jsonl"
     lines = [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
     rows = sorted(last_lines_by(lines, lambda r: r["step"]), key=lambda r: r["step"])
@@ -64,6 +71,7 @@ def credit(run_dir: Path, step: int) -> Path:
     """credit_step<N>.png from rollouts.jsonl: the K dialogues of the step's first scenario, one panel each,
     per turn the reward r_t, the return G_t, MICA's A_turn and A_group, and the mixed A (cut-off turns
     marked x, failed turns left out of the loss shaded)."""
+    plt = pyplot()
     records = last_lines_by([r for r in common.read_jsonl(Path(run_dir) / "rollouts.jsonl") if r["step"] == step],
                             lambda r: (r["scenario_id"], r["k"]))
     dialogues = [r for r in records if r["scenario_id"] == records[0]["scenario_id"]]
@@ -94,6 +102,7 @@ def credit(run_dir: Path, step: int) -> Path:
 def rubric_weights(run_dir: Path, dims) -> list[Path]:
     """<run>/report.json (02's before / after RL) -> weights_by_turn.png and weights_by_emotion.png: the mean
     rubric weights as stacked bars, before and after side by side."""
+    plt = pyplot()
     report = json.loads((Path(run_dir) / "report.json").read_text())
     out = []
     for name, key in (("turn index", "weights_by_turn"), ("user emotion", "weights_by_emotion")):
@@ -118,6 +127,7 @@ def rubric_weights(run_dir: Path, dims) -> list[Path]:
 def comparison(comparison: dict, measures, path: Path) -> Path:
     """comparison.png: per measure, the base and each adapter, their means with the 95% t interval over
     scenarios (written to a temporary file, then renamed)."""
+    plt = pyplot()
     adapters = list(comparison)
     fig, axes = plt.subplots(1, len(measures), figsize=(4.2 * len(measures), 3.4), squeeze=False)
     for ax, (key, label, higher) in zip(axes[0], measures):
@@ -137,6 +147,7 @@ def comparison(comparison: dict, measures, path: Path) -> Path:
 
 def trajectories(dialogues: dict, axes_names, path: Path) -> Path:
     """trajectories.png: one held-out case of each model, the state C, A, P after each turn (0: P0)."""
+    plt = pyplot()
     fig, axes = plt.subplots(1, len(dialogues), figsize=(4 * len(dialogues), 3.2), squeeze=False, sharey=True)
     for ax, (model, rec) in zip(axes[0], dialogues.items()):
         states = [rec["p0"]] + [tu["state"] for tu in rec["turns"]]
@@ -157,6 +168,7 @@ def series(curves: dict, ylabel: str, path: Path, xlabel: str = "turn (0 = befor
     """curves: {model: [one list of values by turn per case]} -> per turn the mean and a +-1 sd band over the
     cases still going, one line per model (a PNG at path). experiments/credit.py draws its seeds' learning
     curves with it (its x axis: the evaluation step)."""
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))
     for label, runs in curves.items():
         rows = [[r[t] for r in runs if len(r) > t] for t in range(max(len(r) for r in runs))]
