@@ -22,7 +22,8 @@ Equations (EMPA; docs/reference.md sections 1-4)
   direction         v* = -P0/||P0||,  dE_t = v_t . v*,  E_total = sum_t dE_t
   success           t >= min_turns and E_total >= ||P0||
   failure           t >= min_turns and (the last `collapse window` dE all < 0  or  (the sample std of the
-                    last 5 ||P_t|| < 0.5 and >= 6 of the last 8 dE < 0 with their sum < -1));  max_turns: timeout
+                    last 5 ||P_t|| < 0.5 and >= 6 of the last 8 dE < 0 and the sum of all 8 < -1));  max_turns: timeout
+                    (dE_t, ||P_t|| and E_total rounded to 2 decimals before these checks, as MICA's public code)
   user emotion      e_0 = --emotion-start, e_t = min(100, max(0, e_{t-1} + clip(2.5 sum_a v_t,a, -10, 10)))
                     (SAGE / RLVER's scale; the mapping from the levels is ours, unless the judge states the
                     change, as 05's SAGE simulator does); with --emotion-ends the episode ends at e >= 100
@@ -122,17 +123,19 @@ def incremental_distance_rewards(states, weights=(1.0, 1.0, 1.0), eps=1.0) -> li
 
 
 def episode_status(P0, dEs, states, t, args) -> str | None:
-    """'success', 'failure' or None (go on) after turn t (1-based), by the EMPA rules above."""
+    """'success', 'failure' or None (go on) after turn t (1-based), by the EMPA rules above, on the values
+    rounded to 2 decimals as MICA's public code compares them (epj/scoring.py reads its rounded trajectory)."""
     if t < args.min_turns:
         return None
-    if sum(dEs) >= norm(P0):                                       # E_total >= ||P0||
+    if round(sum(dEs), 2) >= norm(P0):                             # E_total >= ||P0||
         return "success"
+    dE2 = [round(dE, 2) for dE in dEs]
     w = args.collapse_window
-    if len(dEs) >= w and all(dE < 0 for dE in dEs[-w:]):
+    if len(dE2) >= w and all(dE < 0 for dE in dE2[-w:]):
         return "failure"                                           # collapsed
-    if len(dEs) >= 8 and len(states) >= 5:
-        stagnant = common.mean_std([norm(P) for P in states[-5:]], ddof=1)[1] < 0.5
-        regressing = sum(dE < 0 for dE in dEs[-8:]) >= 6 and sum(dE for dE in dEs[-8:] if dE < 0) < -1
+    if len(dE2) >= 8 and len(states) >= 5:
+        stagnant = common.mean_std([round(norm(P), 2) for P in states[-5:]], ddof=1)[1] < 0.5
+        regressing = sum(dE < 0 for dE in dE2[-8:]) >= 6 and sum(dE2[-8:]) < -1
         if stagnant and regressing:
             return "failure"
     return None

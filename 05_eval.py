@@ -403,7 +403,9 @@ def write_results(run_dir: Path, args) -> str:
                for m in models if any(r["model"] == m for r in records)}
     table = results_table(summary, args.suites)
     compared, comparison = compare_with_base(records, args.adapters)
-    md = ["# Evaluation", "", f"command: `python 05_eval.py {' '.join(sys.argv[1:])}`", "", table, "",
+    weights = "4-bit NF4" if common.use_4bit(args) else "bf16" if common.pick_device().type == "cuda" else "fp32"
+    md = ["# Evaluation", "", f"command: `python 05_eval.py {' '.join(sys.argv[1:])}`", "",
+          f"base weights: {weights} (--load-in-4bit {args.load_in_4bit})", "", table, "",
           "mean ± 95% t interval over independent units (EMPA: scenarios, their K dialogues averaged first; "
           "EQ-Bench 3: tasks; SAGE: profiles; EmoBench: items); n = cases kept (for EMPA, its scenarios and their "
           "dialogues); failed cases are excluded and counted."]
@@ -418,6 +420,11 @@ def write_results(run_dir: Path, args) -> str:
                "|---" * (len(EPM_KEYS) + 1) + "|"]
         md += [f"| {m} | {json.dumps(e['outcomes'])} | " + " | ".join(f"{e[k][0]:.2f}" for k in EPM_KEYS[1:]) + " |"
                for m, e in rows]
+        md += ["", f"EMPA-style, not the EMPA benchmark: MICA's public end rules ({args.max_turns} turns, none before turn "
+                   f"{args.min_turns}, collapse window {args.collapse_window}, the regression sum over all 8 dE, values "
+                   f"rounded to 2 decimals first); this project's scenarios ({Path(args.scenarios).name}), judge prompt "
+                   f"(judge {args.judge}) and K = {args.k} dialogues per scenario (the benchmark plays one: --k 1). "
+                   f"R_pen counts negative {args.r_pen} per turn; tau's index is 0 where P_T = P0."]
     md += ["", "```", *compared, "```"] if compared else []
 
     def line(d, p):               # {name: value} as "name value, ..." at p decimals
@@ -483,6 +490,7 @@ def parse_args(argv=None):
     env.add_env_args(p, scenarios_default=str(HERE / "data" / "scenarios_test.jsonl"), k_default=1)
     # EMPA's benchmark rules; room for 45 turns (capped at the model's window)
     p.set_defaults(max_turns=45, min_turns=12, collapse_window=5, max_context=8192)
+    p.set_defaults(load_in_4bit="off")      # evaluation: the base in bf16 on CUDA (fp32 on a CPU) unless asked
     g = p.add_argument_group("evaluation")
     g.add_argument("--suite", default=",".join(SUITES), help="comma-separated suites: " + ", ".join(SUITES))
     g.add_argument("--adapters", nargs="*", default=[], help="peft adapter folders, evaluated after the base model")

@@ -46,6 +46,16 @@ def test_episode_rules(env):
     assert env.episode_status(P0, dEs, states, 12, a) == "failure"
     moving = [[-6, -9, -4 + i] for i in range(13)]                       # not stagnant
     assert env.episode_status(P0, dEs, moving, 12, a) is None
+    # the regression sum runs over all 8 (MICA's scoring.py): six -0.3 and two +0.5 sum to -0.8, not < -1,
+    # although the negatives alone sum to -1.8
+    dEs = [0.0] * 4 + [-0.3, -0.3, 0.5, -0.3, -0.3, 0.5, -0.3, -0.3]
+    assert env.episode_status(P0, dEs, states, 12, a) is None
+    # rounded to 2 decimals first: -0.004 is -0.0, not a negative step, so five of them are no collapse
+    assert env.episode_status(P0, [1.0] * 7 + [-0.004] * 5, [], 12, a) is None
+    assert env.episode_status(P0, [1.0] * 7 + [-0.006] * 5, [], 12, a) == "failure"
+    # E_total 11.534 >= ||P0|| = 11.5326, but rounded it is 11.53, short of it; 11.536 rounds to 11.54
+    assert env.episode_status(P0, [11.534] + [0.0] * 11, [], 12, a) is None
+    assert env.episode_status(P0, [11.536] + [0.0] * 11, [], 12, a) == "success"
 
 
 def test_load_scenarios_shipped_sets(env):

@@ -452,10 +452,14 @@ def test_eval_script_all_suites_with_an_adapter_then_resume(tiny_model, tiny_ada
     sage_cases = [r for r in recs if r["suite"] == "sage"]          # the profile without first_talk: not its scene
     assert {r["case"]: r["opening"] for r in sage_cases if r["model"] == "base"}["sage-zh-2"] == "offline line"
     # the adapter is really applied: its EmoBench log-likelihood choices are not the base's, or EMPA differs
-    same = lambda a, b: ({k: v for k, v in a.items() if k != "model"}  # noqa: E731
-                         == {k: v for k, v in b.items() if k != "model"})
+    def same(a, b):
+        return {k: v for k, v in a.items() if k != "model"} == {k: v for k, v in b.items() if k != "model"}
+
     assert not all(same(by[("base", s, c)], by[(tiny_adapter, s, c)]) for (m, s, c) in by if m == "base")
     table = (run / "results.md").read_text(encoding="utf-8")
+    assert "base weights: fp32 (--load-in-4bit off)" in table       # evaluation is not 4-bit unless asked
+    assert "EMPA-style, not the EMPA benchmark: MICA's public end rules (2 turns, none before turn 1, " in table
+    assert "and K = 1 dialogues per scenario (the benchmark plays one: --k 1). R_pen counts negative levels" in table
     assert "| model | EMPA EPM-Index | EMPA success % | EQ-Bench 3 (offline proxy) | SAGE Sentient" in table
     assert "| base | " in table and f"| {tiny_adapter} | " in table and "(n=4)" in table
     assert "± " in table and "(4 scenarios, 4 dialogues)" in table          # EMPA's cell names its unit and its count
