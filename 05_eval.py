@@ -13,7 +13,9 @@ What it does
               it for real results).
     sage      benchmarks/sage.py: SAGE / RLVER profiles on 03's rollout (handed to it): emotion from 40, at
               most +-10 a turn, 10 turns.
-    emobench  benchmarks/emobench.py: EmoBench EU (emotion and cause) and EA (best response or action).
+    emobench  benchmarks/emobench.py: EmoBench EU (emotion and cause) and EA (best response or action), per
+              language: --emobench-dir PATH (an official checkout) its protocol, texts read from PATH;
+              else option log-likelihood (not the official protocol) on --emobench-eu / -ea.
   Each benchmark's loader, protocol, score and departures are in its own file's docstring.
   Each batch of --batch-size cases is appended to cases.jsonl when it is done, so --resume RUN skips the
   finished batches after a kill and reruns the rest whole (the same seeds and batch-mates as a run never
@@ -24,8 +26,9 @@ Imports 03_rollout: the environment (scenarios, the batched rollout, judges, use
         support modules benchmarks/ (the external benchmarks) and plots.py (the pictures).
 Reads   --scenarios, --eqbench3 (a scenario_prompts.txt; a 4-scenario sample ships), --sage-profiles (JSONL:
         id, player, scene, main_cha, cha_group, task, first_talk?), --emobench-eu / -ea (JSONL with EmoBench's
-        fields); UTF-8, a byte-order mark or CRLF is fine. The defaults of the last four are small samples
-        written for this project (4 scenarios, 4 profiles, 6 + 6 items): pass the public files for results.
+        fields) or --emobench-dir (a checkout: data/EU.jsonl, EA.jsonl, src/configs/, src/utils.py); UTF-8, a
+        byte-order mark or CRLF is fine. The defaults of the four files are small samples written for this
+        project (4 scenarios, 4 profiles, 6 + 6 items): pass the public files for results.
 Writes  runs/<name>-<time>/: args.json, cases.jsonl, transcripts.jsonl, results.json, results.md (the table
         and the comparison), distance_per_turn.png, emotion_per_turn.png; with --adapters and EMPA also
         comparison.png and trajectories.png (one held-out case, every model; the base's and the first
@@ -54,7 +57,7 @@ CPU:  python 05_eval.py --adapters runs/mica-20261130-120000/adapter      (SmolL
       make demo: after 04's 4 steps, --suite empa on 4 held-out scenarios x K=4 with the training rules
 GPU:  python 05_eval.py --model Qwen2.5-7B-Instruct --adapters runs/mica-A/adapter runs/grpo-B/adapter \\
           --judge api:Qwen2.5-72B-Instruct --user api:Qwen2.5-72B-Instruct --api-base http://localhost:8000/v1 \\
-          --eqbench3 path/to/scenario_prompts.txt --emobench-eu EU.jsonl --emobench-ea EA.jsonl --max-new-tokens 512
+          --eqbench3 path/to/scenario_prompts.txt --emobench-dir path/to/EmoBench --max-new-tokens 512
 """
 from __future__ import annotations
 
@@ -271,7 +274,7 @@ def run_suite(suite, model, tok, batch, judge, user, args) -> tuple[list[dict], 
         return eqbench3.cases(model, tok, batch, judge, user, args)
     if suite == "sage":
         return sage.cases(model, tok, batch, judge, user, args, env)
-    return emobench.run(model, tok, batch, args.batch_size), []
+    return emobench.run(model, tok, batch, args.batch_size)
 
 
 def empa_cases(model, tok, scenarios, judge, user, args) -> tuple[list[dict], list[dict]]:
@@ -355,13 +358,7 @@ def summarize(cases: list[dict], suite: str) -> dict:
                  successes=sum(c["final_emotion"] >= 100 for c in ok),
                  failures=sum(c["final_emotion"] < 10 for c in ok))
     else:
-        for task in ("EU", "EA"):
-            xs = [c for c in ok if c["task"] == task]
-            if xs:
-                s[task], s[task + "_n"] = t_interval([100.0 * c["correct"] for c in xs]), len(xs)
-                for by in ("category", "language"):
-                    s[f"{task}_by_{by}"] = {v: 100.0 * statistics.mean(c["correct"] for c in xs if c[by] == v)
-                                            for v in sorted({c[by] for c in xs})}
+        s.update(emobench.summarize(ok, t_interval))
     return s
 
 
@@ -372,8 +369,9 @@ def fmt(mean_half, n=None) -> str:
 
 def results_table(summary: dict, suites) -> str:
     proxy = any(by.get("eqbench3", {}).get("proxy") for by in summary.values())
+    emo = emobench.group_order(g for by in summary.values() for g in by.get("emobench", {}))   # "EU en", ...
     cols = {"empa": ["EMPA EPM-Index", "EMPA success %"], "eqbench3": [eqbench3.PROXY if proxy else "EQ-Bench 3"],
-            "sage": ["SAGE Sentient", "SAGE success / failure"], "emobench": ["EmoBench EU %", "EmoBench EA %"]}
+            "sage": ["SAGE Sentient", "SAGE success / failure"], "emobench": [f"EmoBench {g} %" for g in emo]}
     head = [c for s in suites for c in cols[s]]
     lines = ["| model | " + " | ".join(head) + " |", "|---" * (len(head) + 1) + "|"]
     for model, by_suite in summary.items():
@@ -391,8 +389,10 @@ def results_table(summary: dict, suites) -> str:
                 cells += ([fmt(s["sentient"], s["n"]) + failed, f"{s['successes']} / {s['failures']}"]
                           if s["n"] else miss)
             else:
-                cells += [fmt(s[t], s[t + "_n"]) if t in s else "-" for t in ("EU", "EA")]
+                cells += emobench.cells(s, emo, fmt)
         lines.append(f"| {model} | " + " | ".join(cells) + " |")
+    protocols = sorted({by["emobench"]["protocol"] for by in summary.values() if "protocol" in by.get("emobench", {})})
+    lines += ["", *[f"EmoBench: {p}" for p in protocols]] if protocols else []      # which protocol scored it
     return "\n".join(lines)
 
 
@@ -431,11 +431,9 @@ def write_results(run_dir: Path, args) -> str:
         return ", ".join(f"{k} {v:.{p}f}" for k, v in d.items())
 
     for m, by in summary.items():
-        q, b = by.get("eqbench3", {}), by.get("emobench", {})
+        q = by.get("eqbench3", {})
         md += ["", f"{m}, EQ-Bench 3 by task kind: {line(q['by_kind'], 2)}"] if q.get("n") else []
-        for t in (t for t in ("EU", "EA") if t in b):
-            md += ["", f"{m}, EmoBench {t} accuracy % by category: {line(b[t + '_by_category'], 1)}; by language: "
-                       f"{line(b[t + '_by_language'], 1)}"]
+        md += [x for r in emobench.report_lines(m, by.get("emobench", {})) for x in ("", r)]
     common.atomic_write(run_dir / "results.md", "\n".join(md) + "\n")
     common.atomic_write(run_dir / "results.json", json.dumps(
         {"args": common.public_args(args), "columns": table.split("\n")[0].strip("| ").split(" | "),
@@ -498,7 +496,7 @@ def parse_args(argv=None):
                    help="at most this many cases per suite and file, sampled by --seed and stratified by language "
                    "and category (EMPA, EQ-Bench: by kind; EMPA: scenarios, K dialogues each); 0 = all")
     g.add_argument("--batch-size", type=common.number(int, low=1), default=8,
-                   help="cases generated together (EmoBench: options scored "
+                   help="cases generated together (EmoBench log-likelihood: options scored "
                    "together after their shared prompt); saved after each batch")
     g.add_argument("--r-pen", choices=["levels", "points"], default="levels", help="EPM R_pen counts negative "
                    "levels or points")
@@ -507,9 +505,11 @@ def parse_args(argv=None):
     for flag, name, what in (("--eqbench3", "eqbench3_sample.txt", "EQ-Bench 3 scenario_prompts.txt (the default: a "
                               "4-scenario sample written for this project)"),
                              ("--sage-profiles", "sage_profiles.jsonl", "SAGE profiles JSONL"),
-                             ("--emobench-eu", "emobench_eu.jsonl", "EmoBench EU JSONL"),
-                             ("--emobench-ea", "emobench_ea.jsonl", "EmoBench EA JSONL")):
+                             ("--emobench-eu", "emobench_eu.jsonl", f"EmoBench EU JSONL, {emobench.LOGLIK}"),
+                             ("--emobench-ea", "emobench_ea.jsonl", f"EmoBench EA JSONL, {emobench.LOGLIK}")):
         g.add_argument(flag, default=str(HERE / "data" / "eval" / name), help=what)
+    g.add_argument("--emobench-dir", help="a checkout of github.com/Sahandfer/EmoBench: EmoBench by its official "
+                   "protocol, its texts and data/EU.jsonl, EA.jsonl read from there (without it: --emobench-eu/-ea)")
     g.add_argument("--sage-turns", type=common.number(int, low=1), default=10,
                    help="SAGE: turns before the episode stops")
     common.add_run_args(p, "eval", resume="a run folder of this script: finish its unfinished cases")
@@ -524,6 +524,8 @@ def parse_args(argv=None):
     for a in args.adapters:
         c(os.path.exists(os.path.join(a, "adapter_config.json")), f"--adapters {a}: no adapter_config.json there")
     c(len(set(args.adapters)) == len(args.adapters) and "base" not in args.adapters, "--adapters: each folder once")
+    c(not args.emobench_dir or all(getattr(args, f) == p.get_default(f) for f in ("emobench_eu", "emobench_ea")),
+      "--emobench-eu / --emobench-ea are the log-likelihood mode's: --emobench-dir reads PATH/data/EU.jsonl, EA.jsonl")
     return args
 
 
@@ -542,6 +544,7 @@ def load_suite_data(args) -> dict:
         data["sage"] = sample_cases(sage.load_profiles(args.sage_profiles), args, "sage", lambda p: (p["language"],))
     if "emobench" in args.suites:
         data["emobench"] = [it for kind in ("EU", "EA") for it in sample_cases(
+            emobench.load_official(args.emobench_dir, kind, args.model) if args.emobench_dir else
             emobench.load(getattr(args, f"emobench_{kind.lower()}"), kind), args, f"emobench {kind}",
             lambda it: (it["language"], it.get("coarse_category", it.get("category"))))]
     return data

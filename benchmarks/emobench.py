@@ -2,49 +2,276 @@
 
 What it is
   EmoBench's multiple-choice items in English and Chinese: EU (emotional understanding: which emotion, and
-  its cause) and EA (emotional application: the best response or action).
+  its cause) and EA (emotional application: the most effective response or action).
+Two modes; 05's --emobench-dir decides
+  official   --emobench-dir PATH, a checkout of github.com/Sahandfer/EmoBench: its current protocol. The texts
+             are read from PATH at run time (none is copied here): the system prompt (src/configs/prompts.yaml
+             "sys"), the answer format (src/configs/response.yaml "base" and the task's keys, in the layout of
+             src/utils.py get_response_format), the questions (prompts.yaml "EU", "EA"); the items from
+             PATH/data/EU.jsonl and EA.jsonl (src/data.py: one file per task, filtered by "language" en / zh).
+  loglik     without it: option log-likelihood (not the official protocol), on --emobench-eu / -ea JSONL files
+             with this project's templates (data/prompts.json "emobench").
 What this file holds
-  load            the EU / EA JSONL files (the public fields, checked)
-  run             a batch of items: each option scored by option_logliks, the best one chosen, then cases
-  cases           EU asks the emotion, then the cause naming the chosen emotion; EA the best option
-  mcq_prompt      the question (data/prompts.json "emobench": this project's templates, both languages)
-  option_logliks  score(option) = (1/|o|) sum_j log pi(o_j | prompt, o_<j), each prompt computed once
+  load_official     PATH's items, each with the two messages the official code sends for it
+  official_messages  system = sys[lang] + the answer format (after "/no_think" for a Qwen, as model.py does);
+                     user = the task's question with the choices lettered "A) ...", EU's two questions in one
+  parse_answer      the official parser (utils.py parse_json_response): the first ```json block, else the
+                    whole reply, as JSON; anything else is unparseable
+  official_cases    exact letter match; EU correct only when answer_q1 and answer_q2 both are
+  run               a batch: generated and parsed (official) or scored by option_logliks (loglik)
+  summarize         accuracy per task and language (the official unit), by category, unparseable counted
+  load, cases, mcq_prompt, option_logliks   the loglik mode: score(option) = (1/|o|) sum_j log pi(o_j | prompt,
+                    o_<j), each prompt computed once; EU asks the emotion, then the cause naming it
 
-Score
-  accuracy; an EU item is correct only when the emotion and the cause are both right
+Score (both modes)
+  accuracy = (1/n) sum_i correct_i per task and language, by category (EU: coarse_category, EA: category);
+  an EU item is correct only when the emotion and the cause are both right; no pooled score over languages
 
-This project's choices (docs/evaluation.md)
-  - Each option is scored by its mean log-probability as the answer (no generation, no parsing).
+Departures from the official code, and where it had to be read (official mode; docs/evaluation.md)
+  1. Sampling: the official code sets temperature 0.6 for API models (ChatOpenAI, top_p the endpoint's) and
+     50 new tokens for HF models (with the model's own generation_config); the local model here gets
+     temperature 0.6, top_p 1, no top_k, at most 50 new tokens (common.generate_batch, seeded per batch by 05).
+  2. One attempt per item: the official retry loop returns after the first failure, so an unparseable reply
+     is answered "" (wrong); it is also counted as unparseable here. A reply that parses as JSON but not as an
+     object (the official code would stop with an error there) is unparseable.
+  3. The prompt is rendered by the tokenizer's chat template with its generation prompt and nothing else (as
+     the transformers pipeline does); "qwen" in the last part of --model (as model.py's model name) puts
+     "/no_think" before the system prompt, as model.py does.
+  4. 05 resumes, samples (--max-cases) and batches; the official code saves results/ and a leaderboard.
+  The loglik mode is this project's: each option scored by its mean log-probability (no generation, no parse).
 A support module: it imports common.py, never a stage; 05 hands it the model and the batch.
 """
 from __future__ import annotations
 
+import ast
 import copy
 import json
+import re
+import statistics
+import string
+import subprocess
 from pathlib import Path
 
 import torch
+import yaml
 
 import common
 
 HERE = Path(__file__).resolve().parents[1]
 TEXTS = json.loads((HERE / "data" / "prompts.json").read_text(encoding="utf-8"))
+LOGLIK = "option log-likelihood (not the official protocol)"
+LANGUAGES = ("en", "zh")           # the official code's languages (main.py LANGS); it reads no other
+LETTERS = string.ascii_uppercase   # the choices' letters, "A) ..." (data.py rank_choices)
+TEMPERATURE, MAX_NEW_TOKENS = 0.6, 50    # the official API models' temperature, its HF models' budget
+NO_THINK = "/no_think\n\n"         # Qwen's switch, before the system prompt when the model's name has "qwen"
+FENCE = re.compile(r"```json\s*([\s\S]*?)```")     # the official parser's block: ```json ... ``` (non-greedy)
 
 
-def run(model, tok, batch: list[dict], batch_size: int) -> list[dict]:
-    """A batch of EU and EA items -> their cases: each question's options scored, the best one chosen."""
+def run(model, tok, batch: list[dict], batch_size: int) -> tuple[list[dict], list[dict]]:
+    """A batch of EU and EA items -> (cases, transcripts). Official items (load_official: they carry their
+    messages): one reply each, generated and parsed; the transcripts keep the messages as sent and the reply.
+    Loglik items: each question's options scored, the best chosen; no transcripts."""
+    if "messages" in batch[0]:
+        contexts = [official_ids(tok, it["messages"]) for it in batch]
+        replies = [tok.decode(ids, skip_special_tokens=True) for ids, _ in
+                   common.generate_batch(model, tok, contexts, MAX_NEW_TOKENS, TEMPERATURE, top_p=1.0)]
+        return official_cases(batch, replies), [{"case": it["case"], "messages": it["messages"], "reply": r}
+                                                for it, r in zip(batch, replies)]
+
     def choose(questions):          # the option of the best mean log-probability, per question
         return [max(range(len(s)), key=s.__getitem__) for s in option_logliks(model, tok, questions, batch_size)]
 
     return [c for kind in ("EU", "EA") for c in cases([it for it in batch if it["case"].startswith(kind + "-")],
-                                                       kind, choose)]
+                                                       kind, choose)], []
 
 
+# ---------------------------------------------------------------------------------------------
+# The official protocol: PATH's items and texts, the messages, the parser, the exact match
+# ---------------------------------------------------------------------------------------------
+def load_official(root: str, kind: str, model_name: str) -> list[dict]:
+    """PATH/data/{kind}.jsonl (the public fields, checked; language en or zh), each item with the messages
+    the official code sends for it (texts read from PATH now) and the protocol's label."""
+    root = Path(root)
+    common.check((root / "src" / "configs").is_dir(), f"--emobench-dir {root}: no src/configs there (expected a "
+                                                      "checkout of github.com/Sahandfer/EmoBench)")
+    texts = {name: read_config(root / "src" / "configs" / f"{name}.yaml", keys)
+             for name, keys in (("prompts", ("sys", kind)), ("response", ("base", kind)))}
+    texts["layout"] = answer_layout(root / "src" / "utils.py")
+    label = protocol_label(root)
+    items = load(root / "data" / f"{kind}.jsonl", kind)
+    for it in items:
+        common.check(it["language"] in LANGUAGES, f"{it['_where']}: language {it['language']!r}: the official "
+                                                  "code reads en and zh only")
+        it["messages"], it["protocol"] = official_messages(texts, it, kind, model_name), label
+    return items
+
+
+def read_config(path: Path, keys) -> dict:
+    """A YAML config of the official code; each of `keys` must hold a text per language."""
+    common.check(path.is_file(), f"{path}: no such file")
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as e:
+        raise common.UserError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
+    for k in keys:
+        for lang in LANGUAGES:
+            ok = isinstance(data, dict) and isinstance(data.get(k), dict) and isinstance(data[k].get(lang), str)
+            common.check(ok, f"{path}: no text at {k}.{lang}")
+    return data
+
+
+def answer_layout(path: Path) -> str:
+    """The answer format's layout: the string get_response_format in the official src/utils.py assigns to
+    res_format and fills with {statement} (response.yaml "base") and {conditions} (the task's keys)."""
+    common.check(path.is_file(), f"{path}: no such file")
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.FunctionDef) and node.name == "get_response_format":
+            for a in ast.walk(node):
+                if (isinstance(a, ast.Assign) and [getattr(t, "id", None) for t in a.targets] == ["res_format"]
+                        and isinstance(a.value, ast.Constant) and isinstance(a.value.value, str)):
+                    return a.value.value
+    raise common.UserError(f"{path}: no res_format string in get_response_format (the answer format's layout)")
+
+
+def protocol_label(root: Path) -> str:
+    """"official protocol (PATH at commit C)" when PATH is a git checkout (its top folder), "with local
+    changes" when its tracked files differ; else "official protocol (PATH, not a git checkout)"."""
+    def git(*argv):
+        try:
+            out = subprocess.run(["git", "-C", str(root), *argv], capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return out.stdout.strip() if out.returncode == 0 else None
+
+    top = git("rev-parse", "--show-toplevel")
+    if top is None or Path(top).resolve() != root.resolve():
+        return f"official protocol ({root}, not a git checkout)"
+    changed = " with local changes" if git("status", "--porcelain", "--untracked-files=no") else ""
+    return f"official protocol ({root} at commit {git('rev-parse', 'HEAD')}{changed})"
+
+
+def official_messages(texts: dict, item: dict, kind: str, model_name: str) -> list[dict]:
+    """[system, user] as the official code builds them (model.py init_prompt, data.py generate_responses):
+    system = prompts sys[lang] + layout(statement = response base[lang], conditions = response kind[lang]),
+    after NO_THINK for a Qwen; user = prompts kind[lang] with the scenario, the subject and the lettered
+    choices (EU: both questions' choices; EA: also the question type as the file gives it)."""
+    lang, prompts, response = item["language"], texts["prompts"], texts["response"]
+    where = f"{item['_where']}: the official texts ({kind}.{lang}) cannot be filled in"
+    try:
+        system = prompts["sys"][lang] + texts["layout"].format(statement=response["base"][lang],
+                                                               conditions=response[kind][lang])
+        if kind == "EU":
+            user = prompts["EU"][lang].format(scenario=item["scenario"], subject=item["subject"],
+                                              emo_choices=lettered(item["emotion_choices"]),
+                                              cause_choices=lettered(item["cause_choices"]))
+        else:
+            user = prompts["EA"][lang].format(scenario=item["scenario"], subject=item["subject"],
+                                              choices=lettered(item["choices"]), q_type=item["question type"])
+    except (KeyError, IndexError, ValueError) as e:
+        raise common.UserError(f"{where} ({type(e).__name__}: {e})") from None
+    if "qwen" in model_name.split("/")[-1].lower():
+        system = NO_THINK + system
+    return [{"role": "system", "content": system}, {"role": "user", "content": user}]
+
+
+def lettered(choices: list[str]) -> str:
+    # "A) first\nB) second\n..." (data.py rank_choices)
+    return "\n".join(f"{LETTERS[i]}) {c}" for i, c in enumerate(choices))
+
+
+def official_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """The messages as the transformers pipeline renders them: the chat template and its generation prompt."""
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def parse_answer(reply: str) -> dict | None:
+    """The official parser (utils.py parse_json_response) -> the answer object, or None (unparseable)."""
+    # a reply holding "```json": the first ```json ... ``` block is the JSON (none closed: unparseable);
+    # any other reply: the whole text is the JSON
+    if "```json" in reply:
+        block = FENCE.search(reply)
+        if block is None:
+            return None
+        reply = block.group(1)
+    try:
+        answer = json.loads(reply)
+    except ValueError:
+        return None
+    return answer if isinstance(answer, dict) else None
+
+
+def official_cases(items: list[dict], replies: list[str]) -> list[dict]:
+    """Each item's case from its reply: parsed, then each answer matched exactly against the gold letter (a
+    missing answer is ""); EU is correct only when answer_q1 and answer_q2 are both right."""
+    out = []
+    for it, reply in zip(items, replies):
+        kind, answer = it["case"][:2], parse_answer(reply)
+        got = answer or {}
+        head = {"case": it["case"], "task": kind, "language": it["language"], "failed": None,
+                "protocol": it["protocol"], "reply": reply, "parsed": answer is not None}
+        if kind == "EA":
+            gold = LETTERS[it["choices"].index(it["label"])]
+            out.append({**head, "category": it["category"], "label": gold, "answer": got.get("answer", ""),
+                        "correct": int(got.get("answer", "") == gold)})
+            continue
+        gold = [LETTERS[it["emotion_choices"].index(it["emotion_label"])],
+                LETTERS[it["cause_choices"].index(it["cause_label"])]]
+        given = [got.get("answer_q1", ""), got.get("answer_q2", "")]
+        # correct = [answer_q1 == emotion letter] and [answer_q2 == cause letter]
+        emotion_ok, cause_ok = given[0] == gold[0], given[1] == gold[1]
+        out.append({**head, "category": it["coarse_category"], "label": gold, "answer": given,
+                    "emotion_correct": int(emotion_ok), "cause_correct": int(cause_ok),
+                    "correct": int(emotion_ok and cause_ok)})
+    return out
+
+
+def summarize(cases: list[dict], interval) -> dict:
+    """Per task and language (the official unit; no pooled score): accuracy % with interval(values) (05's t
+    interval over items), n, the unparseable replies (counted wrong; None in the loglik mode, which parses
+    nothing) and the accuracy by category."""
+    out = {"protocol": ", ".join(sorted({c.get("protocol", LOGLIK) for c in cases}))}
+    for group in group_order({f"{c['task']} {c['language']}" for c in cases}):
+        xs = [c for c in cases if f"{c['task']} {c['language']}" == group]
+        # accuracy = 100 (1/n) sum_i correct_i, overall and within each category
+        out[group] = {"accuracy": interval([100.0 * c["correct"] for c in xs]), "n": len(xs),
+                      "unparseable": sum(c["parsed"] is False for c in xs) if "parsed" in xs[0] else None,
+                      "by_category": {v: 100.0 * statistics.mean(c["correct"] for c in xs if c["category"] == v)
+                                      for v in sorted({c["category"] for c in xs})}}
+    return out
+
+
+def group_order(names) -> list[str]:
+    """The "EU en", "EA zh", ... among names, EU first, then by language."""
+    return sorted({g for g in names if g[:3] in ("EU ", "EA ")}, key=lambda g: (g[:2] != "EU", g[3:]))
+
+
+def cells(s: dict, names: list[str], fmt) -> list[str]:
+    """The table's cells of one model: accuracy ± interval (n), and the unparseable replies when any."""
+    out = []
+    for g in names:
+        bad = s[g]["unparseable"] if g in s else None
+        out.append((fmt(s[g]["accuracy"], s[g]["n"]) if g in s else "-")
+                   + (f"; {bad} unparseable (counted wrong)" if bad else ""))
+    return out
+
+
+def report_lines(model: str, s: dict) -> list[str]:
+    """results.md's lines of one model: each group's accuracy by category (and its unparseable replies)."""
+    return [f"{model}, EmoBench {g} accuracy % by category: "
+            + ", ".join(f"{k} {v:.1f}" for k, v in s[g]["by_category"].items())
+            + (f"; {s[g]['unparseable']} of {s[g]['n']} replies unparseable" if s[g]["unparseable"] is not None
+               else "") for g in group_order(s)]
+
+
+# ---------------------------------------------------------------------------------------------
+# The loglik mode: option log-likelihood (not the official protocol)
+# ---------------------------------------------------------------------------------------------
 def cases(items, kind, choose) -> list[dict]:
     """choose(questions) -> the chosen option index per {prompt, options} question. EU asks the emotion, then
     the cause naming the chosen emotion; it is correct only when both are right."""
     def head(it):                  # the fields every case of an item has
-        return {"case": it["case"], "task": kind, "language": it["language"], "failed": None,
+        return {"case": it["case"], "task": kind, "language": it["language"], "failed": None, "protocol": LOGLIK,
                 "category": it["category"] if kind == "EA" else it["coarse_category"]}
 
     if kind == "EA":

@@ -306,10 +306,11 @@ def test_emobench_scoring_with_a_fake_scorer():
     assert sum(c["correct"] for c in cases) == 10
     assert any("Why would Rosa feel Pride and grief" in p for p in asked)     # the cause names the chosen emotion
     assert any("为什么小林在这种情况下会感到失落和委屈" in p for p in asked)
-    s = ev.summarize(cases, "emobench")
-    assert s["EU"][0] == pytest.approx(500 / 6) and s["EA"][0] == pytest.approx(500 / 6)
-    assert s["EU_by_language"] == {"en": pytest.approx(200 / 3), "zh": 100.0}
-    assert s["EA_by_category"]["Personal-Personal"] == 0.0
+    s = ev.summarize(cases, "emobench")                      # per task and language, never pooled
+    assert s["EU en"]["accuracy"][0] == pytest.approx(200 / 3) and s["EU zh"]["accuracy"][0] == 100.0
+    assert s["EA en"]["n"] == 3 and s["EA zh"]["accuracy"][0] == pytest.approx(200 / 3)
+    assert s["EA zh"]["by_category"]["Personal-Personal"] == 0.0
+    assert s["protocol"] == "option log-likelihood (not the official protocol)" and s["EU en"]["unparseable"] is None
 
 
 class FakeChat:
@@ -476,7 +477,8 @@ def test_eval_script_all_suites_with_an_adapter_then_resume(tiny_model, tiny_ada
     for t in (t for t in transcripts if t["suite"] == "sage"):      # no SAGE dialogue opens with its scene
         assert profiles[t["case"]]["scene"][:40] not in t["turns"][0]["user"]
     assert (run / "distance_per_turn.png").exists() and (run / "emotion_per_turn.png").exists()
-    assert "| EmoBench EA % |" in p.stdout
+    assert "| EmoBench EA zh % |" in p.stdout
+    assert "EmoBench: option log-likelihood (not the official protocol)" in p.stdout
 
     # a kill mid-way: the last 10 cases lost, one half-written line left; --resume cuts it (common.open_run)
     # and redoes only those
