@@ -420,11 +420,12 @@ def write_results(run_dir: Path, args) -> str:
                "|---" * (len(EPM_KEYS) + 1) + "|"]
         md += [f"| {m} | {json.dumps(e['outcomes'])} | " + " | ".join(f"{e[k][0]:.2f}" for k in EPM_KEYS[1:]) + " |"
                for m, e in rows]
-        md += ["", f"EMPA-style, not the EMPA benchmark: MICA's public end rules ({args.max_turns} turns, none before turn "
-                   f"{args.min_turns}, collapse window {args.collapse_window}, the regression sum over all 8 dE, values "
-                   f"rounded to 2 decimals first); this project's scenarios ({Path(args.scenarios).name}), judge prompt "
-                   f"(judge {args.judge}) and K = {args.k} dialogues per scenario (the benchmark plays one: --k 1). "
-                   f"R_pen counts negative {args.r_pen} per turn; tau's index is 0 where P_T = P0."]
+        md += ["", f"EMPA-style, not the EMPA benchmark: MICA's public end rules ({args.max_turns} turns, none "
+                   f"before turn {args.min_turns}, collapse window {args.collapse_window}, the regression sum over all "
+                   f"8 dE, values rounded to 2 decimals first); this project's scenarios "
+                   f"({Path(args.scenarios).name}), judge prompt (judge {args.judge}) and K = {args.k} dialogues per "
+                   f"scenario (the benchmark plays one: --k 1). R_pen counts negative {args.r_pen} per turn; tau's "
+                   "index is 0 where P_T = P0."]
     md += ["", "```", *compared, "```"] if compared else []
 
     def line(d, p):               # {name: value} as "name value, ..." at p decimals
