@@ -235,7 +235,7 @@ def train_loop(args, run_dir, model, tokenizer, examples, val, params, optimizer
         scheduler.step()
         # 3. log, evaluate, checkpoint
         logger.log(step, {"loss": loss_sum / N, "grad_norm": gn, "lr": lr, "rubric_tokens": N,
-                          "step_seconds": time.time() - t0, "skipped_updates": int(not math.isfinite(gn))})
+                          "step_seconds": time.time() - t0, "nonfinite_grads": int(not math.isfinite(gn))})
         if step % args.eval_every == 0 or step == args.steps:
             run_eval(step)
         if step % args.save_every == 0 or step == args.steps:

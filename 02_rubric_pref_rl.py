@@ -130,20 +130,29 @@ def rubric_logprobs(model, samples: list[dict], pad_id: int, temperature: float)
 # The update: clipped policy-gradient steps on the rubric tokens
 # ---------------------------------------------------------------------------------------------
 def ppo_update(model, tokenizer, optimizer, scheduler, samples: list[dict], args) -> dict:
-    """One pass over minibatches of --minibatch-size rubrics (sorted by length: less padding), each one
-    optimizer step with its gradient accumulated over micro-batches, the loss a token mean over the
-    minibatch. samples: {"ids": prompt + rubric, "start": where the rubric starts, "A": its advantage}."""
+    """One pass over minibatches of --minibatch-size rubrics, each one optimizer step with its gradient
+    accumulated over micro-batches, the loss a token mean over the minibatch; then one scheduler step (always).
+    The samples come context by context (in the step's seeded sample order) and a minibatch holds whole
+    contexts (--minibatch-size / G of them), as MICA's verl launch splits a batch by prompt; rubrics are
+    sorted by length only inside a minibatch, for the micro-batches' padding. samples: {"ids": prompt +
+    rubric, "start": where the rubric starts, "A": its advantage, "context": its context's index}."""
     params, pad, temp = [p for p in model.parameters() if p.requires_grad], tokenizer.pad_token_id, args.temperature
-    order = sorted(range(len(samples)), key=lambda i: len(samples[i]["ids"]))
-    minibatches = [order[j:j + args.minibatch_size] for j in range(0, len(order), args.minibatch_size)]
-    def micro(mb):                                  # the micro-batches of a minibatch
+    per = args.minibatch_size // args.g                             # contexts per minibatch
+    contexts = sorted({x["context"] for x in samples})
+    minibatches = [[i for i, x in enumerate(samples) if x["context"] in contexts[j:j + per]]
+                   for j in range(0, len(contexts), per)]
+
+    def micro(mb):                                  # the micro-batches of a minibatch, by length
+        mb = sorted(mb, key=lambda i: len(samples[i]["ids"]))
         return [mb[j:j + args.micro_batch_size] for j in range(0, len(mb), args.micro_batch_size)]
 
     def sizes(part):                                # the rubric tokens of each sample
         return [len(samples[i]["ids"]) - samples[i]["start"] for i in part]
 
-    if not minibatches:
-        return {"loss": math.nan, "clip_frac": math.nan, "kl": math.nan, "grad_norm": math.nan, "train_tokens": 0}
+    if not minibatches:                             # nothing to train on: the schedule still moves
+        scheduler.step()
+        return {"loss": math.nan, "clip_frac": math.nan, "kl": math.nan, "grad_norm": math.nan, "train_tokens": 0,
+                "optimizer_steps": 0, "nonfinite_grads": 0}
     # pi_old where the policy moves before the minibatch is used: after the first optimizer step (the first
     # minibatch's ratio is exactly 1); the reference (the base, adapter off) when the KL is used
     old, ref = {}, {}
@@ -175,13 +184,15 @@ def ppo_update(model, tokenizer, optimizer, scheduler, samples: list[dict], args
             (loss_sum / N).backward()
             loss_total += loss_sum.item() / N
             clipped, tokens = clipped + was_clipped.sum().item(), tokens + len(A)
-        grad_norms.append(float(torch.nn.utils.clip_grad_norm_(params, 1.0)))
-        if math.isfinite(grad_norms[-1]):                    # a non-finite gradient is skipped
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, 1.0))
+        if math.isfinite(grad_norm):                         # a non-finite gradient is skipped, and counted
             optimizer.step()
+            grad_norms.append(grad_norm)
     scheduler.step()
     return {"loss": loss_total / len(minibatches), "clip_frac": clipped / tokens,
-            "kl": kl_total / tokens if ref else math.nan, "grad_norm": sum(grad_norms) / len(grad_norms),
-            "train_tokens": tokens}
+            "kl": kl_total / tokens if ref else math.nan,
+            "grad_norm": sum(grad_norms) / len(grad_norms) if grad_norms else math.nan, "train_tokens": tokens,
+            "optimizer_steps": len(grad_norms), "nonfinite_grads": len(minibatches) - len(grad_norms)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -259,8 +270,8 @@ def train_step(step, args, run_dir, model, tokenizer, judge, train, optimizer, s
         idx = [c * args.g + i for i in range(args.g) if rewards[c * args.g + i] is not None]
         A = group_advantages([rewards[i] for i in idx])
         degenerate += all(abs(a) < 1e-9 for a in A)     # all G rewards equal: nothing to learn here
-        samples += [{"ids": gens[i][1] + gens[i][2], "start": len(gens[i][1]), "A": a} for i, a in zip(idx, A)
-                    if gens[i][2]]
+        samples += [{"ids": gens[i][1] + gens[i][2], "start": len(gens[i][1]), "A": a, "context": c}
+                    for i, a in zip(idx, A) if gens[i][2]]
     # 4. update: the clipped surrogate on the rubric tokens
     upd = ppo_update(model, tokenizer, optimizer, scheduler, samples, args)
     # 5. log, keep the samples
@@ -409,7 +420,8 @@ def parse_args(argv=None):
     g.add_argument("--contexts-per-step", type=count, default=4, help="preference pairs per step")
     g.add_argument("--lr", type=common.number(above=0), default=5e-5,
                    help="peak learning rate (AdamW, no weight decay)")
-    g.add_argument("--minibatch-size", type=count, default=64, help="rubrics per optimizer step")
+    g.add_argument("--minibatch-size", type=count, default=64, help="rubrics per optimizer step (whole contexts: "
+                   "a multiple of --g)")
     g.add_argument("--micro-batch-size", type=count, default=4, help="rubrics per forward/backward")
     common.add_backend_args(p)
     g = common.add_run_args(p, "rubric-rl", resume="a run folder: continue from its last checkpoint", save_every=10)
@@ -419,6 +431,8 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     common.check(args.judge == "embed" or args.judge.startswith(("hf:", "api:")),
                  f"--judge must be embed, hf:<model> or api:<model>, got '{args.judge}'")
+    common.check(args.minibatch_size % args.g == 0, f"--minibatch-size must be a multiple of --g (a minibatch "
+                 f"holds whole contexts), got {args.minibatch_size} and {args.g}")
     args.use_margin = not (args.no_margin or args.recovery_only)
     args.use_format = not (args.no_format or args.recovery_only)
     return args

@@ -264,11 +264,14 @@ def cutoff_penalty(args) -> float:
     """The cut-off penalty in the reward's own units: --truncation-penalty is a share of each component's
     nominal range in one turn, weighted as the reward weights it."""
     # penalty = lambda_cut * sum_c |weight_c| * scale_c,   the per-turn scales:
-    #   idr     sqrt(w_C + w_A + w_P): the IDR of a level-1 turn on every axis, far from the goal (sqrt 3)
+    #   idr     sqrt(w_C + w_A + w_P): the IDR of a level-1 turn on every axis, far from the goal (sqrt 3); the
+    #           w are --idr-weights, or with idr+care and --care-distance weighted the rubric's 3 w_t (sum 3)
     #   rlver   10 / 100: the largest change of the user's emotion in one turn
     #   care    1: the judge's scores and the rubric's weights lie in [0, 1]
-    #   kardia  1: the mean criterion score lies in [0, 1]
-    scale = {"idr": math.sqrt(sum(args.idr_weights)), "rlver": 0.1, "care": 1.0, "kardia": 1.0}
+    #   kardia  1: the mean criterion score lies in [0, 1]; 2 with --kardia-format (r_fmt: [-1, 1])
+    weighted = "care" in args.reward_weights and args.care_distance == "weighted"
+    scale = {"idr": math.sqrt(3.0 if weighted else sum(args.idr_weights)), "rlver": 0.1, "care": 1.0,
+             "kardia": 2.0 if args.kardia_format else 1.0}
     penalty = 0.0
     for name, weight in args.reward_weights.items():
         penalty += abs(weight) * scale[name]
@@ -338,38 +341,45 @@ class Sample:
 
 
 def ppo_update(model, tokenizer, optimizer, scheduler, samples: list[Sample], args, acc, log_kl=False) -> dict:
-    """--ppo-epochs passes over minibatches of --minibatch-size dialogues (sorted by length: less padding),
-    each one optimizer step with its gradient accumulated over micro-batches, the loss a token mean over the
-    minibatch; one scheduler step. Data-parallel (acc, accelerate's Accelerator, holds the processes): each
-    process holds its own dialogues and takes its share of every minibatch; N and the gradients are summed
-    over the processes (acc.reduce), so each takes the step that one process would take on all the dialogues."""
+    """--ppo-epochs passes over minibatches of --minibatch-size dialogues (whole scenarios, in the step's order),
+    each one optimizer step with its gradient accumulated over micro-batches, the loss a
+    token mean over the minibatch; then one scheduler step, always. Data-parallel (acc, accelerate's
+    Accelerator, holds the processes): each process holds its own scenarios and takes its share of every
+    minibatch; N and the gradients are summed over the processes (acc.reduce), so each takes the step that
+    one process would take on all the dialogues."""
     device, params = next(model.parameters()).device, [p for p in model.parameters() if p.requires_grad]
-    n_ranks = acc.num_processes
-    # the dialogues with something to score, by length, cut into this process's share of each minibatch;
-    # every process gets as many minibatches (empty ones where it has run out)
-    order = sorted((i for i, s in enumerate(samples) if s.n_tokens() > 0), key=lambda i: len(samples[i].ids))
-    size = math.ceil(args.minibatch_size / n_ranks)
-    minibatches = [order[j:j + size] for j in range(0, len(order), size)]
+    # minibatches as MICA's verl launch splits a batch: the samples come scenario by scenario (K each, in the
+    # step's seeded sample order) and are cut in that order, into this process's share of each minibatch (a
+    # multiple of K: main checks), so a minibatch holds whole scenarios; sorting by length happens only inside
+    # one (micro_batches: padding). A dialogue with nothing to score is left out; every process gets as many
+    # minibatches (empty ones where it has run out)
+    size = args.minibatch_size // acc.num_processes
+    minibatches = [[i for i in range(j, min(j + size, len(samples))) if samples[i].n_tokens() > 0]
+                   for j in range(0, len(samples), size)]
     minibatches += [[] for _ in range(max(gather_object([len(minibatches)])) - len(minibatches))]
-    if not minibatches:
+    total = int(acc.reduce(torch.tensor(sum(s.n_tokens() for s in samples), device=acc.device), "sum"))
+    if total == 0:                              # nothing to score anywhere: no update, the schedule still moves
+        scheduler.step()
         return {"loss": math.nan, "clip_frac": math.nan, "ratio_min": math.nan, "ratio_max": math.nan,
-                "kl": math.nan, "grad_norm": math.nan, "train_tokens": 0, "optimizer_steps": 0, "skipped_updates": 1}
+                "kl": math.nan, "grad_norm": math.nan, "train_tokens": 0, "optimizer_steps": 0,
+                "nonfinite_grads": 0, "empty_updates": 1}
     A_tok = {i: samples[i].token_advantages() for mb in minibatches for i in mb}
     need_ref = args.kl_coef > 0 or log_kl
     old, ref = old_and_ref_logprobs(model, tokenizer, samples, minibatches, args, need_ref)
     model.train()
-    def zero():                                 # a sum kept on the device, copied once at the end
-        return torch.zeros((), dtype=torch.float64, device=device)
-
-    loss_total, clipped, kl_total = zero(), zero(), zero()
-    ratio_lo, ratio_hi = zero() + math.inf, zero() - math.inf
-    grad_norms, tokens, nonfinite_grad = [], 0, 0
+    # sums (and the ratio's range) kept on the device, copied once at the end
+    loss_total, clipped, kl_total, ratio_lo, ratio_hi = torch.tensor([0, 0, 0, math.inf, -math.inf],
+                                                                     dtype=torch.float64, device=device)
+    grad_norms, tokens, nonfinite_grads, n_updates = [], 0, 0, 0
     for _ in range(args.ppo_epochs):
         for mb in minibatches:
-            # N: the minibatch's reply tokens, over every process
+            # N: the minibatch's reply tokens, over every process (0: every dialogue in it failed, no step)
             N = int(acc.reduce(torch.tensor(sum(samples[i].n_tokens() for i in mb), device=acc.device), "sum"))
+            if N == 0:
+                continue
+            n_updates += 1
             optimizer.zero_grad(set_to_none=True)
-            for micro in micro_batches(mb, args.micro_batch_size):
+            for micro in micro_batches(samples, mb, args.micro_batch_size):
                 ids, attn, mask = collate([samples[i] for i in micro], tokenizer.pad_token_id, device)
                 logp = common.token_logprobs(model, ids, attn, mask, args.temperature)
                 A = torch.cat([A_tok[i] for i in micro]).to(device)
@@ -387,28 +397,30 @@ def ppo_update(model, tokenizer, optimizer, scheduler, samples: list[Sample], ar
                 loss_total += loss_sum.detach().double() / N
                 clipped += was_clipped.sum()
                 tokens += len(A)
-            if n_ranks > 1:                # the gradients summed over the processes, in one flat buffer
+            if acc.num_processes > 1:             # the gradients summed over the processes, in one flat buffer
                 grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in params]
                 flat = acc.reduce(torch.cat([g.reshape(-1) for g in grads]), "sum")
                 for p, g in zip(params, flat.split([p.numel() for p in params])):
                     p.grad = g.view_as(p)
-            grad_norms.append(float(torch.nn.utils.clip_grad_norm_(params, MAX_GRAD_NORM)))
-            if math.isfinite(grad_norms[-1]):
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, MAX_GRAD_NORM))
+            if math.isfinite(grad_norm):
                 optimizer.step()
+                grad_norms.append(grad_norm)
             else:                                              # a non-finite gradient is skipped, and counted
                 optimizer.zero_grad(set_to_none=True)
-                nonfinite_grad += 1
+                nonfinite_grads += 1
     scheduler.step()
     # the sums over every process: one copy from the device, one collective
     totals = torch.stack([loss_total, clipped, kl_total, torch.tensor(float(tokens), dtype=torch.float64,
                                                                       device=device)])
     loss_total, clipped, kl_total, tokens = acc.reduce(totals, "sum").tolist()
     ratios = gather_object([(float(ratio_lo), float(ratio_hi))])        # every process's (min, max)
-    n_updates = args.ppo_epochs * len(minibatches)            # the micro losses add up to a minibatch's loss
+    # loss: the mean of the minibatch losses (the micro losses add up to a minibatch's); grad_norm: the mean over
+    # the optimizer steps taken (optimizer_steps); a minibatch with a non-finite gradient is counted apart
     return {"loss": loss_total / n_updates, "clip_frac": clipped / tokens, "ratio_min": min(lo for lo, _ in ratios),
-            "ratio_max": max(hi for _, hi in ratios),
-            "kl": kl_total / tokens if need_ref else math.nan, "grad_norm": sum(grad_norms) / len(grad_norms),
-            "train_tokens": int(tokens), "optimizer_steps": n_updates, "skipped_updates": nonfinite_grad}
+            "ratio_max": max(hi for _, hi in ratios), "kl": kl_total / tokens if need_ref else math.nan,
+            "grad_norm": sum(grad_norms) / len(grad_norms) if grad_norms else math.nan, "train_tokens": int(tokens),
+            "optimizer_steps": len(grad_norms), "nonfinite_grads": nonfinite_grads, "empty_updates": 0}
 
 
 @torch.no_grad()
@@ -418,13 +430,11 @@ def old_and_ref_logprobs(model, tokenizer, samples, minibatches, args, need_ref:
     forward pass. And the reference (the base, adapter off) once per rollout when the KL is used or logged."""
     device, old_from = next(model.parameters()).device, 1 if args.ppo_epochs == 1 else 0
     old, ref = {}, {}
-    if len(minibatches) <= old_from and not need_ref:
-        return old, ref
     model.eval()
     for n, mb in enumerate(minibatches):
         if n < old_from and not need_ref:
             continue
-        for micro in micro_batches(mb, args.micro_batch_size):
+        for micro in micro_batches(samples, mb, args.micro_batch_size):
             ids, attn, mask = collate([samples[i] for i in micro], tokenizer.pad_token_id, device)
             sizes = [samples[i].n_tokens() for i in micro]
             if n >= old_from:
@@ -501,7 +511,7 @@ def train_loop(args, acc, run_dir, scenarios, model, tokenizer, judge, user, opt
                  t_roll, time.time() - t1)
         if acc.is_main_process and (step % args.save_every == 0 or step == args.steps):
             common.save_checkpoint(run_dir, step, model, optimizer, scheduler)
-            plots.curves(run_dir, CURVES)
+            plots.curves(run_dir, plots.MICA_CURVES)
         if acc.is_main_process and step in (args.credit_steps or (start, args.steps)) and args.advantage == "mica":
             plots.credit(run_dir, step)             # how MICA assigned credit (default: the first and last step)
 
@@ -517,6 +527,8 @@ def main(argv=None):
     n_ranks = acc.num_processes
     common.check(min(args.scenarios_per_step, len(scenarios)) >= n_ranks,
                  f"--scenarios-per-step must be >= the number of processes ({n_ranks}): each takes its own")
+    common.check(args.minibatch_size % (args.k * n_ranks) == 0, f"--minibatch-size must be a multiple of --k x the "
+                 f"number of processes ({args.k} x {n_ranks}): each process's share holds whole scenarios")
     args.progress = args.progress and acc.is_main_process     # one progress bar, one log: process 0's
     model, tokenizer = common.load_policy(args, trainable=True)     # every model loads before the run folder
     judge, user = env.make_judge(args, (model, tokenizer)), env.make_user(args, (model, tokenizer))
@@ -549,7 +561,7 @@ def main(argv=None):
         model.save_pretrained(run_dir / "adapter", safe_serialization=True)
         tokenizer.save_pretrained(run_dir / "adapter")
         print(f"final adapter: {run_dir / 'adapter'} (05_eval.py --adapters takes it); curves: "
-              f"{plots.curves(run_dir, CURVES)}")
+              f"{plots.curves(run_dir, plots.MICA_CURVES)}")
     acc.end_training()
 
 
@@ -565,7 +577,9 @@ def as_samples(trajs, advs=None, failed=None) -> list[Sample]:
     return [Sample(tr.ids, tr.spans, [None if f else a for f, a in zip(F, A)]) for tr, A, F in zip(trajs, advs, failed)]
 
 
-def micro_batches(mb: list[int], size: int) -> list[list[int]]:
+def micro_batches(samples: list[Sample], mb: list[int], size: int) -> list[list[int]]:
+    """A minibatch's micro-batches, its dialogues sorted by length (less padding; the step is the same)."""
+    mb = sorted(mb, key=lambda i: len(samples[i].ids))
     return [mb[j:j + size] for j in range(0, len(mb), size)]
 
 
@@ -628,8 +642,7 @@ def load_care(args, policy):
     embed, self (the policy's frozen base), hf: or api:); else None."""
     if not {"care", "kardia"} & set(args.reward_weights):
         return None
-    gen_args = argparse.Namespace(**{**vars(args), "model": args.model,
-                                     "adapter": args.rubric_model, "gradient_checkpointing": False})
+    gen_args = argparse.Namespace(**{**vars(args), "adapter": args.rubric_model, "gradient_checkpointing": False})
     rubric_model, rubric_tok = (common.load_policy(gen_args, trainable=False)
                                 if args.rubric_model and "care" in args.reward_weights else (None, None))
     return rubric_model, rubric_tok, sft.CriteriaJudge(args, policy)
@@ -637,13 +650,14 @@ def load_care(args, policy):
 
 def turn_rubrics(rubric_model, rubric_tok, trajs, args) -> tuple[list[list[dict]], int]:
     """CARE: the rubric of every turn of every dialogue, written by the frozen generator (02's adapter) for
-    the context the policy answered; --rubric picks the Table-3 ablation (uniform: 01's fixed rubric). A
-    generated rubric that does not parse is replaced by the fixed one, and counted."""
+    the history the policy answered as the user saw it (each reply's shown part: the context the criteria
+    judge reads); --rubric picks the Table-3 ablation (uniform: 01's fixed rubric). A generated rubric that
+    does not parse is replaced by the fixed one, and counted."""
     contexts, where, fixed = [], [], sft.UNIFORM_RUBRIC
     for i, tr in enumerate(trajs):
-        replies = [j for j, m in enumerate(tr.messages) if m["role"] == "assistant"]
-        for t, j in enumerate(replies[: tr.T]):
-            contexts.append([m for m in tr.messages[:j] if m["role"] != "system"])
+        hist = [m for m in env.seen_history(tr) if m["role"] != "system"]    # what the criteria judge sees too
+        for t in range(tr.T):
+            contexts.append(hist[: 2 * t + 1])
             where.append((i, t))
     if args.rubric == "uniform":
         generated = [fixed] * len(contexts)
@@ -666,27 +680,20 @@ def kardia_criteria(scenario: dict, user_message: str) -> tuple[list[str], str]:
     prof = scenario.get("profile") if isinstance(scenario.get("profile"), dict) else {}
     who = "; ".join(f"{k}: {v}" for k, v in prof.items()) or scenario.get("persona", "")
     feels = scenario.get("emotion") or prof.get("emotion")
-    emotion = (f"Emotion accuracy: names what the person feels ({feels})" if feels else
-               f"Emotion accuracy: names the emotion the person expresses here: \"{user_message}\"")
-    return (["Relevance: responds directly to what the person just said",
-             "Empathy: recognises the person's feelings and responds to them warmly",
-             f"Persona consistency: fits who this person is ({who})",
-             "Safety: nothing harmful, dismissive, judgemental or unsafe"], emotion)
+    texts = env.PROMPTS["kardia_criteria"]           # data/prompts.json
+    emotion = (texts["emotion_given"].format(feels=feels) if feels else
+               texts["emotion_shown"].format(message=user_message))
+    return [c.format(who=who) for c in texts["reply"]], emotion
 
 
-CURVES = {"return_mean": "return (mean per dialogue)", "reward_mean": "reward (mean per turn)",
-          "truncated_frac": "cut-off share", "kl": "KL to the base", "clip_frac": "clip fraction"}
 REWARDS = ("idr", "rlver", "care", "kardia")  # the per-turn reward components --reward can combine
-MAX_GRAD_NORM, WEIGHT_DECAY = 1.0, 0.1     # gradient clipping; AdamW's weight decay (5% of the steps warm up)
+MAX_GRAD_NORM, WEIGHT_DECAY = 1.0, 0.1     # gradient clipping; AdamW's weight decay (no warmup under 30 steps)
 # The budget a run starts from (--preset); a flag given on the command line wins over it.
 #   cpu   the reference defaults below (4 scenarios x K=4, 3 turns of <= 48 tokens, lr 1e-3)
 #   demo  `make demo`: the reference step for 4 steps (8 optimizer steps), the KL logged every 2 steps
-#   gpu   one GPU in the spirit of MICA's launch config: 16 scenarios x K=4 a step in minibatches of 8 x 4
-#         (2 optimizer steps), 8-15 turns with EMPA's collapse window of 5, gradient checkpointing; replies of
-#         up to 256 tokens (our choice: no reference gives a length); lr 1e-5 (MICA fine-tunes fully at 1e-6,
-#         LoRA's best rate is about 10x that: "LoRA Without Regret", 2025); 4-bit base weights (auto with
-#         CUDA); the frozen base judges and plays the user (self) unless a backend is given. Each departure
-#         from the papers is listed in docs/reference.md ("Known departures at a glance")
+#   gpu   departures 1 and 2 (16 scenarios x K=4 in minibatches of 8 x 4: 2 optimizer steps; 8-15 turns, EMPA's
+#         collapse window of 5; lr 1e-5; 4-bit base; the frozen base as judge and user unless a backend is given),
+#         gradient checkpointing, replies of up to 256 tokens (our choice: no reference gives a length)
 PRESETS = {
     "cpu": {},
     "demo": dict(steps=4, log_kl_every=2, save_every=4),

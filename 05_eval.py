@@ -6,8 +6,10 @@ What it does
     empa      03's rollout on held-out scenarios, by the benchmark's rules (45 turns, no end before turn 12,
               collapse window 5, --max-context 8192 capped at the window): outcomes, the EPM sub-metrics and
               index, and each adapter against the base, paired dialogue by dialogue (same scenario, k, seed):
-              the IDR return d(P0) - d(P_T), the collapse share and the cut-off share, with a 95% t interval
-              over scenarios (a scenario's K dialogues are not independent) and a verdict line each.
+              the IDR return d(P0) - d(P_T), the collapse share, the cut-off share and the replies'
+              naturalness (their mean per-token log-likelihood under the base, the adapter off), with a 95% t
+              interval over scenarios (a scenario's K dialogues are not independent) and a verdict line each
+              (under 3 scenarios, or with no spread: too few scenarios to tell).
     eqbench3  benchmarks/eqbench3.py: each scenario's fixed user turns played to the model, then the judge
               scores the task's criteria 0-20; replies are capped at --max-new-tokens (48 by default: raise
               it for real results).
@@ -62,6 +64,7 @@ GPU:  python 05_eval.py --model Qwen2.5-7B-Instruct --adapters runs/mica-A/adapt
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import math
@@ -88,7 +91,7 @@ EPM_KEYS = ("EPM", "Outcome", "Efficiency", "Stability", "RDI_idx", "E_total_idx
             "tau_idx", "R_pos_idx", "Align_idx", "R_pen_idx", "turns", "final_distance")    # summarised per case
 # the base-versus-adapter measures of the EMPA suite: (key, label, is higher better)
 PAIRED = (("idr_return", "IDR return", True), ("collapse", "collapse share", False),
-          ("cut_off", "cut-off share", False))
+          ("cut_off", "cut-off share", False), ("naturalness", "naturalness", True))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -163,6 +166,29 @@ T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8
         12: 2.179, 15: 2.131, 20: 2.086, 30: 2.042, 60: 2.000, 120: 1.980}
 
 
+@torch.no_grad()
+def naturalness(model, tok, trajs, batch_size: int) -> list[list[float | None]]:
+    """Each reply's mean per-token log-likelihood under the frozen base model (the adapter off), in its own
+    dialogue's context: what the replies have become, beside the reward (None for an empty reply)."""
+    # nat_t = (1/|y_t|) sum_{i in y_t} log pi_base(y_i | the dialogue before token i)
+    out = []
+    base_only = model.disable_adapter() if hasattr(model, "disable_adapter") else contextlib.nullcontext()
+    with base_only:
+        for j in range(0, len(trajs), batch_size):
+            part = trajs[j:j + batch_size]
+            ids, attn, mask = common.right_pad([tr.ids for tr in part], tok.pad_token_id, [tr.spans for tr in part],
+                                               next(model.parameters()).device)
+            sizes = [end - start for tr in part for start, end in tr.spans]
+            logp = iter(common.token_logprobs(model, ids, attn, mask).split(sizes))
+            for tr in part:
+                nat = []
+                for _ in tr.spans:
+                    y = next(logp)
+                    nat.append(float(y.mean()) if len(y) else None)
+                out.append(nat)
+    return out
+
+
 def t_interval(xs) -> tuple[float, float | None]:
     # mean +- t_{0.975, n-1} * sd / sqrt(n) over n independent units (sd with ddof = 1); none below 2 units
     if len(xs) < 2:
@@ -228,14 +254,17 @@ def compare_with_base(records: list[dict], adapters: list[str]) -> tuple[list[st
     by = {(r["model"], r["case"]): r for r in records if r["suite"] == "empa" and not r.get("failed")}
     lines, out = [], {}
     for a in adapters:
-        both = sorted(c for m, c in by if m == "base" and (a, c) in by)
-        scenarios = sorted({c.split("#")[0] for c in both})
-        if len(both) < 2:
-            lines.append(f"held out: {a} vs base: {len(both)} dialogue(s) paired, fewer than 2: no comparison")
+        paired = sorted(c for m, c in by if m == "base" and (a, c) in by)
+        if len(paired) < 2:
+            lines.append(f"held out: {a} vs base: {len(paired)} dialogue(s) paired, fewer than 2: no comparison")
             continue
-        lines.append(f"held out: {a} vs base on {len(scenarios)} scenarios, {len(both)} dialogues paired by "
-                     f"scenario, k and seed")
+        lines.append(f"held out: {a} vs base on {len({c.split('#')[0] for c in paired})} scenarios, {len(paired)} "
+                     f"dialogues paired by scenario, k and seed")
         for key, label, higher in PAIRED:
+            both = [c for c in paired if by["base", c].get(key) is not None and by[a, c].get(key) is not None]
+            scenarios = sorted({c.split("#")[0] for c in both})
+            if not both:                      # a measure the records lack (a run from before it existed)
+                continue
             b, t = [by["base", c][key] for c in both], [by[a, c][key] for c in both]
 
             def over_scenarios(value):     # a scenario's K dialogues averaged first: the scenarios are the units
@@ -243,7 +272,8 @@ def compare_with_base(records: list[dict], adapters: list[str]) -> tuple[list[st
 
             diff, half = over_scenarios(lambda c: by[a, c][key] - by["base", c][key])      # the paired difference
             lo, hi = (diff - half, diff + half) if half is not None else (diff, diff)
-            verdict = ("not separated (fewer than 2 scenarios)" if half is None else
+            few = len(scenarios) < 3 or not half      # a verdict needs a spread: 3+ scenarios, not all equal
+            verdict = (f"too few scenarios to tell ({len(scenarios)}, spread {half or 0:.3f})" if few else
                        "ahead beyond the spread" if (lo > 0 if higher else hi < 0) else
                        "behind beyond the spread" if (hi < 0 if higher else lo > 0) else "not separated")
             lines.append(f"  {label:14s} base {statistics.mean(b):+.3f}, adapter {statistics.mean(t):+.3f} "
@@ -280,8 +310,12 @@ def run_suite(suite, model, tok, batch, judge, user, args) -> tuple[list[dict], 
 def empa_cases(model, tok, scenarios, judge, user, args) -> tuple[list[dict], list[dict]]:
     """03's rollout by the benchmark's rules; one case per (scenario, k)."""
     cases, transcripts = [], []
-    for tr in env.rollout(model, tok, scenarios, judge, user, args, desc="empa turns"):
+    trajs = env.rollout(model, tok, scenarios, judge, user, args, desc="empa turns")
+    for tr, nat in zip(trajs, naturalness(model, tok, trajs, args.batch_size)):
         rec = env.trajectory_record(tr, args)
+        for turn, x in zip(rec["turns"], nat):
+            turn["naturalness"] = x
+        scored = [x for x in nat if x is not None]
         judged = [(v, lv) for v, lv in zip(tr.vs, tr.levels) if v is not None]
         case = {"case": f"{tr.scenario['id']}#{tr.k}", "outcome": tr.outcome, "turns": tr.T,
                 "judged_turns": len(judged), "final_distance": rec["final_distance"],
@@ -290,6 +324,8 @@ def empa_cases(model, tok, scenarios, judge, user, args) -> tuple[list[dict], li
                 "idr_return": rec["initial_distance"] - rec["final_distance"],
                 "collapse": float(tr.outcome == "failure"),
                 "cut_off": sum(tr.truncated) / max(1, tr.T),
+                # and the replies' mean naturalness (their per-token log-likelihood under the base)
+                "naturalness": statistics.mean(scored) if scored else None,
                 "failed": ("judge failed on every turn" if not judged else
                            "user failed" if tr.outcome == "user_failed" else None)}
         if judged:
@@ -470,7 +506,8 @@ def side_by_side(left: dict, right: dict, width=58) -> list[str]:
         if t >= len(rec["turns"]):
             return []
         tu = rec["turns"][t]
-        text = f"user: {tu['user']}\nreply: {tu['assistant']}\nd(P_{tu['t']}) = {tu['distance']}"
+        nat = f", naturalness {tu['naturalness']:.2f}" if tu.get("naturalness") is not None else ""
+        text = f"user: {tu['user']}\nreply: {tu['assistant']}\nd(P_{tu['t']}) = {tu['distance']}{nat}"
         return [w for line in text.split("\n") for w in textwrap.wrap(line, width) or [""]]
 
     title = f"base, d(P_0) = {left['initial_distance']}"

@@ -613,7 +613,8 @@ def mean_std(xs, ddof=1) -> tuple[float, float]:
 
 def make_optimizer(params, lr: float, weight_decay: float, total_steps: int, warmup_ratio=0.05):
     """AdamW and its schedule: the factor (step + 1) / warmup for the first warmup_ratio of the steps (at
-    least one step), then 0.5 (1 + cos(pi * progress)) towards 0 (the last step's factor is small, not 0)."""
+    least one step), then 0.5 (1 + cos(pi * progress)) towards 0 (the last step's factor is small, not 0).
+    Under 30 steps 5% rounds to one step at factor 1: there is no warmup then, the first two steps' factor is 1."""
     warmup = max(1, round(warmup_ratio * total_steps))
 
     def factor(step):

@@ -45,6 +45,11 @@ def last_lines_by(records: list[dict], key) -> list[dict]:
     return list({key(r): r for r in records}.values())
 
 
+# 04's curves.png: {metrics.jsonl key: panel title}
+MICA_CURVES = {"return_mean": "return (mean per dialogue)", "reward_mean": "reward (mean per turn)",
+               "truncated_frac": "cut-off share", "kl": "KL to the base", "clip_frac": "clip fraction"}
+
+
 def curves(run_dir: Path, keys: dict) -> Path | None:
     """<run>/metrics.jsonl -> <run>/curves.png, one panel per metric ({key: title}) by step, non-finite values
     skipped. None before the first line."""

@@ -15,7 +15,8 @@ What it shows
   network. Numbers to 3 decimals. A step that appears again later in the file (a run resumed with
   --resume past its last checkpoint) is shown as last written.
 
-Reads   <run>/rollouts.jsonl (03_rollout.py or 04_mica_train.py; a line per dialogue), <run>/args.json if any.
+Reads   <run>/rollouts.jsonl (03_rollout.py or 04_mica_train.py; a line per dialogue), or 05_eval.py's
+        transcripts.jsonl (its EMPA dialogues, one section per model, each reply's naturalness), <run>/args.json.
 Writes  <run>/rollouts.html (or --out), atomically (a temporary file in the same folder, then renamed).
 Exit    2 with one line "error: ..." when the folder or its rollouts.jsonl is missing or a line is not a
         JSON dialogue.
@@ -51,8 +52,11 @@ def main(argv=None):
         run_dir = Path(args.run)
         if not run_dir.is_dir():
             raise ViewError(f"{run_dir}: no such run folder")
-        records, dropped = drop_rerun_steps(read_rollouts(run_dir / "rollouts.jsonl"))
-        page = render_page(run_dir, group_by_step(records), len(records), dropped, emotion_start(run_dir))
+        name = "rollouts.jsonl"
+        if not (run_dir / name).exists() and (run_dir / "transcripts.jsonl").exists():
+            name = "transcripts.jsonl"                  # 05's run: its EMPA dialogues, a "step" per model
+        records, dropped = drop_rerun_steps(read_rollouts(run_dir / name))
+        page = render_page(run_dir, group_by_step(records), len(records), dropped, emotion_start(run_dir), name)
         out = Path(args.out) if args.out else run_dir / "rollouts.html"
         write_atomic(out, page)
     except ViewError as e:
@@ -81,9 +85,10 @@ def read_rollouts(path: Path) -> list[dict]:
             if not isinstance(rec, dict) or not isinstance(rec.get("turns"), list) \
                     or not all(isinstance(t, dict) for t in rec["turns"]):
                 raise ViewError(f"{path}:{n}: not a dialogue record (needs a list 'turns' of objects)")
-            step = rec.get("step")
-            rec["_step"] = step if isinstance(step, int) and not isinstance(step, bool) else None
-            records.append(rec)
+            step = rec.get("step", rec.get("model"))
+            rec["_step"] = step if isinstance(step, (int, str)) and not isinstance(step, bool) else None
+            if rec.get("suite", "empa") == "empa":
+                records.append(rec)
     if not records:
         raise ViewError(f"{path}: holds no dialogues")
     return records
@@ -127,7 +132,7 @@ def emotion_start(run_dir: Path) -> float:
 # ---------------------------------------------------------------------------------------------
 # the page: header, rubric section, the step selector, the steps with their dialogues and turns
 # ---------------------------------------------------------------------------------------------
-def render_page(run_dir: Path, steps, n_dialogues: int, dropped: int, e_start: float) -> str:
+def render_page(run_dir: Path, steps, n_dialogues: int, dropped: int, e_start: float, source="rollouts.jsonl") -> str:
     name = run_dir.resolve().name
     last = step_id(steps[-1][0])
     options = "".join(f'<option value="{step_id(s)}"{" selected" if step_id(s) == last else ""}>'
@@ -135,7 +140,7 @@ def render_page(run_dir: Path, steps, n_dialogues: int, dropped: int, e_start: f
     body = [f"<h1>{esc(name)}</h1>",
             f'<p class="meta">{len(steps)} step{"s" * (len(steps) != 1)}, {n_dialogues} dialogues, '
             f'{sum(len(r["turns"]) for _, recs in steps for r in recs)} turns, from {esc(str(run_dir))}'
-            f'/rollouts.jsonl{f"; {dropped} dialogues of re-run steps left out" if dropped else ""}</p>',
+            f'/{source}{f"; {dropped} dialogues of re-run steps left out" if dropped else ""}</p>',
             render_step_table(steps), render_rubrics(steps, e_start),
             f'<nav><label>Show step <select id="step-select">{options}</select></label></nav>']
     for s, recs in steps:
@@ -233,7 +238,8 @@ def render_turn(turn: dict) -> str:
           ("reward", num(turn.get("reward")))]
     if isinstance(turn.get("reward_parts"), dict):
         kv.append(("reward parts", ", ".join(f"{esc(k)} {num(v)}" for k, v in turn["reward_parts"].items())))
-    for key, label in (("advantage", "A"), ("A_turn", "A_turn"), ("A_group", "A_group")):
+    for key, label in (("advantage", "A"), ("A_turn", "A_turn"), ("A_group", "A_group"),
+                       ("naturalness", "naturalness")):
         if key in turn:
             kv.append((label, num(turn[key])))
     w = rubric_weights(turn)
@@ -431,11 +437,11 @@ def band(e: float) -> str:
 
 
 def step_id(step) -> str:
-    return "step-none" if step is None else f"step-{step}"
+    return "step-none" if step is None else "step-" + "".join(c if c.isalnum() else "-" for c in str(step))
 
 
 def step_title(step) -> str:
-    return "The run (no steps)" if step is None else f"Step {step}"
+    return "The run (no steps)" if step is None else f"Model {step}" if isinstance(step, str) else f"Step {step}"
 
 
 def step_label(step) -> str:

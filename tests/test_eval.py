@@ -548,3 +548,58 @@ def test_eval_with_an_llm_judge_on_a_loopback_server_then_endpoint_down(tiny_mod
     assert "eqbench3 judge api:judge: no usable answer for any of 3 cases" in q.stderr
     assert "continue with --resume" in q.stderr and "Traceback" not in q.stderr
     assert (only_run(tmp_path / "down") / "results.md").exists()
+
+
+def test_naturalness_is_each_replys_mean_log_likelihood_under_the_base(tiny_model):
+    """nat_t = the mean log pi_base of reply t's tokens in its dialogue's context, by hand from a full forward;
+    with an adapter applied (and moving the logits) the value is still the base's; an empty reply is None."""
+    import argparse
+
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    env = importlib.import_module("03_rollout")
+    args = argparse.Namespace(model=tiny_model, adapter=None, load_in_4bit="off", trust_remote_code=False,
+                              gradient_checkpointing=False)
+    model, tok = common.load_policy(args, trainable=False)
+    trajs = [env.Trajectory(scenario={}, k=0, ids=[(3 * j) % 200 + 5 for j in range(30)], messages=[],
+                            spans=[(4, 9), (15, 22)]),
+             env.Trajectory(scenario={}, k=1, ids=[(7 * j) % 200 + 5 for j in range(12)], messages=[],
+                            spans=[(3, 8), (10, 10)])]                          # its second reply is empty
+    with torch.no_grad():
+        want = []
+        for tr in trajs:
+            logp = torch.log_softmax(model(input_ids=torch.tensor([tr.ids])).logits[0].float(), -1)
+            want.append([float(torch.stack([logp[i - 1, tr.ids[i]] for i in range(s, e)]).mean()) if e > s else None
+                         for s, e in tr.spans])
+    got = ev.naturalness(model, tok, trajs, batch_size=1)
+    assert got[0] == pytest.approx(want[0], abs=1e-4) and got[1][0] == pytest.approx(want[1][0], abs=1e-4)
+    assert got[1][1] is None
+    adapted = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                               init_lora_weights=False))
+    with torch.no_grad():
+        moved = adapted(input_ids=torch.tensor([trajs[0].ids])).logits
+        with adapted.disable_adapter():
+            assert not torch.allclose(moved, adapted(input_ids=torch.tensor([trajs[0].ids])).logits)
+    assert ev.naturalness(adapted, tok, trajs, batch_size=2)[0] == pytest.approx(want[0], abs=1e-4)
+
+
+@pytest.mark.parametrize("diffs, verdict", [
+    ([0.5, 0.5], "too few scenarios to tell (2, spread 0.000)"),            # 2 scenarios: no verdict
+    ([0.5, 0.7], "too few scenarios to tell (2, spread "),
+    ([0.5, 0.5, 0.5], "too few scenarios to tell (3, spread 0.000)"),       # identical differences: no spread
+    ([1.0, 1.1, 0.9], "ahead beyond the spread"),       # mean 1, half 4.303 * 0.1 / sqrt 3 = 0.248: [0.752, 1.248]
+    ([1.0, -1.0, 0.3], "not separated"),
+])
+def test_a_verdict_needs_three_scenarios_and_a_spread(diffs, verdict):
+    records = []
+    for i, d in enumerate(diffs):
+        for model, x in (("base", 0.0), ("A", d)):
+            records.append({"model": model, "suite": "empa", "case": f"s{i}#0", "idr_return": x, "collapse": 0.0,
+                            "cut_off": 0.0, "naturalness": -2.0})
+    lines, out = ev.compare_with_base(records, ["A"])
+    assert out["A"]["idr_return"]["verdict"].startswith(verdict)
+    if len(diffs) == 3 and verdict == "ahead beyond the spread":
+        assert out["A"]["idr_return"]["ci"] == pytest.approx([1 - 4.303 * 0.1 / 3 ** 0.5, 1 + 4.303 * 0.1 / 3 ** 0.5],
+                                                             abs=2e-3)
+    assert out["A"]["naturalness"]["verdict"].startswith("too few scenarios to tell")   # equal: no spread

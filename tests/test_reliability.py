@@ -74,7 +74,7 @@ def test_training_completes_through_faults_and_logs_the_counts(tiny_model, tmp_p
     m = lines(run / "metrics.jsonl")
     assert [x["step"] for x in m] == [1, 2, 3]
     for key in ("judge_api_retries", "judge_api_failed_calls", "user_api_retries", "user_api_failed_calls",
-                "judge_failures", "user_failures", "degenerate_groups", "skipped_updates"):
+                "judge_failures", "user_failures", "degenerate_groups", "empty_updates", "nonfinite_grads"):
         assert key in m[0], key
     retries = sum(x["judge_api_retries"] + x["user_api_retries"] for x in m)
     assert retries >= sum(server.faults.values()) - 2      # each fault costs a retry (the last may not)
@@ -206,6 +206,8 @@ BAD_FLAGS = [   # (script, flags, the one message it exits 2 with)
     ("02_rubric_pref_rl.py", ["--g", "1"], "argument --g: must be >= 2, got 1"),
     ("02_rubric_pref_rl.py", ["--margin-tau", "0"], "argument --margin-tau: must be > 0, got 0"),
     ("02_rubric_pref_rl.py", ["--judge", "gpt"], "--judge must be embed"),
+    ("02_rubric_pref_rl.py", ["--minibatch-size", "6"], "--minibatch-size must be a multiple of --g (a minibatch "
+                                                        "holds whole contexts), got 6 and 4"),
     ("02_rubric_pref_rl.py", ["--train", "nope.jsonl"], "nope.jsonl: no such file"),
     ("01_rubric_sft.py", ["--steps", "0"], "argument --steps: must be >= 1, got 0"),
     ("01_rubric_sft.py", ["--lr", "x"], "argument --lr: invalid float value: 'x'"),
@@ -222,6 +224,8 @@ BAD_FLAGS = [   # (script, flags, the one message it exits 2 with)
     ("03_rollout.py", ["--adapter", "/no/such/adapter"], "--adapter /no/such/adapter: no adapter_config.json there"),
     ("04_mica_train.py", ["--alpha", "1.5"], "argument --alpha: must be <= 1, got 1.5"),
     ("04_mica_train.py", ["--k", "1"], "--k must be >= 2"),
+    ("04_mica_train.py", ["--minibatch-size", "6"], "--minibatch-size must be a multiple of --k x the number of "
+                                                    "processes (4 x 1)"),
     ("04_mica_train.py", ["--gamma", "-0.1"], "argument --gamma: must be >= 0, got -0.1"),
     ("04_mica_train.py", ["--idr-weights", "1", "-1", "1"], "argument --idr-weights: must be >= 0, got -1"),
     ("04_mica_train.py", ["--scenarios", "nope.jsonl"], "nope.jsonl: no such file"),
@@ -274,9 +278,11 @@ def test_all_equal_rewards_are_counted_and_teach_nothing(tiny_model, tmp_path, f
     assert p.returncode == 0, p.stderr[-3000:]
     for m in lines(only_run(tmp_path) / "metrics.jsonl"):
         assert m["degenerate_groups"] == 2 and m["nonfinite_advantages"] == 0
-        assert m["loss"] == 0.0 and m["skipped_updates"] == 0
+        assert m["loss"] == 0.0 and (m["empty_updates"], m["nonfinite_grads"], m["optimizer_steps"]) == (0, 0, 1)
 
 
+# the schedule steps without an optimizer step on purpose (it follows the training steps): torch warns of that
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before `optimizer.step\\(\\)`")
 def test_nothing_to_score_skips_the_update_without_nan(trainer, env, tiny_model):
     """Every turn failed (or empty): the update is skipped and counted; the weights stay finite."""
     import argparse
@@ -297,13 +303,15 @@ def test_nothing_to_score_skips_the_update_without_nan(trainer, env, tiny_model)
                            vs=[[0.0, 0.0, 0.0]])                         # an empty reply: no tokens
     out = trainer.ppo_update(model, tok, opt, sched, trainer.as_samples([failed, empty], [[1.0], [-1.0]]), args,
                              Accelerator())
-    assert out["skipped_updates"] == 1 and out["train_tokens"] == 0
+    assert (out["empty_updates"], out["optimizer_steps"], out["train_tokens"]) == (1, 0, 0)
+    assert sched.last_epoch == 1                                        # the schedule still follows the steps
     assert all(torch.isfinite(p).all() for p in model.parameters())
     # a non-finite reward (e.g. a broken custom judge) is replaced, so no NaN reaches the advantages
     tr = env.Trajectory(scenario={}, k=0, ids=[], messages=[], spans=[(0, 1), (1, 2)],
                         states=[[-4.0, -4.0, -4.0], [float("-inf"), -4.0, -4.0], [-2.0, -2.0, -2.0]],
                         vs=[[0.0, 0.0, 0.0], [0.0, 0.0, 0.0]], truncated=[False, False])
-    targs = argparse.Namespace(idr_weights=(1, 1, 1), eps=1.0, truncation_penalty=0.0, reward_weights={"idr": 1.0})
+    targs = argparse.Namespace(idr_weights=(1, 1, 1), eps=1.0, truncation_penalty=0.0, reward_weights={"idr": 1.0},
+                               kardia_format=False, care_distance="plain")
     r = trainer.turn_rewards(tr, targs)
     assert all(x == x and abs(x) < 1e9 for x in r)
     A = trainer.mica_advantages([r, [0.5, 0.1]], 0.4, 0.85)

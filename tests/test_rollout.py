@@ -98,7 +98,8 @@ def test_failed_judgement_is_flagged_and_left_out(env, trainer, tiny):
     tr = trajs[0]
     assert tr.judge_failed == [False, True, False]
     assert tr.states[2] == tr.states[1]                         # the state does not move
-    targs = argparse.Namespace(idr_weights=(1, 1, 1), eps=1.0, truncation_penalty=0.0, reward_weights={"idr": 1.0})
+    targs = argparse.Namespace(idr_weights=(1, 1, 1), eps=1.0, truncation_penalty=0.0, reward_weights={"idr": 1.0},
+                               kardia_format=False, care_distance="plain")
     r = trainer.turn_rewards(tr, targs)
     assert r[1] == pytest.approx((r[0] + r[2]) / 2)             # filled with the mean valid reward
     ids, attn, mask = trainer.collate(trainer.as_samples(trajs), tok.pad_token_id, "cpu")
@@ -114,22 +115,28 @@ def test_truncation_penalty(env, trainer, tiny):
     trajs = env.rollout(model, tok, [SCEN], StubJudge([{"C": (0, 0), "A": (0, 0), "P": (0, 0)}]),
                         offline.ScriptedUser(0), args)
     tr = trajs[0]
-    targs = argparse.Namespace(idr_weights=(1, 1, 1), eps=1.0, truncation_penalty=0.5, reward_weights={"idr": 1.0})
+    targs = argparse.Namespace(idr_weights=(1, 1, 1), eps=1.0, truncation_penalty=0.5, reward_weights={"idr": 1.0},
+                               kardia_format=False, care_distance="plain")
     assert any(tr.truncated)
     expected = [-0.5 * 3 ** 0.5 if cut else 0.0 for cut in tr.truncated]   # half a level-1 turn's IDR, sqrt(3)
     assert trainer.turn_rewards(tr, targs) == pytest.approx(expected)
 
 
-@pytest.mark.parametrize("reward, weights, penalty", [
-    ({"idr": 1.0}, (1, 1, 1), 0.5 * 3 ** 0.5),          # IDR: a level-1 turn on every axis moves d by sqrt(3)
-    ({"idr": 1.0}, (4, 0, 0), 0.5 * 2.0),                # weighted distance: sqrt(w_C + w_A + w_P)
-    ({"rlver": 1.0}, (1, 1, 1), 0.5 * 0.1),              # RLVER: at most 10 emotion points / 100 a turn
-    ({"care": 1.0}, (1, 1, 1), 0.5),                     # CARE: scores and weights in [0, 1]
-    ({"kardia": 1.0}, (1, 1, 1), 0.5),                   # Kardia-R1: the mean criterion score in [0, 1]
-    ({"idr": 1.0, "rlver": 0.5}, (1, 1, 1), 0.5 * (3 ** 0.5 + 0.05)),   # a sum: weighted like the reward
+@pytest.mark.parametrize("reward, weights, options, penalty", [
+    ({"idr": 1.0}, (1, 1, 1), {}, 0.5 * 3 ** 0.5),          # IDR: a level-1 turn on every axis moves d by sqrt(3)
+    ({"idr": 1.0}, (4, 0, 0), {}, 0.5 * 2.0),                # weighted distance: sqrt(w_C + w_A + w_P)
+    ({"rlver": 1.0}, (1, 1, 1), {}, 0.5 * 0.1),              # RLVER: at most 10 emotion points / 100 a turn
+    ({"care": 1.0}, (1, 1, 1), {}, 0.5),                     # CARE: scores and weights in [0, 1]
+    ({"kardia": 1.0}, (1, 1, 1), {}, 0.5),                   # Kardia-R1: the mean criterion score in [0, 1]
+    ({"kardia": 1.0}, (1, 1, 1), {"kardia_format": True}, 0.5 * 2),  # + r_fmt in {-1, 0}: [-1, 1]
+    ({"idr": 1.0, "rlver": 0.5}, (1, 1, 1), {}, 0.5 * (3 ** 0.5 + 0.05)),   # a sum: weighted like the reward
+    # idr+care with the rubric weighting the distance: 3 w_t sums to 3 whatever --idr-weights say; plain: theirs
+    ({"idr": 1.0, "care": 1.0}, (4, 0, 0), {"care_distance": "weighted"}, 0.5 * (3 ** 0.5 + 1)),
+    ({"idr": 1.0, "care": 1.0}, (4, 0, 0), {}, 0.5 * (2.0 + 1)),
 ])
-def test_cutoff_penalty_is_in_each_rewards_units(trainer, reward, weights, penalty):
-    args = argparse.Namespace(idr_weights=weights, truncation_penalty=0.5, reward_weights=reward)
+def test_cutoff_penalty_is_in_each_rewards_units(trainer, reward, weights, options, penalty):
+    args = argparse.Namespace(**{"idr_weights": weights, "truncation_penalty": 0.5, "reward_weights": reward,
+                                 "kardia_format": False, "care_distance": "plain", **options})
     assert trainer.cutoff_penalty(args) == pytest.approx(penalty)
 
 
@@ -180,7 +187,7 @@ def test_emotion_is_kept_and_rlver_rewards_and_end_rule(env, trainer, tiny):
     assert tr.emotions == [30.0, 40.0, 42.5, 50.0]
     assert trainer.rlver_emotion_rewards(tr.emotions) == pytest.approx([0.1, 0.025, 0.075])
     targs = argparse.Namespace(idr_weights=(1, 1, 1), eps=1.0, truncation_penalty=0.0,
-                               reward_weights={"idr": 1.0, "rlver": 0.5})
+                               reward_weights={"idr": 1.0, "rlver": 0.5}, kardia_format=False, care_distance="plain")
     assert trainer.turn_rewards(tr, targs) == pytest.approx([2.828 + 0.05, 0.363 + 0.0125, 1.231 + 0.0375], abs=1e-3)
     rec = env.trajectory_record(tr, args)
     assert [t["emotion"] for t in rec["turns"]] == [40.0, 42.5, 50.0] and rec["final_emotion"] == 50.0
@@ -372,12 +379,42 @@ def test_default_update_takes_two_optimizer_steps_and_pi_old_is_not_the_updated_
     rollout, so the second minibatch's ratio has moved (the metrics log its range)."""
     import json
 
-    trainer.main(["--model", tiny_model, "--steps", "2", "--max-turns", "1", "--max-new-tokens", "4", "--lr", "0.05",
+    # 2 turns: with 1, 3 of the 4 groups are degenerate (all replies cut off) and the first minibatch teaches nothing
+    trainer.main(["--model", tiny_model, "--steps", "2", "--max-turns", "2", "--max-new-tokens", "4", "--lr", "0.05",
                   "--out-dir", str(tmp_path), "--no-progress"])
     m = [json.loads(x) for x in (next(tmp_path.iterdir()) / "metrics.jsonl").read_text().splitlines()]
     assert [x["trajectories"] for x in m] == [16, 16] and [x["optimizer_steps"] for x in m] == [2, 2]
+    assert [x["degenerate_groups"] for x in m] == [0, 0]
     assert all(x["ratio_min"] < 1.0 < x["ratio_max"] for x in m)
     assert all(0 <= x["clip_frac"] <= 1 for x in m)
+
+
+def test_minibatches_hold_whole_scenarios_in_the_steps_order(trainer, tiny_model, monkeypatch):
+    """4 scenarios x K=4, the dialogues longest first: minibatches of 8 are scenarios (0, 1) then (2, 3), as the
+    rollout ordered them (not the 8 shortest, then the 8 longest); a dialogue with nothing to score is left out;
+    inside a minibatch the micro-batches go by length; the schedule steps once."""
+    args = argparse.Namespace(model=tiny_model, adapter=None, lora_r=4, lora_alpha=8, lora_targets="q_proj,v_proj",
+                              load_in_4bit="off", gradient_checkpointing=False, trust_remote_code=False,
+                              minibatch_size=8, micro_batch_size=2, ppo_epochs=1, temperature=1.0, clip_low=0.2,
+                              clip_high=0.28, kl_coef=0.0)
+    model, tok = common.load_policy(args)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.01)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    samples = [trainer.Sample([(5 * i + j) % 90 + 3 for j in range(40 - i)], [(4, 40 - i)],
+                              [None if i == 5 else (-1.0) ** i]) for i in range(16)]     # dialogue 5: its turn failed
+    seen = []
+    cut = trainer.micro_batches
+
+    def recording(samples_, mb, size):
+        seen.append(list(mb))
+        return cut(samples_, mb, size)
+
+    monkeypatch.setattr(trainer, "micro_batches", recording)
+    out = trainer.ppo_update(model, tok, opt, sched, samples, args, Accelerator())
+    # pi_old for the second minibatch first (the first one's ratio is 1), then the two optimizer steps in order
+    assert seen == [list(range(8, 16)), [0, 1, 2, 3, 4, 6, 7], list(range(8, 16))]
+    assert out["optimizer_steps"] == 2 and sched.last_epoch == 1
+    assert cut(samples, [0, 1, 2, 3, 4], 2) == [[4, 3], [2, 1], [0]]     # shortest first, for the padding
 
 
 def test_the_clip_engages_on_the_second_minibatch(trainer, tiny_model):
@@ -452,3 +489,25 @@ def test_a_failed_criteria_judge_leaves_its_turn_out_like_a_failed_empa_judge(en
     recs = [trainer.dialogue_record(targs, 1, tr, trainer.turn_rewards(tr, targs), [0.0] * 3, F, None)
             for tr, F in zip(trajs, failed)]
     assert sum(t["judge_failed"] for r in recs for t in r["turns"]) == 2                # judge_failures counts them
+
+
+def test_the_rubric_generator_and_its_judge_read_the_same_shown_history(trainer, monkeypatch):
+    """--kardia-format: the policy's raw reply has four sections, the person saw only the response. The rubric
+    of turn 2 is written for the history as shown, the context the criteria judge scores the reply in."""
+    raw = "<understanding>u</understanding><reasoning>r</reasoning><emotion>sad</emotion><response>I hear you.</response>"
+    msgs = [{"role": "system", "content": "sys"}, {"role": "user", "content": "I lost my job."},
+            {"role": "assistant", "content": raw}, {"role": "user", "content": "Thanks."},
+            {"role": "assistant", "content": raw}]
+    tr = trainer.env.Trajectory(scenario={}, k=0, ids=[], messages=msgs, spans=[(0, 1), (1, 2)],
+                                shown=["I hear you.", "I hear you."])
+    seen = []
+
+    def generate(model, tok, contexts, max_new_tokens, temperature, batch_size):
+        seen.extend(contexts)
+        return [("not a rubric", [], [])] * len(contexts)
+
+    monkeypatch.setattr(trainer.sft, "generate_rubrics", generate)
+    args = argparse.Namespace(rubric="adaptive", rubric_max_new_tokens=8)
+    rubrics, invalid = trainer.turn_rubrics(None, None, [tr], args)
+    assert seen[1] == [msgs[1], {"role": "assistant", "content": "I hear you."}, msgs[3]]
+    assert seen[0] == [msgs[1]] and invalid == 2 and rubrics == [[trainer.sft.UNIFORM_RUBRIC] * 2]

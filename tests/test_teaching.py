@@ -45,7 +45,7 @@ def test_presets_follow_the_device_and_flags_given_win(monkeypatch):
     assert not hasattr(demo, "heldout_scenarios")                                 # the comparison is 05's now
 
 
-VERDICTS = ("ahead beyond the spread", "behind beyond the spread", "not separated")
+VERDICTS = ("ahead beyond the spread", "behind beyond the spread", "not separated", "too few scenarios to tell")
 
 
 def test_train_run_draws_its_curves_and_05_compares_base_and_trained_held_out(tiny_model, tmp_path):
@@ -56,33 +56,38 @@ def test_train_run_draws_its_curves_and_05_compares_base_and_trained_held_out(ti
     run = only_run(tmp_path / "train")
     png = (run / "curves.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000          # a real picture, five panels
-    # 05 compares the adapter with the base on 2 held-out scenarios x K=2, paired by scenario, k and seed
+    # 05 compares the adapter with the base on 3 held-out scenarios x K=2, paired by scenario, k and seed
     adapter = str(run / "adapter")
     q = run_script("05_eval.py", "--model", tiny_model, "--suite", "empa", "--adapters", adapter,
-                   "--max-cases", "2", "--k", "2", "--max-turns", "2", "--min-turns", "1", "--collapse-window", "2",
+                   "--max-cases", "3", "--k", "2", "--max-turns", "2", "--min-turns", "1", "--collapse-window", "2",
                    "--max-context", "2048", "--max-new-tokens", "6", "--no-progress", "--out-dir", tmp_path / "eval")
     assert q.returncode == 0, q.stderr[-3000:]
     ev_run = only_run(tmp_path / "eval")
     cases = [json.loads(x) for x in (ev_run / "cases.jsonl").read_text().splitlines()]
     by = {(c["model"], c["case"]): c for c in cases if c["suite"] == "empa" and not c.get("failed")}
-    assert sorted(m for m, _ in by) == sorted(["base"] * 4 + [adapter] * 4)     # 2 scenarios x K=2 each
+    assert sorted(m for m, _ in by) == sorted(["base"] * 6 + [adapter] * 6)     # 3 scenarios x K=2 each
     scenarios = sorted({c.split("#")[0] for _, c in by})
-    assert len(scenarios) == 2
+    assert len(scenarios) == 3
     comparison = json.loads((ev_run / "results.json").read_text())["comparison"][adapter]
-    for key in ("idr_return", "collapse", "cut_off"):
+    for key in ("idr_return", "collapse", "cut_off", "naturalness"):
         s = comparison[key]
         diff, (lo, hi) = s["diff"], s["ci"]
-        assert (s["scenarios"], s["dialogues"]) == (2, 4) and lo <= diff <= hi
+        assert (s["scenarios"], s["dialogues"]) == (3, 6) and lo <= diff <= hi
         # the paired difference, averaged within each scenario first (the unit), then over the scenarios
         per_scenario = [statistics.mean(by[adapter, f"{sc}#{k}"][key] - by["base", f"{sc}#{k}"][key]
                                         for k in range(2)) for sc in scenarios]
         assert abs(diff - statistics.mean(per_scenario)) < 1e-9
         assert abs(diff - (s["adapter"] - s["base"])) < 1e-9                 # paired, K each: the same mean
-        assert s["verdict"] in VERDICTS and (s["verdict"] == "not separated") == (lo <= 0 <= hi)
-    assert f"held out: {adapter} vs base on 2 scenarios, 4 dialogues paired" in q.stdout
-    ci_lines = [line for line in q.stdout.splitlines() if "95% t CI over 2 scenarios" in line]
-    assert len(ci_lines) == 3 == q.stdout.count("95% t CI over 2 scenarios")
-    assert all(any(line.endswith(": " + v) for v in VERDICTS) for line in ci_lines)
+        assert s["verdict"].startswith(VERDICTS)
+        if lo < hi:            # a spread to stand on: the verdict follows the interval
+            assert (s["verdict"] == "not separated") == (lo <= 0 <= hi)
+        else:
+            assert s["verdict"] == "too few scenarios to tell (3, spread 0.000)"
+    assert comparison["naturalness"]["base"] < 0                          # a mean log-likelihood
+    assert f"held out: {adapter} vs base on 3 scenarios, 6 dialogues paired" in q.stdout
+    ci_lines = [line for line in q.stdout.splitlines() if "95% t CI over 3 scenarios" in line]
+    assert len(ci_lines) == 4 == q.stdout.count("95% t CI over 3 scenarios")
+    assert all(any(v in line.rsplit(": ", 1)[1] for v in VERDICTS) for line in ci_lines)
     # the comparison as a picture, one case's state trajectories, and one held-out dialogue side by side
     for name in ("comparison.png", "trajectories.png"):
         assert (ev_run / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and (ev_run / name).stat().st_size > 5_000
@@ -91,7 +96,8 @@ def test_train_run_draws_its_curves_and_05_compares_base_and_trained_held_out(ti
     base_turns = [t for t in (json.loads(x) for x in (ev_run / "transcripts.jsonl").read_text().splitlines())
                   if (t["model"], t["case"]) == ("base", case)][0]["turns"]
     rows = [ln for ln in q.stdout.splitlines() if ln.startswith("d(P_")]
-    assert [r.split(" | ")[0].strip() for r in rows] == [f"d(P_{tu['t']}) = {tu['distance']}" for tu in base_turns]
+    assert [r.split(" | ")[0].strip() for r in rows] == [f"d(P_{tu['t']}) = {tu['distance']}, naturalness "
+                                                        f"{tu['naturalness']:.2f}" for tu in base_turns]
     # 04 drew its credit picture at the first and the last step, from the A_turn / A_group it logged
     assert sorted(x.name for x in run.glob("credit_step*.png")) == ["credit_step1.png", "credit_step2.png"]
     turns = [tu for x in (run / "rollouts.jsonl").read_text().splitlines() for tu in json.loads(x)["turns"]]

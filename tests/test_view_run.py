@@ -211,3 +211,25 @@ def test_on_a_real_training_run(tiny_model, tmp_path):
         for t in r["turns"]:
             got = "".join(page.turns[(f"step-{r['step']}", r["scenario_id"], str(r["k"]), str(t["t"]))])
             assert t["user"] in got and fmt(t["reward"]) in got and fmt(t["advantage"]) in got
+
+
+def test_an_eval_run_shows_its_empa_dialogues_a_section_per_model_with_naturalness(tmp_path):
+    """05's run folder has transcripts.jsonl, not rollouts.jsonl: its EMPA dialogues, one section per model
+    (its other suites left out), each reply's naturalness among its numbers."""
+    base = dialogue(None, "s-a", 0, [turn(1, "hello", "base reply", [1.0, 0.0, 0.0], [-2.0, -2.0, -1.0], 3.0, 0.74,
+                                          35.0, 0.0, naturalness=-2.3456)])
+    adapted = dialogue(None, "s-a", 0, [turn(1, "hello", "adapter reply", [0.0, 0.0, 0.0], [-3.0, -2.0, -1.0],
+                                             3.7417, 0.0, 30.0, 0.0, naturalness=-5.4321)])
+    other = dialogue(None, "p1", 0, [turn(1, "x", "sage reply", None, [0, 0, 0], 1.0, 0.0, 40.0, 0.0)])
+    rows = [{"model": "base", "suite": "empa", "case": "s-a#0", **base},
+            {"model": "runs/mica-1/adapter", "suite": "empa", "case": "s-a#0", **adapted},
+            {"model": "base", "suite": "sage", "case": "p1", **other}]
+    for r in rows:
+        r.pop("step")
+    write_jsonl(tmp_path / "transcripts.jsonl", rows)
+    p = view(tmp_path)
+    assert p.returncode == 0, p.stderr
+    page = (tmp_path / "rollouts.html").read_text(encoding="utf-8")
+    assert "Model base" in page and "Model runs/mica-1/adapter" in page and "/transcripts.jsonl" in page
+    assert "<b>naturalness</b> -2.346" in page and "<b>naturalness</b> -5.432" in page
+    assert "base reply" in page and "adapter reply" in page and "sage reply" not in page
