@@ -13,8 +13,8 @@ What it does
     eqbench3  benchmarks/eqbench3.py: each scenario's fixed user turns played to the model, then the judge
               scores the task's criteria 0-20; replies are capped at --max-new-tokens (48 by default: raise
               it for real results).
-    sage      benchmarks/sage.py: SAGE / RLVER profiles on 03's rollout (handed to it): emotion from 40, at
-              most +-10 a turn, 10 turns.
+    sage      benchmarks/sage.py: with --sage-dir SAGE's official protocol (its prompts read from that checkout,
+              --user the simulator), else this project's variant on 03's rollout: emotion from 40, +-10 a turn.
     emobench  benchmarks/emobench.py: EmoBench EU (emotion and cause) and EA (best response or action), per
               language: --emobench-dir PATH (an official checkout) its protocol, texts read from PATH;
               else option log-likelihood (not the official protocol) on --emobench-eu / -ea.
@@ -208,7 +208,8 @@ def main(argv=None):
     common.check_model_args(args)
     # 2. the base model, loaded once, then the judge and the user (self: that base)
     model, tok = common.load_policy(args, trainable=False)
-    judge = env.make_judge(args, (model, tok)) if {"empa", "eqbench3", "sage"} & set(args.suites) else None
+    judged = set(args.suites) - ({"sage"} if args.sage_dir else set())     # official SAGE: --user is its simulator
+    judge = env.make_judge(args, (model, tok)) if {"empa", "eqbench3", "sage"} & judged else None
     user = env.make_user(args, (model, tok)) if {"empa", "sage"} & set(args.suites) else None
     # 3. the run folder (new, or the one to resume: its finished batches are skipped)
     run_dir = common.open_run(args, ("cases.jsonl", "transcripts.jsonl"))
@@ -390,9 +391,7 @@ def summarize(cases: list[dict], suite: str) -> dict:
             s["by_kind"] = {k: statistics.mean(c["score"] for c in scored if c["kind"] == k)
                             for k in sorted({c["kind"] for c in scored})}
     elif suite == "sage":
-        s.update(sentient=t_interval([c["final_emotion"] for c in ok]),
-                 successes=sum(c["final_emotion"] >= 100 for c in ok),
-                 failures=sum(c["final_emotion"] < 10 for c in ok))
+        s.update(sage.summary(ok), sentient=t_interval([c["final_emotion"] for c in ok]))   # official: ok = all
     else:
         s.update(emobench.summarize(ok, t_interval))
     return s
@@ -407,7 +406,7 @@ def results_table(summary: dict, suites) -> str:
     proxy = any(by.get("eqbench3", {}).get("proxy") for by in summary.values())
     emo = emobench.group_order(g for by in summary.values() for g in by.get("emobench", {}))   # "EU en", ...
     cols = {"empa": ["EMPA EPM-Index", "EMPA success %"], "eqbench3": [eqbench3.PROXY if proxy else "EQ-Bench 3"],
-            "sage": ["SAGE Sentient", "SAGE success / failure"], "emobench": [f"EmoBench {g} %" for g in emo]}
+            "sage": [sage.column(summary), "SAGE success / failure"], "emobench": [f"EmoBench {g} %" for g in emo]}
     head = [c for s in suites for c in cols[s]]
     lines = ["| model | " + " | ".join(head) + " |", "|---" * (len(head) + 1) + "|"]
     for model, by_suite in summary.items():
@@ -422,8 +421,7 @@ def results_table(summary: dict, suites) -> str:
                 unscored = f"; {s['unscored']} analysis not scored (needs an LLM judge)" if s.get("unscored") else ""
                 cells += [(fmt(s["score"], s["n"]) if s["n"] else "-") + failed + unscored]
             elif suite == "sage":
-                cells += ([fmt(s["sentient"], s["n"]) + failed, f"{s['successes']} / {s['failures']}"]
-                          if s["n"] else miss)
+                cells += sage.cells(s, fmt(s["sentient"], s["n"]) + failed) if s["n"] else miss
             else:
                 cells += emobench.cells(s, emo, fmt)
         lines.append(f"| {model} | " + " | ".join(cells) + " |")
@@ -548,6 +546,8 @@ def parse_args(argv=None):
         g.add_argument(flag, default=str(HERE / "data" / "eval" / name), help=what)
     g.add_argument("--emobench-dir", help="a checkout of github.com/Sahandfer/EmoBench: EmoBench by its official "
                    "protocol, its texts and data/EU.jsonl, EA.jsonl read from there (without it: --emobench-eu/-ea)")
+    g.add_argument("--sage-dir", default=None, help="SAGE by its official protocol: a checkout of Tencent/digitalhuman "
+                   "or of its SAGE folder, prompts read from it, --user the simulator (unset: this project's variant)")
     g.add_argument("--sage-turns", type=common.number(int, low=1), default=10,
                    help="SAGE: turns before the episode stops")
     common.add_run_args(p, "eval", resume="a run folder of this script: finish its unfinished cases")
@@ -579,7 +579,7 @@ def load_suite_data(args) -> dict:
               f"and {stats['duplicates']} duplicate ids skipped)")
         data["eqbench3"] = sample_cases(tasks, args, "eqbench3", lambda t: (t["kind"],))
     if "sage" in args.suites:
-        data["sage"] = sample_cases(sage.load_profiles(args.sage_profiles), args, "sage", lambda p: (p["language"],))
+        data["sage"] = sample_cases(sage.load(args), args, "sage", lambda p: (p["language"],))
     if "emobench" in args.suites:
         data["emobench"] = [it for kind in ("EU", "EA") for it in sample_cases(
             emobench.load_official(args.emobench_dir, kind, args.model) if args.emobench_dir else

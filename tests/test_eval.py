@@ -77,18 +77,18 @@ def test_eqbench3_sample_and_irregular_text(tmp_path):
 def test_sage_profiles_including_chinese(tmp_path):
     profiles = sage.load_profiles(SAMPLES / "sage_profiles.jsonl")
     zh = [p for p in profiles if "林晓" in p["player"]][0]
-    assert zh["first_talk"].startswith("我被调岗了") and zh["cha_group"] == ["林晓", "朋友"]
+    assert zh["first_talk"].startswith("我被调岗了") and zh["cha_group"] == ["要强", "敏感", "倔强"] and zh["main_cha"] == "回避型"
     s = sage.scenario(zh)
     assert s["opening"] == zh["first_talk"] and s["user_lines"] is sage.TEXTS["sage_zh_lines"]
     assert [p["language"] for p in profiles] == ["en", "zh", "zh", "en"]
-    no_first = [p for p in profiles if "first_talk" not in p][0]     # offline: a short line naming main_cha
+    no_first = [p for p in profiles if "first_talk" not in p][0]     # offline: a short fixed line (main_cha is a type)
     s = sage.scenario(no_first)
-    assert (s["opening"], s["opening_from"]) == ("你好，我是老陈。能跟你聊聊吗？有件事一直压在我心里。", "offline line")
+    assert (s["opening"], s["opening_from"]) == ("你好。能跟你聊聊吗？有件事一直压在我心里。", "offline line")
     assert sage.scenario(no_first, "儿子又不回来过年了。")["opening"] == "儿子又不回来过年了。"
     assert sage.scenario(profiles[0])["user_lines"] == ev.env.DEFAULT_USER_LINES
     en = {**profiles[0], "first_talk": "  "}                         # blank first_talk: not used
     assert sage.scenario(en)["opening"] == \
-        "Hi, I'm Dev. Can I talk to you about something? It's been weighing on me."
+        "Hi. Can I talk to you about something? It's been weighing on me."
     for p in profiles + [en]:                                        # no dialogue opens with (part of) its scene
         assert p["scene"][:40] not in sage.scenario(p)["opening"]
     bad = {k: v for k, v in zh.items() if k not in ("task", "_where")}
@@ -333,6 +333,7 @@ def test_an_llm_user_writes_the_first_message_without_reciting_the_scene():
     written = sage.openings(profiles, user, args)
     assert written == {no_first["id"]: "儿子今年又不回家过年了。"}
     assert len(user.backend.asked) == 2 and no_first["player"] in user.backend.asked[0][0]["content"]
+    assert "personality type: 被动型" in user.backend.asked[0][0]["content"]
     s = sage.scenario(no_first, written[no_first["id"]])
     assert (s["opening"], s["opening_from"]) == ("儿子今年又不回家过年了。", "user model")
     assert sage.openings(profiles, offline.ScriptedUser(0), args) == {}      # scripted: the offline line
@@ -461,7 +462,8 @@ def test_eval_script_all_suites_with_an_adapter_then_resume(tiny_model, tiny_ada
     assert "base weights: fp32 (--load-in-4bit off)" in table       # evaluation is not 4-bit unless asked
     assert "EMPA-style, not the EMPA benchmark: MICA's public end rules (2 turns, none before turn 1, " in table
     assert "and K = 1 dialogues per scenario (the benchmark plays one: --k 1). R_pen counts negative levels" in table
-    assert "| model | EMPA EPM-Index | EMPA success % | EQ-Bench 3 (offline proxy) | SAGE Sentient" in table
+    assert ("| model | EMPA EPM-Index | EMPA success % | EQ-Bench 3 (offline proxy) | SAGE Sentient (this project's "
+            "variant, not the official protocol) |") in table
     assert "| base | " in table and f"| {tiny_adapter} | " in table and "(n=4)" in table
     assert "± " in table and "(4 scenarios, 4 dialogues)" in table          # EMPA's cell names its unit and its count
     assert "(n=3); 1 analysis not scored (needs an LLM judge) |" in table and "(offline proxy) |" in p.stdout
