@@ -48,7 +48,8 @@ def run_official(monkeypatch, sim, ids=("p-neg",), turns=10):
     def npc(model, tok, dialogues, system, max_context):
         assert system == "You are a kind listener. Reply warmly."            # npc_response.py's, read at run time
         for d in dialogues:
-            d.history.append({"role": "assistant", "content": f"reply {sum(m['role'] == 'assistant' for m in d.history) + 1}"})
+            n = sum(m["role"] == "assistant" for m in d.history) + 1
+            d.history.append({"role": "assistant", "content": f"reply {n}"})
 
     monkeypatch.setattr(sage, "npc_replies", npc)
     profiles = [p for p in sage.load_profiles(PROFILES) if p["id"] in ids]
@@ -95,7 +96,8 @@ def test_the_prompts_as_sent_for_a_known_state():
     d = sage.Dialogue(ana, emotion=45, state="Emotion-B", history=[
         {"role": "user", "content": "My sister owes me money and now she ghosts me.", "emotion-point": 40},
         {"role": "assistant", "content": "That sounds hard."},
-        {"role": "user", "content": "Yes.", "emotion-point": 45}, {"role": "assistant", "content": "Tell me \"more\"."}])
+        {"role": "user", "content": "Yes.", "emotion-point": 45},
+        {"role": "assistant", "content": "Tell me \"more\"."}])
     first_two = ('[\n  {\n    "role": "Me",\n    "content": "My sister owes me money and now she ghosts me."\n  },\n'
                  '  {\n    "role": "Helper",\n    "content": "That sounds hard."\n  }\n]')
     last_two = ('[\n  {\n    "role": "Me",\n    "content": "Yes."\n  },\n'
@@ -105,7 +107,8 @@ def test_the_prompts_as_sent_for_a_known_state():
     assert sage.analysis_prompt(P, d) == (
         f"ANALYSER. Goal: {GOAL}\nPersona: {persona}\nScene: {scene}\nEmotion now: 45\nDialogue:\n"
         f"{first_two[:-2]},\n{last_two[2:]}\nAnswer in sections Content: TargetCompletion: Activity: Analyse: Change:")
-    analysis = {"content": "c", "TargetCompletion": "partly", "activity": "annoyed", "analyse": " but calmer", "change": 5}
+    analysis = {"content": "c", "TargetCompletion": "partly", "activity": "annoyed", "analyse": " but calmer",
+                "change": 5}
     assert sage.reply_prompt(P, d, analysis) == (
         f"ACTOR. Goal: {GOAL}\nBand: Emotion-B\nPersona: {persona}\nScene: {scene}\nEarlier:\n{first_two}\n"
         f"Latest:\n{last_two}\nFeeling:\n[facts] partly [mood] annoyed but calmer\n"
@@ -131,7 +134,8 @@ def test_the_change_parse_and_clip():
     assert sage.read_analysis("Change: a lot") is None and sage.read_analysis(None) is None
     r = sage.read_reply("Thinking:\nhmm\nOrigin:\nx\nResponse:\n[“fine, thanks”]")
     assert r == {"thinking": "hmm\nOrigin:\nx", "content": "fine, thanks"}
-    assert sage.read_reply("just text") == {"thinking": "just text", "content": "just text"} and not sage.read_reply(None)
+    assert sage.read_reply("just text") == {"thinking": "just text", "content": "just text"}
+    assert sage.read_reply(None) is None
     assert [sage.band(e, sage.protocol(str(FIX)).bands) for e in (100, 70, 69, 40, 10, 9, 0)] == [
         "Emotion-S", "Emotion-A", "Emotion-B", "Emotion-B", "Emotion-C", "Emotion-F", "Emotion-F"]
 
@@ -197,7 +201,8 @@ def test_the_tested_model_gets_the_system_prompt_and_the_room_left(monkeypatch, 
     assert len(seen) == 1 and seen[0][1:] == (sage.REPLY_TOKENS, 1.0, 1.0)        # both fit: one call, 2048 tokens
     assert seen[0][0][0].startswith("<|im_start|>system\nSYS<|im_end|>\n<|im_start|>user\nhi")
     seen.clear()
-    short, long = sage.Dialogue({"id": "a"}, history=short.history[:1]), sage.Dialogue({"id": "b"}, history=long.history[:1])
+    short = sage.Dialogue({"id": "a"}, history=short.history[:1])
+    long = sage.Dialogue({"id": "b"}, history=long.history[:1])
     sage.npc_replies(model, tok, [short, long], "SYS", max_context=n_short + 4)
     assert [s[1] for s in seen] == [4] and long.ended == "context limit" and short.cut_off == 1
     assert short.history[-1] == {"role": "assistant", "content": "fine"}
@@ -234,7 +239,8 @@ def test_eval_sage_dir_on_the_tiny_model_with_a_loopback_simulator(tiny_model, t
         return ok("Thinking:\nshort\nResponse:\nmm, okay")
 
     # --judge names a model that does not exist: with --sage-dir the suite never builds a judge
-    flags = ["--model", tiny_model, "--suite", "sage", "--sage-dir", FIX, "--user", "api:sim", "--judge", "hf:/no/model",
+    flags = ["--model", tiny_model, "--suite", "sage", "--sage-dir", FIX, "--user", "api:sim",
+             "--judge", "hf:/no/model",
              "--sage-turns", "3", "--max-context", "300", "--batch-size", "2", "--no-progress"]
     with LoopbackServer(respond) as server:
         p = run_script("05_eval.py", *flags, "--api-base", server.base, "--out-dir", tmp_path)
