@@ -4,7 +4,7 @@ its own prompt texts): the files read at run time, the prompts as sent, the Chan
 (10 replies, 9 updates, goodbye, the emotion ends, re-asks), the score over all profiles, the --score command,
 and 05_eval.py --sage-dir end to end on the tiny model with the simulator on a loopback server."""
 import argparse
-import importlib
+import importlib.util
 import json
 import re
 import shutil
@@ -261,3 +261,33 @@ def test_eval_sage_dir_on_the_tiny_model_with_a_loopback_simulator(tiny_model, t
     table = (run / "results.md").read_text(encoding="utf-8")
     assert "| SAGE Sentient (official protocol, " in table and "simulator api:sim) | SAGE success / failure |" in table
     assert "(n=3)" in table and "SAGE Sentient (official protocol" in p.stdout
+
+
+def test_the_prompts_sent_are_what_the_checkouts_own_functions_build(monkeypatch):
+    """The fixture's planning_reply and player_reply run with a stub call_llm: sage.py, which reads their texts
+    by `ast` and never runs them, sends the same prompts for the same state (mid-dialogue and the opening)."""
+    spec = importlib.util.spec_from_file_location("fixture_sim", FIX / "SAGE" / "simulator_response.py")
+    official = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(official)
+    built = []
+
+    def call_llm(prompt):
+        built.append(prompt)
+        return "Change: 1"
+
+    monkeypatch.setattr(official, "call_llm", call_llm, raising=False)
+    P, bo = sage.protocol(str(FIX)), [p for p in sage.load_profiles(PROFILES) if p["id"] == "p-pas"][0]
+    history = [{"role": "user", "content": "hey. nothing much.", "emotion-point": 40},
+               {"role": "assistant", "content": "School stuff? 说说看"},
+               {"role": "user", "content": "a group project", "emotion-point": 37},
+               {"role": "assistant", "content": "Left out?"}]
+    player = {"emo_point": 37, "emo_state": "Emotion-C", "player": bo["player"], "scene": bo["scene"],
+              "history": history}
+    analysis = {"content": "x", "TargetCompletion": "yes", "activity": "relieved", "analyse": ", a bit", "change": 1}
+    official.planning_reply(player)
+    official.player_reply(player, dict(analysis))
+    official.player_reply({**player, "emo_state": "Emotion-B", "history": []}, {})
+    d = sage.Dialogue(bo, emotion=37, state="Emotion-C", history=history)
+    assert built == [sage.analysis_prompt(P, d), sage.reply_prompt(P, d, analysis),
+                     sage.reply_prompt(P, sage.Dialogue(bo, state="Emotion-B"), None)]
+    assert "说说看" in built[0] and "{{" not in "".join(built)
