@@ -494,7 +494,8 @@ def test_a_failed_criteria_judge_leaves_its_turn_out_like_a_failed_empa_judge(en
 def test_the_rubric_generator_and_its_judge_read_the_same_shown_history(trainer, monkeypatch):
     """--kardia-format: the policy's raw reply has four sections, the person saw only the response. The rubric
     of turn 2 is written for the history as shown, the context the criteria judge scores the reply in."""
-    raw = "<understanding>u</understanding><reasoning>r</reasoning><emotion>sad</emotion><response>I hear you.</response>"
+    raw = ("<understanding>u</understanding><reasoning>r</reasoning><emotion>sad</emotion>"
+           "<response>I hear you.</response>")
     msgs = [{"role": "system", "content": "sys"}, {"role": "user", "content": "I lost my job."},
             {"role": "assistant", "content": raw}, {"role": "user", "content": "Thanks."},
             {"role": "assistant", "content": raw}]
