@@ -549,7 +549,7 @@ def parse_args(argv=None):
     g.add_argument("--sage-dir", default=None, help="SAGE by its official protocol: a checkout of Tencent/digitalhuman "
                    "or of its SAGE folder, prompts read from it, --user the simulator (unset: this project's variant)")
     g.add_argument("--sage-turns", type=common.number(int, low=1), default=10,
-                   help="SAGE: turns before the episode stops")
+                   help="SAGE: turns (with --sage-dir: replies; the last is never scored)")
     common.add_run_args(p, "eval", resume="a run folder of this script: finish its unfinished cases")
     args = p.parse_args(argv)
     env.check_env_args(args)
