@@ -41,7 +41,8 @@ ESTIMATORS = {"mica": "MICA", "grpo": "GRPO", "reinforce_pp": "REINFORCE++"}
 def evaluate(args, out_dir, name, seed, adapter=None) -> dict:
     cmd = [ROOT / "03_rollout.py", "--scenarios", args.test, "--num-scenarios", "0", "--k", args.eval_k,
            "--seed", 10_000 + seed, "--max-turns", args.max_turns, "--max-new-tokens", args.max_new_tokens,
-           "--out-dir", out_dir, "--run-name", name, "--quiet", "--no-progress", *args.model_flag]
+           "--out-dir", out_dir, "--run-name", name, "--quiet", "--no-progress", *args.model_flag,
+           *args.eval_args.split()]
     run(cmd + (["--adapter", adapter] if adapter else []), args.threads)
     recs = [json.loads(x) for x in (newest(out_dir, name) / "rollouts.jsonl").read_text().splitlines()]
     return {"return": statistics.mean(r["return"] for r in recs),
@@ -64,6 +65,8 @@ def parse_args(argv=None):
                    help="the frozen CARE generator for rewards with care (a 02 adapter)")
     p.add_argument("--steps", type=int, default=20, help="training steps per cell (the fixed budget)")
     p.add_argument("--train-args", default="", help="extra flags for every 04_mica_train.py run, quoted")
+    p.add_argument("--eval-args", default="", help="extra flags for every 03_rollout.py evaluation, quoted (e.g. "
+                   "'--load-in-4bit off' with CUDA, as --train-args gives 04)")
     p.add_argument("--test", default=str(ROOT / "data" / "scenarios_test.jsonl"), help="held-out scenarios")
     p.add_argument("--eval-k", type=int, default=2, help="dialogues per held-out scenario")
     p.add_argument("--max-turns", type=int, default=3, help="turns per dialogue (train and eval)")

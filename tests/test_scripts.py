@@ -151,7 +151,8 @@ def test_rewards_experiment_table_and_resume(tiny_model, tmp_path):
     rerun skips the cells already in results.jsonl."""
     flags = ["--model", tiny_model, "--seeds", "0", "--estimators", "mica,grpo", "--rewards", "rlver",
              "--steps", "1", "--eval-k", "1", "--max-turns", "2", "--max-new-tokens", "4",
-             "--train-args", "--k 2 --scenarios-per-step 1", "--out-dir", tmp_path]
+             "--train-args", "--k 2 --scenarios-per-step 1", "--eval-args", "--load-in-4bit off --max-context 512",
+             "--out-dir", tmp_path]
     p = run_script("experiments/rewards.py", *flags, timeout=600)
     assert p.returncode == 0, p.stderr[-2000:]
     rows = [json.loads(x) for x in (tmp_path / "results.jsonl").read_text().splitlines()]
@@ -160,6 +161,7 @@ def test_rewards_experiment_table_and_resume(tiny_model, tmp_path):
         assert r["n"] == 8 and 0 <= r["success"] <= 1 and 0 <= r["final_emotion"] <= 100 and r["final_distance"] > 0
         assert 0 <= r["collapses"] <= r["n"] and 0 <= r["cut_off"] <= 1
     base_run = next(tmp_path.glob("eval-base-s0-*"))
+    assert json.loads((base_run / "args.json").read_text())["max_context"] == 512     # --eval-args reached 03
     base_recs = [json.loads(x) for x in (base_run / "rollouts.jsonl").read_text().splitlines()]
     cut = [sum(t["truncated"] for t in rec["turns"]) / len(rec["turns"]) for rec in base_recs]   # per dialogue
     assert rows[0]["cut_off"] > 0.5 and abs(rows[0]["cut_off"] - sum(cut) / len(cut)) < 1e-9   # 4-token cap cuts
