@@ -370,6 +370,8 @@ def summarize(cases: list[dict], suite: str) -> dict:
     """Means and 95% t intervals over the suite's independent units (EMPA: per scenario first)."""
     ok = [c for c in cases if not c.get("failed")]
     s = {"n": len(ok), "failed": len(cases) - len(ok)}
+    if suite == "eqbench3":                                # its label holds even when every case failed
+        return {**s, **eqbench3.summary(cases, t_interval)}
     if not ok:
         return s
     if suite == "empa":                                    # a scenario's K dialogues are one unit
@@ -383,8 +385,6 @@ def summarize(cases: list[dict], suite: str) -> dict:
         s.update({key: over_scenarios(lambda c: c[key]) for key in EPM_KEYS}, units=len(scenarios))
         s["success"] = over_scenarios(lambda c: float(c["outcome"] == "success"))
         s["outcomes"] = {o: sum(c["outcome"] == o for c in ok) for o in sorted({c["outcome"] for c in ok})}
-    elif suite == "eqbench3":
-        s.update(eqbench3.summary(cases, t_interval))
     elif suite == "sage":
         s.update(sage.summary(ok), sentient=t_interval([c["final_emotion"] for c in ok]))   # official: ok = all
     else:

@@ -583,7 +583,7 @@ def summary(cases: list[dict], t_interval) -> dict:
             s.update(rubric_score([c["rubric"] for c in ok]))
     else:
         scored = [c for c in ok if "score" in c]      # offline, analysis tasks are kept but not scored
-        s = {"n": len(scored), "unscored": len(ok) - len(scored), "proxy": any(c.get("proxy") for c in scored)}
+        s = {"n": len(scored), "unscored": len(ok) - len(scored), "proxy": any(c.get("proxy") for c in cases)}
         if scored:
             s["score"] = t_interval([c["score"] for c in scored])
     scored = [c for c in ok if "score" in c]
@@ -672,9 +672,10 @@ def variant_cases(model, tok, tasks, judge, args) -> tuple[list[dict], list[dict
         s = s if c else None
         case = {"case": t["id"], "kind": t["kind"], "category": t["category"], "replies": len(c) // 2,
                 "context_limit": not skip and len(c) // 2 < len(t["prompts"]),
-                "failed": None if s or skip else "judge failed" if c else "no turn fits in --max-context"}
+                "failed": None if s or skip else "judge failed" if c else "no turn fits in --max-context",
+                "proxy": not llm}
         if s:
-            case.update(criteria=s, score=5 * sum(s.values()) / len(s), proxy=not llm)
+            case.update(criteria=s, score=5 * sum(s.values()) / len(s))
         if skip:
             case["unscored"] = "not scored (needs an LLM judge)"
         cases.append(case)
