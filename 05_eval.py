@@ -59,7 +59,7 @@ CPU:  python 05_eval.py --adapters runs/mica-20261130-120000/adapter      (SmolL
       make demo: after 04's 4 steps, --suite empa on 4 held-out scenarios x K=4 with the training rules
 GPU:  python 05_eval.py --model Qwen2.5-7B-Instruct --adapters runs/mica-A/adapter runs/grpo-B/adapter \\
           --judge api:Qwen2.5-72B-Instruct --user api:Qwen2.5-72B-Instruct --api-base http://localhost:8000/v1 \\
-          --eqbench3 path/to/scenario_prompts.txt --emobench-dir path/to/EmoBench --max-new-tokens 512
+          --eqbench3-dir path/to/eqbench3 --emobench-dir path/to/EmoBench --max-new-tokens 512 --max-context 32768
 """
 from __future__ import annotations
 
