@@ -5,13 +5,16 @@ What it is
   message drafting, analysis of a transcript), then an LLM judge scores the transcript on criteria, 0-20 each.
   Its leaderboard's main number, a pairwise Elo, is not computed here (docs/evaluation.md says how to get it).
 What this file holds
+  add_args, check_args, read, units           05's flags and checks, the tasks it samples, its (task, iteration)s
   protocol        the official files of --eqbench3-dir, read at run time and checked: the tasks, the three master
                   templates, the debrief, the two judge prompts and criteria lists, the output format's reasoning
                   line (core/benchmark.py, found with `ast`)
   read_tasks      data/scenario_prompts.txt as the official parser reads it; the kind from the official id sets
-  wrap, sections, transcript, judge_prompt    the texts as sent: the user turn, the parsed reply, the judge's
-  read_scores, task_score, rubric_score       the judge's answer read, a task's mean, the score
-  official_cases  the official protocol on a batch of (task, iteration) units
+  wrap, sections, render, transcript, judge_prompt   the texts as sent: the user turn, the reply's sections and
+                  their rendering, the judge's transcript and prompt
+  api_text, json_object, read_scores          the harness client's cut of a reply, the judge's answer read
+  task_score, rubric_score                    a task's mean, the score
+  official_cases  the official protocol on a batch of (task, iteration) units (respond: the tested model's replies)
   cases           05's entry: official_cases with --eqbench3-dir, else this project's variant or offline proxy
   summary, column, cell, notes                05's summary, table column, cell and results.md lines
   load, proxy_scores, parse_criteria          the variant without --eqbench3-dir
@@ -109,7 +112,8 @@ FILES = {"prompts": "scenario_prompts.txt", "roleplay": "scenario_master_prompt.
          "debrief": "debrief_prompt.txt", "criteria": "rubric_scoring_criteria.txt",
          "criteria_analysis": "rubric_scoring_criteria_analysis.txt", "judge": "rubric_scoring_prompt.txt",
          "judge_analysis": "rubric_scoring_prompt_analysis.txt"}       # under data/
-# a reply's sections (the master templates' headings): (key, heading, what ends it), in the order re-rendered
+# a reply's sections (the master templates' headings): (key, heading as re-rendered, heading as matched, what
+# ends it), in the order re-rendered
 SECTIONS = {"roleplay": (("thinking_feeling", "I'm thinking & feeling", r"I['\u2019]m thinking & feeling", "#"),
                          ("their_thinking_feeling", "They're thinking & feeling", r"They['\u2019]re thinking & feeling",
                           "#"),
@@ -129,7 +133,7 @@ def add_args(g):
                    "project's variant, or offline a proxy, neither comparable with EQ-Bench 3)")
     g.add_argument("--iterations", type=common.number(int, low=1), default=1,
                    help="EQ-Bench 3 with --eqbench3-dir: plays of every task (the official --iterations)")
-    g.add_argument("--eqbench3-tokens", type=common.number(int, low=1), default=REPLY_TOKENS,
+    g.add_argument("--eqbench3-tokens", type=common.number(int, low=1, high=REPLY_TOKENS), default=REPLY_TOKENS,
                    help="EQ-Bench 3 with --eqbench3-dir: a reply's token budget (lowering it is said in the column)")
 
 
@@ -273,17 +277,17 @@ def output_format(reasoning: str, criteria: list[str]) -> str:
 
 def git_commit(folder: Path) -> str:
     """`git -C PATH rev-parse HEAD` (12 characters, "+ local changes" when data/ or core/ differ from it)."""
-    def git(*cmd):
-        try:
-            out = subprocess.run(["git", "-C", str(folder), *cmd], capture_output=True, text=True, timeout=30)
-        except (OSError, subprocess.TimeoutExpired):
-            return None
-        return out.stdout.strip() if out.returncode == 0 else None
-
-    head = git("rev-parse", "HEAD")
-    if not head or Path(git("rev-parse", "--show-toplevel") or "/").resolve() != folder.resolve():
+    run = ["git", "-C", str(folder)]
+    try:
+        top, head = subprocess.run(run + ["rev-parse", "--show-toplevel", "HEAD"], capture_output=True, text=True,
+                                   timeout=30, check=True).stdout.splitlines()
+        changed = subprocess.run(run + ["status", "--porcelain", "--", "data", "core"], capture_output=True,
+                                 text=True, timeout=30, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError, ValueError):
         return "no commit (not a git checkout)"
-    return head[:12] + (" + local changes" if git("status", "--porcelain", "--", "data", "core") else "")
+    if Path(top).resolve() != folder.resolve():          # a folder inside another repository
+        return "no commit (not a git checkout)"
+    return head[:12] + (" + local changes" if changed else "")
 
 
 def kind_of(sid: str) -> str:

@@ -38,7 +38,7 @@ def test_the_tasks_and_kinds_are_the_official_parsers(P, tmp_path):
                                        "say?"]                       # the note before its first turn is not in it
     assert P.criteria == {"standard": ["demonstrated_empathy", "pragmatic_ei", "warmth", "depth_of_insight"],
                           "analysis": ["theory_of_mind", "correctness"]}
-    assert P.commit == "no commit (not a git checkout)" or P.commit[:12].isalnum()
+    assert P.commit == "no commit (not a git checkout)"      # a folder inside this repository: not its checkout
     # a repeated id replaces the first one's prompts in its place; a byte-order mark hides the first header
     f = tmp_path / "p.txt"
     f.write_text("######## 5 | a\n####### Prompt1\nold\n######## 6 | b\n####### Prompt1\nsix\n"
@@ -49,6 +49,21 @@ def test_the_tasks_and_kinds_are_the_official_parsers(P, tmp_path):
     assert [t["id"] for t in eqbench3.read_tasks(f)] == ["6"]
     assert eqbench3.kind_of("14") == "no_roleplay" and eqbench3.kind_of("209") == "drafting"
     assert eqbench3.kind_of("420") == "analysis" and eqbench3.kind_of("7") == "roleplay"
+
+
+def test_a_git_checkout_is_labelled_with_its_commit(tmp_path):
+    import shutil
+    import subprocess
+
+    shutil.copytree(FIX, tmp_path / "eqb")
+    git = ["git", "-C", str(tmp_path / "eqb"), "-c", "user.name=t", "-c", "user.email=t@t"]
+    for cmd in (["init", "-q"], ["add", "-A"], ["commit", "-qm", "x"]):
+        subprocess.run(git + cmd, check=True)
+    head = subprocess.run(git + ["rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    assert eqbench3.git_commit(tmp_path / "eqb") == head[:12] and len(head) == 40
+    (tmp_path / "eqb" / "data" / "debrief_prompt.txt").write_text("changed")
+    assert eqbench3.git_commit(tmp_path / "eqb") == head[:12] + " + local changes"
+    assert eqbench3.protocol(str(tmp_path / "eqb")).label() == f"official protocol, files at {head[:12]} + local changes"
 
 
 def test_each_kind_gets_its_master_template_and_no_roleplay_none(P):
