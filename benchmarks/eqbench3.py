@@ -54,6 +54,7 @@ Where the official code is broken, ambiguous or depends on an API, and what this
      guard is not judged: failed, "no reply of 100 characters".
   4. One judge call per task (--judge-retries unused): an unparsable answer fails the task, as it ends the
      official task in error; the endpoint's own failures are retried (--api-retries; the harness: 3 tries).
+     --eqbench3-judge-tokens lowers its 8,000 tokens (a slow judge, a test): the column then says so.
   5. The official run hard-codes truncate_for_rubric=False: no character limit on the judged text.
   6. The allowed criteria for role-play and drafting are a set written in the official code, not a file:
      STANDARD_ALLOWED here. Iterations are pooled: one mean over every scored (task, iteration) pair.
@@ -135,14 +136,17 @@ def add_args(g):
                    help="EQ-Bench 3 with --eqbench3-dir: plays of every task (the official --iterations)")
     g.add_argument("--eqbench3-tokens", type=common.number(int, low=1, high=REPLY_TOKENS), default=REPLY_TOKENS,
                    help="EQ-Bench 3 with --eqbench3-dir: a reply's token budget (lowering it is said in the column)")
+    g.add_argument("--eqbench3-judge-tokens", type=common.number(int, low=1, high=JUDGE_TOKENS), default=JUDGE_TOKENS,
+                   help="EQ-Bench 3 with --eqbench3-dir: the judge's token budget (lowering it is said in the column)")
 
 
 def check_args(args, default_file: str):
     c = common.check
     c(not args.eqbench3_dir or args.eqbench3 == default_file, "--eqbench3 is the variant's file: with --eqbench3-dir "
       "the tasks are PATH/data/scenario_prompts.txt")
-    c(args.eqbench3_dir or (args.iterations == 1 and args.eqbench3_tokens == REPLY_TOKENS),
-      "--iterations and --eqbench3-tokens are the official protocol's: pass --eqbench3-dir")
+    c(args.eqbench3_dir or (args.iterations, args.eqbench3_tokens, args.eqbench3_judge_tokens) == (
+        1, REPLY_TOKENS, JUDGE_TOKENS), "--iterations, --eqbench3-tokens and --eqbench3-judge-tokens are the official "
+      "protocol's: pass --eqbench3-dir")
     c(not args.eqbench3_dir or "eqbench3" not in args.suites or args.judge != "embed",
       "--eqbench3-dir: EQ-Bench 3's judge is an LLM: pass --judge api:<model> (or hf:<model>, self); the offline "
       "embed judge cannot score its rubric")
@@ -527,7 +531,8 @@ def official_cases(model, tok, units: list[dict], judge, args) -> tuple[list[dic
         return read_scores(answers[judged[i]])
 
     read = common.ask_json(judge.backend, [[{"role": "user", "content": prompts[j]}] for j in judged], parse, 0,
-                           who="eqbench3 judge", noun="tasks", max_tokens=JUDGE_TOKENS, temperature=JUDGE_TEMPERATURE)
+                           who="eqbench3 judge", noun="tasks", max_tokens=args.eqbench3_judge_tokens,
+                           temperature=JUDGE_TEMPERATURE)
     out, transcripts = [], []
     for j, u in enumerate(units):
         r = runs[j]
@@ -541,7 +546,7 @@ def official_cases(model, tok, units: list[dict], judge, args) -> tuple[list[dic
                 "replies": len(r["messages"]) // 2, "reply_budget": r["budget"], "cut_off": r["cut_off"],
                 "messages": r["messages"], "debrief_prompt": P.debrief if u["kind"] != "analysis" else None,
                 "debrief": r["debrief"], "judge_prompt": prompts.get(j), "judge_answer": answers.get(j),
-                "judge_scores": scores, "failed": r["failed"]}
+                "judge_scores": scores, "judge_budget": args.eqbench3_judge_tokens, "failed": r["failed"]}
         if s_ti is not None:
             case.update(rubric=s_ti, score=5 * s_ti)
         out.append(case)
@@ -582,7 +587,8 @@ def summary(cases: list[dict], t_interval) -> dict:
     if official:
         s = {"n": len(ok), "protocol": official[0]["protocol"], "judge": official[0]["judge"],
              "tasks": len({c["task"] for c in official}), "iterations": len({c["iteration"] for c in official}),
-             "budget": min((c["reply_budget"] for c in official if c.get("reply_budget")), default=None)}
+             "budget": min((c["reply_budget"] for c in official if c.get("reply_budget")), default=None),
+             "judge_budget": min(c.get("judge_budget", JUDGE_TOKENS) for c in official)}
         if ok:
             s.update(rubric_score([c["rubric"] for c in ok]))
     else:
@@ -604,8 +610,10 @@ def column(summaries: dict) -> str:
     if official:
         tasks = max(s["tasks"] for s in official)
         budget = min((s["budget"] for s in official if s["budget"]), default=REPLY_TOKENS)
+        judge_budget = min(s.get("judge_budget", JUDGE_TOKENS) for s in official)
         notes = ([f"partial: {tasks} of {OFFICIAL_TASKS} tasks"] if tasks < OFFICIAL_TASKS else []) + (
-            [f"reply budget lowered to {budget} tokens"] if budget < REPLY_TOKENS else [])
+            [f"reply budget lowered to {budget} tokens"] if budget < REPLY_TOKENS else []) + (
+            [f"judge budget lowered to {judge_budget} tokens"] if judge_budget < JUDGE_TOKENS else [])
         return (f"EQ-Bench 3 rubric score (official protocol, judge {official[0]['judge']}, {tasks} tasks)"
                 + "".join(f"; {x}" for x in notes))
     return PROXY if any(s.get("proxy") for s in by) else VARIANT

@@ -63,7 +63,8 @@ def test_a_git_checkout_is_labelled_with_its_commit(tmp_path):
     assert eqbench3.git_commit(tmp_path / "eqb") == head[:12] and len(head) == 40
     (tmp_path / "eqb" / "data" / "debrief_prompt.txt").write_text("changed")
     assert eqbench3.git_commit(tmp_path / "eqb") == head[:12] + " + local changes"
-    assert eqbench3.protocol(str(tmp_path / "eqb")).label() == f"official protocol, files at {head[:12]} + local changes"
+    label = eqbench3.protocol(str(tmp_path / "eqb")).label()
+    assert label == f"official protocol, files at {head[:12]} + local changes"
 
 
 def test_each_kind_gets_its_master_template_and_no_roleplay_none(P):
@@ -138,13 +139,14 @@ def test_the_arithmetic_by_hand_with_iterations_pooled(P):
 
 
 def test_the_column_says_what_produced_the_score():
-    def official(tasks, budget):
+    def official(tasks, budget, judge_budget=8000):
         return {"m": {"eqbench3": {"protocol": "official protocol, x", "judge": "api:j", "tasks": tasks,
-                                   "budget": budget}}}
+                                   "budget": budget, "judge_budget": judge_budget}}}
 
     assert eqbench3.column(official(45, 12000)) == "EQ-Bench 3 rubric score (official protocol, judge api:j, 45 tasks)"
     assert eqbench3.column(official(4, 300)) == ("EQ-Bench 3 rubric score (official protocol, judge api:j, 4 tasks); "
                                                  "partial: 4 of 45 tasks; reply budget lowered to 300 tokens")
+    assert eqbench3.column(official(45, 12000, 64)).endswith("45 tasks); judge budget lowered to 64 tokens")
     assert eqbench3.column({"m": {"eqbench3": {"proxy": True}}}) == ("EQ-Bench 3 (offline proxy, not comparable with "
                                                                      "EQ-Bench 3)")
     assert "not comparable with EQ-Bench 3" in eqbench3.column({"m": {"eqbench3": {"proxy": False}}})
@@ -176,7 +178,8 @@ def test_every_call_its_settings_and_the_100_character_guard(monkeypatch, tiny, 
     monkeypatch.setattr(eqbench3.common, "generate_batch", generate)
     judge = Judge(['<think>a</think>{"demonstrated_empathy": "16/20", "theory_of_mind": 8, "correctness": 10}'])
     units = eqbench3.units(P.tasks, types.SimpleNamespace(eqbench3_dir=str(FIX), iterations=1))
-    args = types.SimpleNamespace(eqbench3_dir=str(FIX), eqbench3_tokens=50, max_context=4096, judge="api:j")
+    args = types.SimpleNamespace(eqbench3_dir=str(FIX), eqbench3_tokens=50, max_context=4096, judge="api:j",
+                                 eqbench3_judge_tokens=eqbench3.JUDGE_TOKENS)
     cases, transcripts = eqbench3.official_cases(model, tok, units, types.SimpleNamespace(backend=judge), args)
     # turn 1 of 4 tasks, turn 2 of task 1, then 3 debriefs (not for analysis): each call's settings
     assert calls == [(4, 50, 0.7, 1.0, 0.1), (1, 50, 0.7, 1.0, 0.1), (3, 50, 0.5, 1.0, None)]
@@ -197,7 +200,8 @@ def test_every_call_its_settings_and_the_100_character_guard(monkeypatch, tiny, 
 def test_a_turn_with_no_room_left_fails_its_task(monkeypatch, tiny, P):
     model, tok = tiny
     monkeypatch.setattr(eqbench3.common, "generate_batch", lambda *a: [([], True)] * len(a[2]))
-    args = types.SimpleNamespace(eqbench3_dir=str(FIX), eqbench3_tokens=50, max_context=60, judge="api:j")
+    args = types.SimpleNamespace(eqbench3_dir=str(FIX), eqbench3_tokens=50, max_context=60, judge="api:j",
+                                 eqbench3_judge_tokens=eqbench3.JUDGE_TOKENS)
     units = eqbench3.units([task(P, "8"), task(P, "1")], types.SimpleNamespace(eqbench3_dir=str(FIX), iterations=1))
     cases, _ = eqbench3.official_cases(model, tok, units, types.SimpleNamespace(backend=Judge(["{}"])), args)
     assert cases[1]["failed"].startswith("context limit (turn 1 does not fit --max-context 60)")
@@ -209,7 +213,7 @@ def test_a_turn_with_no_room_left_fails_its_task(monkeypatch, tiny, P):
 @pytest.mark.parametrize("flags, message", [
     (["--eqbench3-dir", "{fix}", "--judge", "embed"], "--eqbench3-dir: EQ-Bench 3's judge is an LLM"),
     (["--eqbench3-dir", "{tmp}", "--judge", "api:j"], "data/debrief_prompt.txt there (the official layout"),
-    (["--iterations", "2"], "--iterations and --eqbench3-tokens are the official protocol's"),
+    (["--iterations", "2"], "--iterations, --eqbench3-tokens and --eqbench3-judge-tokens are the official"),
     (["--eqbench3-dir", "{bad}", "--judge", "api:j"], "rubric_scoring_prompt_analysis.txt: no {output_format}")])
 def test_bad_eqbench3_dirs_exit_2_with_one_message(tmp_path, capsys, flags, message):
     import shutil

@@ -244,13 +244,14 @@ def test_a_04_step_with_judge_and_user_on_the_server(tiny_model, served, tmp_pat
 
 @needs_serve
 def test_05_eqbench3_official_protocol_with_its_judge_on_the_server(tiny_model, served, tmp_path):
-    """05 --eqbench3-dir on the fixture checkout: the tested model in-process, the judge on the server (asked for
-    up to 8,000 tokens at temperature 0, as the official protocol asks)."""
+    """05 --eqbench3-dir on the fixture checkout: the tested model in-process, the judge on the server at
+    temperature 0; its 8,000-token budget lowered to 64 (the tiny random judge rarely stops, and 8,000 tokens take
+    minutes on 2 cores), which the column says."""
     before = served.answered()
     fixture = Path(__file__).resolve().parent / "fixtures" / "eqbench3"
     p = run_script("05_eval.py", "--model", tiny_model, "--suite", "eqbench3", "--eqbench3-dir", fixture,
                    "--judge", f"api:{served.model}", "--api-base", served.base, *FAST, "--max-cases", "2",
-                   "--eqbench3-tokens", "60", "--api-timeout", "600", "--out-dir", tmp_path)
+                   "--eqbench3-tokens", "60", "--eqbench3-judge-tokens", "64", "--out-dir", tmp_path)
     assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr[-3000:]
     run = next(tmp_path.iterdir())
     cases = [json.loads(x) for x in (run / "cases.jsonl").read_text().splitlines()]
@@ -263,4 +264,5 @@ def test_05_eqbench3_official_protocol_with_its_judge_on_the_server(tiny_model, 
     assert all(c["failed"].startswith("no reply of 100 characters") for c in cases if c not in judged)
     table = (run / "results.md").read_text()
     assert "| base | -; 2 failed |" in table and "official protocol, judge api:" in table
-    assert "partial: 2 of 45 tasks; reply budget lowered to 60 tokens" in table
+    assert "partial: 2 of 45 tasks; reply budget lowered to 60 tokens; judge budget lowered to 64 tokens" in table
+    assert all(c["judge_budget"] == 64 for c in cases)
