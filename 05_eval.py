@@ -10,9 +10,9 @@ What it does
               naturalness (their mean per-token log-likelihood under the base, the adapter off), with a 95% t
               interval over scenarios (a scenario's K dialogues are not independent) and a verdict line each
               (under 3 scenarios, or with no spread: too few scenarios to tell).
-    eqbench3  benchmarks/eqbench3.py: each scenario's fixed user turns played to the model, then the judge
-              scores the task's criteria 0-20; replies are capped at --max-new-tokens (48 by default: raise
-              it for real results).
+    eqbench3  benchmarks/eqbench3.py: with --eqbench3-dir EQ-Bench 3's official rubric protocol (its texts read
+              from that checkout, --judge an LLM, --iterations), else this project's variant (offline: a proxy),
+              not comparable with EQ-Bench 3: fixed user turns, replies capped at --max-new-tokens.
     sage      benchmarks/sage.py: with --sage-dir SAGE's official protocol (its prompts read from that checkout,
               --user the simulator), else this project's variant on 03's rollout: emotion from 40, +-10 a turn.
     emobench  benchmarks/emobench.py: EmoBench EU (emotion and cause) and EA (best response or action), per
@@ -26,7 +26,8 @@ What it does
 
 Imports 03_rollout: the environment (scenarios, the batched rollout, judges, users, the EMPA state); and the
         support modules benchmarks/ (the external benchmarks) and plots.py (the pictures).
-Reads   --scenarios, --eqbench3 (a scenario_prompts.txt; a 4-scenario sample ships), --sage-profiles (JSONL:
+Reads   --scenarios, --eqbench3 (a scenario_prompts.txt; a 4-scenario sample ships) or --eqbench3-dir (a checkout:
+        data/*.txt, core/benchmark.py), --sage-profiles (JSONL:
         id, player, scene, main_cha, cha_group, task, first_talk?), --emobench-eu / -ea (JSONL with EmoBench's
         fields) or --emobench-dir (a checkout: data/EU.jsonl, EA.jsonl, src/configs/, src/utils.py); UTF-8, a
         byte-order mark or CRLF is fine. The defaults of the four files are small samples written for this
@@ -51,15 +52,14 @@ Equations (docs/reference.md sections 3, 4, 6; r0 = ||P0||, rho_max = sqrt(12), 
 Choices and departures (numbered as in docs/evaluation.md, where each is in full)
   1. S_proj's u_t = v* (--s-proj step: -P_{t-1}/||P_{t-1}||); R_pen counts levels (--r-pen points).
   2. tau undefined (P_T = P0): its index is 0; no index is clamped.  3. Judge-failed turns are left out; a
-     case with no judged turn, or whose user failed, is excluded and counted.  4-6. SAGE, EQ-Bench 3 (offline
-     a PROXY of the embed judge's levels) and EmoBench: their departures in benchmarks/sage.py, eqbench3.py
-     and emobench.py.
+     case with no judged turn, or whose user failed, is excluded and counted.  4-6. SAGE, EQ-Bench 3 (without
+     --eqbench3-dir not comparable with it; offline a PROXY) and EmoBench: their departures in benchmarks/.
 
 CPU:  python 05_eval.py --adapters runs/mica-20261130-120000/adapter      (SmolLM2, embed judge, scripted user)
       make demo: after 04's 4 steps, --suite empa on 4 held-out scenarios x K=4 with the training rules
 GPU:  python 05_eval.py --model Qwen2.5-7B-Instruct --adapters runs/mica-A/adapter runs/grpo-B/adapter \\
           --judge api:Qwen2.5-72B-Instruct --user api:Qwen2.5-72B-Instruct --api-base http://localhost:8000/v1 \\
-          --eqbench3 path/to/scenario_prompts.txt --emobench-dir path/to/EmoBench --max-new-tokens 512
+          --eqbench3-dir path/to/eqbench3 --emobench-dir path/to/EmoBench --max-new-tokens 512 --max-context 32768
 """
 from __future__ import annotations
 
@@ -370,6 +370,8 @@ def summarize(cases: list[dict], suite: str) -> dict:
     """Means and 95% t intervals over the suite's independent units (EMPA: per scenario first)."""
     ok = [c for c in cases if not c.get("failed")]
     s = {"n": len(ok), "failed": len(cases) - len(ok)}
+    if suite == "eqbench3":                                # its label holds even when every case failed
+        return {**s, **eqbench3.summary(cases, t_interval)}
     if not ok:
         return s
     if suite == "empa":                                    # a scenario's K dialogues are one unit
@@ -383,13 +385,6 @@ def summarize(cases: list[dict], suite: str) -> dict:
         s.update({key: over_scenarios(lambda c: c[key]) for key in EPM_KEYS}, units=len(scenarios))
         s["success"] = over_scenarios(lambda c: float(c["outcome"] == "success"))
         s["outcomes"] = {o: sum(c["outcome"] == o for c in ok) for o in sorted({c["outcome"] for c in ok})}
-    elif suite == "eqbench3":
-        scored = [c for c in ok if "score" in c]      # offline, analysis tasks are kept but not scored
-        s.update(n=len(scored), unscored=len(ok) - len(scored), proxy=any(c.get("proxy") for c in scored))
-        if scored:
-            s["score"] = t_interval([c["score"] for c in scored])
-            s["by_kind"] = {k: statistics.mean(c["score"] for c in scored if c["kind"] == k)
-                            for k in sorted({c["kind"] for c in scored})}
     elif suite == "sage":
         s.update(sage.summary(ok), sentient=t_interval([c["final_emotion"] for c in ok]))   # official: ok = all
     else:
@@ -403,9 +398,8 @@ def fmt(mean_half, n=None) -> str:
 
 
 def results_table(summary: dict, suites) -> str:
-    proxy = any(by.get("eqbench3", {}).get("proxy") for by in summary.values())
     emo = emobench.group_order(g for by in summary.values() for g in by.get("emobench", {}))   # "EU en", ...
-    cols = {"empa": ["EMPA EPM-Index", "EMPA success %"], "eqbench3": [eqbench3.PROXY if proxy else "EQ-Bench 3"],
+    cols = {"empa": ["EMPA EPM-Index", "EMPA success %"], "eqbench3": [eqbench3.column(summary)],
             "sage": [sage.column(summary), "SAGE success / failure"], "emobench": [f"EmoBench {g} %" for g in emo]}
     head = [c for s in suites for c in cols[s]]
     lines = ["| model | " + " | ".join(head) + " |", "|---" * (len(head) + 1) + "|"]
@@ -418,8 +412,7 @@ def results_table(summary: dict, suites) -> str:
                 units = f" ({s['units']} scenarios, {s['n']} dialogues)"        # the interval is over scenarios
                 cells += [fmt(s["EPM"]) + units + failed, f"{100 * s['success'][0]:.2f}"] if s["n"] else miss
             elif suite == "eqbench3":
-                unscored = f"; {s['unscored']} analysis not scored (needs an LLM judge)" if s.get("unscored") else ""
-                cells += [(fmt(s["score"], s["n"]) if s["n"] else "-") + failed + unscored]
+                cells += [eqbench3.cell(s, fmt)]
             elif suite == "sage":
                 cells += sage.cells(s, fmt(s["sentient"], s["n"]) + failed) if s["n"] else miss
             else:
@@ -443,9 +436,7 @@ def write_results(run_dir: Path, args) -> str:
           "mean ± 95% t interval over independent units (EMPA: scenarios, their K dialogues averaged first; "
           "EQ-Bench 3: tasks; SAGE: profiles; EmoBench: items); n = cases kept (for EMPA, its scenarios and their "
           "dialogues); failed cases are excluded and counted."]
-    if eqbench3.PROXY in table:
-        md += ["", f"{eqbench3.PROXY}: MDEP-PR levels stand in for the criteria (not EQ-Bench); analysis needs an "
-                   "LLM judge."]
+    md += ["", *eqbench3.notes(summary)] if "eqbench3" in args.suites else []
     rows = [(m, by["empa"]) for m, by in summary.items() if by.get("empa", {}).get("n")]
     if rows:
         md += ["", "EMPA details (means over scenarios; the indices are scaled to 0-100, and RDI, tau and R_pen "
@@ -467,7 +458,7 @@ def write_results(run_dir: Path, args) -> str:
 
     for m, by in summary.items():
         q = by.get("eqbench3", {})
-        md += ["", f"{m}, EQ-Bench 3 by task kind: {line(q['by_kind'], 2)}"] if q.get("n") else []
+        md += ["", f"{m}, EQ-Bench 3 by task kind: {line(q['by_kind'], 2)}"] if q.get("by_kind") else []
         md += [x for r in emobench.report_lines(m, by.get("emobench", {})) for x in ("", r)]
     common.atomic_write(run_dir / "results.md", "\n".join(md) + "\n")
     common.atomic_write(run_dir / "results.json", json.dumps(
@@ -544,6 +535,7 @@ def parse_args(argv=None):
                              ("--emobench-eu", "emobench_eu.jsonl", f"EmoBench EU JSONL, {emobench.LOGLIK}"),
                              ("--emobench-ea", "emobench_ea.jsonl", f"EmoBench EA JSONL, {emobench.LOGLIK}")):
         g.add_argument(flag, default=str(HERE / "data" / "eval" / name), help=what)
+    eqbench3.add_args(g)
     g.add_argument("--emobench-dir", help="a checkout of github.com/Sahandfer/EmoBench: EmoBench by its official "
                    "protocol, its texts and data/EU.jsonl, EA.jsonl read from there (without it: --emobench-eu/-ea)")
     g.add_argument("--sage-dir", default=None, help="SAGE by its official protocol: a checkout of Tencent/digitalhuman "
@@ -562,6 +554,7 @@ def parse_args(argv=None):
     for a in args.adapters:
         c(os.path.exists(os.path.join(a, "adapter_config.json")), f"--adapters {a}: no adapter_config.json there")
     c(len(set(args.adapters)) == len(args.adapters) and "base" not in args.adapters, "--adapters: each folder once")
+    eqbench3.check_args(args, p.get_default("eqbench3"))
     c(not args.emobench_dir or all(getattr(args, f) == p.get_default(f) for f in ("emobench_eu", "emobench_ea")),
       "--emobench-eu / --emobench-ea are the log-likelihood mode's: --emobench-dir reads PATH/data/EU.jsonl, EA.jsonl")
     return args
@@ -573,11 +566,9 @@ def load_suite_data(args) -> dict:
     if "empa" in args.suites:
         data["empa"] = sample_cases(env.load_scenarios(args.scenarios), args, "empa", lambda s: (s.get("kind", ""),))
     if "eqbench3" in args.suites:
-        tasks, stats = eqbench3.load(args.eqbench3)
-        print(f"eqbench3: read {stats['scenarios']} scenarios and {stats['prompts']} prompts from {args.eqbench3} "
-              f"({stats['ignored_lines']} lines outside prompts, {stats['empty_scenarios']} scenarios without prompts "
-              f"and {stats['duplicates']} duplicate ids skipped)")
-        data["eqbench3"] = sample_cases(tasks, args, "eqbench3", lambda t: (t["kind"],))
+        tasks, said = eqbench3.read(args)
+        print(said)
+        data["eqbench3"] = eqbench3.units(sample_cases(tasks, args, "eqbench3", lambda t: (t["kind"],)), args)
     if "sage" in args.suites:
         data["sage"] = sample_cases(sage.load(args), args, "sage", lambda p: (p["language"],))
     if "emobench" in args.suites:

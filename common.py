@@ -672,16 +672,17 @@ def prefill_distinct(model, input_ids, attn):
 
 
 @torch.no_grad()
-def generate(model, tokenizer, input_ids, attn, max_new_tokens: int, temperature=0.0, top_p=1.0, cache=None):
-    """One batched generate call on left-padded rows (sampled; greedy at temperature 0), from the KV cache
-    of all but their last column when given -> (replies, output): a reply is (its ids up to and with the
-    first end-of-turn token, whether it ended so); output holds .sequences and .past_key_values."""
+def generate(model, tokenizer, input_ids, attn, max_new_tokens: int, temperature=0.0, top_p=1.0, cache=None,
+             min_p=None):
+    """One batched generate call on left-padded rows (sampled, min_p if given; greedy at temperature 0), from the
+    KV cache of all but their last column when given -> (replies, output): a reply is (its ids up to and with
+    the first end-of-turn token, whether it ended so); output holds .sequences and .past_key_values."""
     extra = getattr(getattr(model, "generation_config", None), "eos_token_id", None)     # every end of a turn
     eos = sorted({tokenizer.eos_token_id, *(extra if isinstance(extra, (list, tuple)) else [extra])} - {None})
     out = model.generate(input_ids=input_ids, attention_mask=attn, past_key_values=cache, do_sample=temperature > 0,
                          temperature=temperature if temperature > 0 else None, top_p=top_p if temperature > 0 else None,
-                         top_k=None, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
-                         eos_token_id=eos, return_dict_in_generate=True)
+                         top_k=None, min_p=min_p if temperature > 0 else None, max_new_tokens=max_new_tokens,
+                         pad_token_id=tokenizer.pad_token_id, eos_token_id=eos, return_dict_in_generate=True)
     replies = []
     for row in out.sequences[:, input_ids.shape[1]:].tolist():
         cut = next((j for j, tok in enumerate(row) if tok in eos), None)
@@ -689,12 +690,13 @@ def generate(model, tokenizer, input_ids, attn, max_new_tokens: int, temperature
     return replies, out
 
 
-def generate_batch(model, tokenizer, contexts: list[list[int]], max_new_tokens: int, temperature=0.0, top_p=1.0):
+def generate_batch(model, tokenizer, contexts: list[list[int]], max_new_tokens: int, temperature=0.0, top_p=1.0,
+                   min_p=None):
     """One reply per token-id context, in one batched generate call with identical contexts prefilled
     once: [(reply ids, ended with an end-of-turn token)]."""
     input_ids, attn = left_pad(contexts, tokenizer.pad_token_id, next(model.parameters()).device)
     cache = prefill_distinct(model, input_ids, attn)
-    return generate(model, tokenizer, input_ids, attn, max_new_tokens, temperature, top_p, cache)[0]
+    return generate(model, tokenizer, input_ids, attn, max_new_tokens, temperature, top_p, cache, min_p)[0]
 
 
 LOGIT_CHUNK = 2**27   # logits per chunk of the LM head (0.5 GB in fp32)

@@ -2,7 +2,7 @@
 
   01 SFT of the rubric generator -> 02 preference RL of it -> 04 MICA training with --reward idr+care,
   02's generator writing each turn's rubric -> 05 evaluation of the base and the trained adapter on the
-  offline suites (EMPA, EQ-Bench 3 proxy, SAGE, EmoBench samples), with 05's held-out comparison of the
+  offline suites (EMPA, EQ-Bench 3 offline proxy, SAGE, EmoBench samples), with 05's held-out comparison of the
   adapter against the base on EMPA (paired by scenario, k and seed; a 95% t interval over scenarios).
 
 Each stage runs as a user runs it (a subprocess, the flags printed), into one folder, and each adapter

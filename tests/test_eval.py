@@ -462,14 +462,16 @@ def test_eval_script_all_suites_with_an_adapter_then_resume(tiny_model, tiny_ada
     assert "base weights: fp32 (--load-in-4bit off)" in table       # evaluation is not 4-bit unless asked
     assert "EMPA-style, not the EMPA benchmark: MICA's public end rules (2 turns, none before turn 1, " in table
     assert "and K = 1 dialogues per scenario (the benchmark plays one: --k 1). R_pen counts negative levels" in table
-    assert ("| model | EMPA EPM-Index | EMPA success % | EQ-Bench 3 (offline proxy) | SAGE Sentient (this project's "
-            "variant, not the official protocol) |") in table
+    assert ("| model | EMPA EPM-Index | EMPA success % | EQ-Bench 3 (offline proxy, not comparable with EQ-Bench 3) | "
+            "SAGE Sentient (this project's variant, not the official protocol) |") in table
     assert "| base | " in table and f"| {tiny_adapter} | " in table and "(n=4)" in table
     assert "± " in table and "(4 scenarios, 4 dialogues)" in table          # EMPA's cell names its unit and its count
-    assert "(n=3); 1 analysis not scored (needs an LLM judge) |" in table and "(offline proxy) |" in p.stdout
+    assert "(n=3); 1 analysis not scored (needs an LLM judge) |" in table
+    assert "(offline proxy, not comparable with EQ-Bench 3) |" in p.stdout
     res = json.loads((run / "results.json").read_text(encoding="utf-8"))
     assert res["summary"]["base"]["sage"]["n"] == 4 and len(res["cases"]) == len(recs)
-    assert "EQ-Bench 3 (offline proxy)" in res["columns"] and res["summary"]["base"]["eqbench3"]["proxy"]
+    assert "EQ-Bench 3 (offline proxy, not comparable with EQ-Bench 3)" in res["columns"]
+    assert res["summary"]["base"]["eqbench3"]["proxy"]
     assert (res["summary"]["base"]["eqbench3"]["n"], res["summary"]["base"]["eqbench3"]["unscored"]) == (3, 1)
     # the adapter against the base on EMPA, paired by scenario (04's held-out comparison lives here now)
     assert f"held out: {tiny_adapter} vs base on 4 scenarios, 4 dialogues paired" in p.stdout
@@ -530,7 +532,8 @@ def test_eval_with_an_llm_judge_on_a_loopback_server_then_endpoint_down(tiny_mod
     assert server.auth == {"Bearer sk-test-secret-42"} and calls["eq"] == 5 and calls["sage"] >= 4
     recs = [json.loads(x) for x in (only_run(tmp_path / "ok") / "cases.jsonl").read_text().splitlines()]
     assert all(r["score"] == 50.0 for r in recs if r["suite"] == "eqbench3")        # 10/20 x 5, analysis too
-    assert {r["case"] for r in recs if r["suite"] == "eqbench3"} >= {"402"} and "(offline proxy)" not in p.stdout
+    assert {r["case"] for r in recs if r["suite"] == "eqbench3"} >= {"402"} and "offline proxy" not in p.stdout
+    assert "| EQ-Bench 3 (this project's judge prompt, not comparable with EQ-Bench 3) |" in p.stdout
     assert calls["opening"] == 1 and {r["case"]: r["opening"] for r in recs if r["suite"] == "sage"} == {
         "sage-en-1": "first_talk", "sage-zh-1": "first_talk", "sage-zh-2": "user model", "sage-en-2": "first_talk"}
     opened = [json.loads(x) for x in (only_run(tmp_path / "ok") / "transcripts.jsonl").read_text().splitlines()]

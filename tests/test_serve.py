@@ -5,9 +5,10 @@
    a base stored quantised, an existing OUT and a folder that is no adapter are one line each (exit 2).
 2. The server (skipped without transformers' serving extras): `transformers serve` on the merged tiny model on
    127.0.0.1, started once for the module and stopped at its end (also when a test fails); one 04 step with its
-   judge and user on it, and 05's eqbench3 judge on it: the requests reach it, the judge's unparsable answers
-   are counted as failures, nothing crashes. And what docs/evaluation.md says of it: a field outside the OpenAI
-   schema (the official EQ-Bench 3 harness's min_p) is answered HTTP 422."""
+   judge and user on it, and 05's official EQ-Bench 3 protocol (--eqbench3-dir, the fixture checkout) with its
+   judge on it: the requests reach it, the judge's unparsable answers are counted as failures, nothing crashes.
+   And what docs/evaluation.md says of it: a field outside the OpenAI schema (the official EQ-Bench 3 harness's
+   min_p) is answered HTTP 422."""
 import json
 import os
 import re
@@ -242,13 +243,26 @@ def test_a_04_step_with_judge_and_user_on_the_server(tiny_model, served, tmp_pat
 
 
 @needs_serve
-def test_05_eqbench3_with_its_judge_on_the_server(tiny_model, served, tmp_path):
+def test_05_eqbench3_official_protocol_with_its_judge_on_the_server(tiny_model, served, tmp_path):
+    """05 --eqbench3-dir on the fixture checkout: the tested model in-process, the judge on the server at
+    temperature 0; its 8,000-token budget lowered to 64 (the tiny random judge rarely stops, and 8,000 tokens take
+    minutes on 2 cores), which the column says."""
     before = served.answered()
-    p = run_script("05_eval.py", "--model", tiny_model, "--suite", "eqbench3", "--judge", f"api:{served.model}",
-                   "--api-base", served.base, *FAST, "--max-cases", "2", "--max-turns", "2", "--out-dir", tmp_path)
+    fixture = Path(__file__).resolve().parent / "fixtures" / "eqbench3"
+    p = run_script("05_eval.py", "--model", tiny_model, "--suite", "eqbench3", "--eqbench3-dir", fixture,
+                   "--judge", f"api:{served.model}", "--api-base", served.base, *FAST, "--max-cases", "2",
+                   "--eqbench3-tokens", "60", "--eqbench3-judge-tokens", "64", "--out-dir", tmp_path)
     assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr[-3000:]
     run = next(tmp_path.iterdir())
     cases = [json.loads(x) for x in (run / "cases.jsonl").read_text().splitlines()]
-    assert len(cases) == 2 and all(c["failed"] == "judge failed" for c in cases)   # counted, not scored
-    assert served.answered() - before >= 2
-    assert "| base | -; 2 failed |" in (run / "results.md").read_text()
+    judged = [c for c in cases if c["judge_prompt"] is not None]
+    assert len(cases) == 2 and judged, [c["failed"] for c in cases]          # a reply of 100 characters: judged
+    # every judge request reached the server and was answered; the tiny random judge's text holds no score:
+    # each judged task is counted as failed, none scored
+    assert served.answered() - before == len(judged)
+    assert all(c["judge_answer"] is not None and c["failed"] == "judge answer has no score" for c in judged)
+    assert all(c["failed"].startswith("no reply of 100 characters") for c in cases if c not in judged)
+    table = (run / "results.md").read_text()
+    assert "| base | -; 2 failed |" in table and "official protocol, judge api:" in table
+    assert "partial: 2 of 45 tasks; reply budget lowered to 60 tokens; judge budget lowered to 64 tokens" in table
+    assert all(c["judge_budget"] == 64 for c in cases)
