@@ -280,12 +280,14 @@ def output_format(reasoning: str, criteria: list[str]) -> str:
 
 
 def git_commit(folder: Path) -> str:
-    """`git -C PATH rev-parse HEAD` (12 characters, "+ local changes" when data/ or core/ differ from it)."""
+    """`git -C PATH rev-parse HEAD` (12 characters, "+ local changes" when a file the protocol reads differs from
+    it: the leaderboard files and pages the harness keeps beside them may be absent)."""
     run = ["git", "-C", str(folder)]
+    read = [f"data/{name}" for name in FILES.values()] + ["core/benchmark.py"]
     try:
         top, head = subprocess.run(run + ["rev-parse", "--show-toplevel", "HEAD"], capture_output=True, text=True,
                                    timeout=30, check=True).stdout.splitlines()
-        changed = subprocess.run(run + ["status", "--porcelain", "--", "data", "core"], capture_output=True,
+        changed = subprocess.run(run + ["status", "--porcelain", "--", *read], capture_output=True,
                                  text=True, timeout=30, check=True).stdout.strip()
     except (OSError, subprocess.SubprocessError, ValueError):
         return "no commit (not a git checkout)"

@@ -56,11 +56,14 @@ def test_a_git_checkout_is_labelled_with_its_commit(tmp_path):
     import subprocess
 
     shutil.copytree(FIX, tmp_path / "eqb")
+    (tmp_path / "eqb" / "data" / "scenario_notes.txt").write_text("notes")   # the official data/ has more files
     git = ["git", "-C", str(tmp_path / "eqb"), "-c", "user.name=t", "-c", "user.email=t@t"]
     for cmd in (["init", "-q"], ["add", "-A"], ["commit", "-qm", "x"]):
         subprocess.run(git + cmd, check=True)
     head = subprocess.run(git + ["rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
     assert eqbench3.git_commit(tmp_path / "eqb") == head[:12] and len(head) == 40
+    (tmp_path / "eqb" / "data" / "scenario_notes.txt").unlink()      # a file the protocol does not read: no change
+    assert eqbench3.git_commit(tmp_path / "eqb") == head[:12]
     (tmp_path / "eqb" / "data" / "debrief_prompt.txt").write_text("changed")
     assert eqbench3.git_commit(tmp_path / "eqb") == head[:12] + " + local changes"
     label = eqbench3.protocol(str(tmp_path / "eqb")).label()
