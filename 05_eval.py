@@ -397,9 +397,9 @@ def fmt(mean_half, n=None) -> str:
             + (f" (n={n})" if n is not None else ""))
 
 
-def results_table(summary: dict, suites) -> str:
+def results_table(summary: dict, suites, eqbench3_dir=None) -> str:
     emo = emobench.group_order(g for by in summary.values() for g in by.get("emobench", {}))   # "EU en", ...
-    cols = {"empa": ["EMPA EPM-Index", "EMPA success %"], "eqbench3": [eqbench3.column(summary)],
+    cols = {"empa": ["EMPA EPM-Index", "EMPA success %"], "eqbench3": [eqbench3.column(summary, eqbench3_dir)],
             "sage": [sage.column(summary), "SAGE success / failure"], "emobench": [f"EmoBench {g} %" for g in emo]}
     head = [c for s in suites for c in cols[s]]
     lines = ["| model | " + " | ".join(head) + " |", "|---" * (len(head) + 1) + "|"]
@@ -428,7 +428,7 @@ def write_results(run_dir: Path, args) -> str:
     models = ["base"] + list(args.adapters) + sorted({r["model"] for r in records} - {"base", *args.adapters})
     summary = {m: {s: summarize([r for r in records if r["model"] == m and r["suite"] == s], s) for s in args.suites}
                for m in models if any(r["model"] == m for r in records)}
-    table = results_table(summary, args.suites)
+    table = results_table(summary, args.suites, args.eqbench3_dir)
     compared, comparison = compare_with_base(records, args.adapters)
     weights = "4-bit NF4" if common.use_4bit(args) else "bf16" if common.pick_device().type == "cuda" else "fp32"
     md = ["# Evaluation", "", f"command: `python 05_eval.py {' '.join(sys.argv[1:])}`", "",
@@ -436,7 +436,7 @@ def write_results(run_dir: Path, args) -> str:
           "mean ± 95% t interval over independent units (EMPA: scenarios, their K dialogues averaged first; "
           "EQ-Bench 3: tasks; SAGE: profiles; EmoBench: items); n = cases kept (for EMPA, its scenarios and their "
           "dialogues); failed cases are excluded and counted."]
-    md += ["", *eqbench3.notes(summary)] if "eqbench3" in args.suites else []
+    md += ["", *eqbench3.notes(summary, args.eqbench3_dir)] if "eqbench3" in args.suites else []
     rows = [(m, by["empa"]) for m, by in summary.items() if by.get("empa", {}).get("n")]
     if rows:
         md += ["", "EMPA details (means over scenarios; the indices are scaled to 0-100, and RDI, tau and R_pen "

@@ -605,10 +605,13 @@ def summary(cases: list[dict], t_interval) -> dict:
     return s
 
 
-def column(summaries: dict) -> str:
-    """05's EQ-Bench 3 column header: what produced the score, so that it cannot be taken for another."""
+def column(summaries: dict, official_dir=False) -> str:
+    """05's EQ-Bench 3 column header: what produced the score, so that it cannot be taken for another (with
+    --eqbench3-dir the official label even before any case finished)."""
     by = [s["eqbench3"] for s in summaries.values() if "eqbench3" in s]
     official = [s for s in by if "protocol" in s]
+    if official_dir and not official:
+        return "EQ-Bench 3 rubric score (official protocol, no task finished)"
     if official:
         tasks = max(s["tasks"] for s in official)
         budget = min((s["budget"] for s in official if s["budget"]), default=REPLY_TOKENS)
@@ -631,14 +634,16 @@ def cell(s: dict, fmt) -> str:
     return (fmt(s["score"], s["n"]) if s["n"] else "-") + failed + unscored
 
 
-def notes(summaries: dict) -> list[str]:
+def notes(summaries: dict, official_dir=False) -> list[str]:
     """results.md's lines under the table on how the EQ-Bench 3 column was produced."""
-    head = column(summaries)
+    head = column(summaries, official_dir)
     if head == PROXY:
         return [f"{PROXY}: MDEP-PR levels stand in for the criteria; analysis needs an LLM judge."]
     if head == VARIANT:
         return [f"{VARIANT}: this project's judge prompt and six criteria per kind, raw turns, no debrief."]
-    s = next(by["eqbench3"] for by in summaries.values() if "protocol" in by.get("eqbench3", {}))
+    s = next((by["eqbench3"] for by in summaries.values() if "protocol" in by.get("eqbench3", {})), None)
+    if s is None:
+        return ["EQ-Bench 3: official protocol; no task finished, so nothing is scored yet (--resume continues)."]
     return [f"EQ-Bench 3: {s['protocol']}; score = 5 x round(mean over the scored (task, iteration) pairs of the "
             "task's allowed criterion mean, 2); failed tasks are not scored. The pairwise Elo (the leaderboard's "
             "main number) is not computed here: docs/evaluation.md says how to get it with the official harness."]

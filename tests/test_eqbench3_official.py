@@ -153,6 +153,7 @@ def test_the_column_says_what_produced_the_score():
     assert eqbench3.column({"m": {"eqbench3": {"proxy": True}}}) == ("EQ-Bench 3 (offline proxy, not comparable with "
                                                                      "EQ-Bench 3)")
     assert "not comparable with EQ-Bench 3" in eqbench3.column({"m": {"eqbench3": {"proxy": False}}})
+    assert eqbench3.column({}, "path/to/eqbench3") == "EQ-Bench 3 rubric score (official protocol, no task finished)"
 
 
 class Judge:
@@ -268,3 +269,12 @@ def test_eval_eqbench3_dir_end_to_end_keeps_every_step(tiny_model, tmp_path):
         in table
     res = json.loads((run / "results.json").read_text(encoding="utf-8"))
     assert res["columns"][1] == head and res["summary"]["base"]["eqbench3"]["tasks"] == 4
+    # a judge endpoint that never answers: the run stops (exit 2, --resume named), and what it wrote still says
+    # which protocol it ran, not the variant's label
+    with LoopbackServer(plan=[dict(status=500, body={"error": "down"})]) as server:
+        p = run_script("05_eval.py", *flags, "--api-base", server.base, "--api-retries", "1",
+                       "--out-dir", tmp_path / "down")
+    assert p.returncode == 2 and "--resume" in p.stderr, p.stderr[-2000:]
+    table = (next((tmp_path / "down").iterdir()) / "results.md").read_text(encoding="utf-8")
+    assert "EQ-Bench 3 rubric score (official protocol, no task finished)" in table
+    assert "not comparable" not in table and "no task finished, so nothing is scored yet" in table
