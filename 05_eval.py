@@ -397,10 +397,13 @@ def fmt(mean_half, n=None) -> str:
             + (f" (n={n})" if n is not None else ""))
 
 
-def results_table(summary: dict, suites, eqbench3_dir=None) -> str:
+def results_table(summary: dict, suites, args=None) -> str:
+    """The results.md table; args: the run's flags (an official protocol's column says so before any case ends)."""
+    official = {b: getattr(args, f"{b}_dir", None) for b in ("eqbench3", "sage")}
     emo = emobench.group_order(g for by in summary.values() for g in by.get("emobench", {}))   # "EU en", ...
-    cols = {"empa": ["EMPA EPM-Index", "EMPA success %"], "eqbench3": [eqbench3.column(summary, eqbench3_dir)],
-            "sage": [sage.column(summary), "SAGE success / failure"], "emobench": [f"EmoBench {g} %" for g in emo]}
+    cols = {"empa": ["EMPA EPM-Index", "EMPA success %"], "eqbench3": [eqbench3.column(summary, official["eqbench3"])],
+            "sage": [sage.column(summary, official["sage"]), "SAGE success / failure"],
+            "emobench": [f"EmoBench {g} %" for g in emo]}
     head = [c for s in suites for c in cols[s]]
     lines = ["| model | " + " | ".join(head) + " |", "|---" * (len(head) + 1) + "|"]
     for model, by_suite in summary.items():
@@ -428,7 +431,7 @@ def write_results(run_dir: Path, args) -> str:
     models = ["base"] + list(args.adapters) + sorted({r["model"] for r in records} - {"base", *args.adapters})
     summary = {m: {s: summarize([r for r in records if r["model"] == m and r["suite"] == s], s) for s in args.suites}
                for m in models if any(r["model"] == m for r in records)}
-    table = results_table(summary, args.suites, args.eqbench3_dir)
+    table = results_table(summary, args.suites, args)
     compared, comparison = compare_with_base(records, args.adapters)
     weights = "4-bit NF4" if common.use_4bit(args) else "bf16" if common.pick_device().type == "cuda" else "fp32"
     md = ["# Evaluation", "", f"command: `python 05_eval.py {' '.join(sys.argv[1:])}`", "",

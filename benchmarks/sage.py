@@ -116,10 +116,12 @@ def cells(s: dict, sentient: str) -> list[str]:
     return [sentient + note, f"{s['successes']} / {s['failures']}"]
 
 
-def column(summaries: dict) -> str:
-    """05's Sentient column header: which protocol, and which simulator, produced it."""
+def column(summaries: dict, official_dir=None) -> str:
+    """05's Sentient column header: which protocol, and which simulator, produced it (with --sage-dir the
+    official label even before any profile finished)."""
     protocols = sorted({by["sage"]["protocol"] for by in summaries.values() if by.get("sage", {}).get("n")})
-    return f"SAGE Sentient ({' / '.join(protocols) or VARIANT})"
+    none = "official protocol, no profile finished" if official_dir else VARIANT
+    return f"SAGE Sentient ({' / '.join(protocols) or none})"
 
 
 # ---------------------------------------------------------------------------------------------

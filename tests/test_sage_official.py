@@ -183,6 +183,10 @@ def test_reasks_are_counted_and_a_silent_simulator_is_reported_not_dropped(monke
     table = ev.results_table({"base": {"sage": summary}}, ["sage"])
     assert "| SAGE Sentient (official protocol, " in table and "simulator api:fake) |" in table
     assert "; 2 unanswered, at their last emotion (p-pas, p-avo) | 0 / 0 |" in table
+    # with --sage-dir, before any profile finished (a run stopped at its first batch): still the official label
+    none = ev.results_table({}, ["sage"], argparse.Namespace(sage_dir="SAGE", eqbench3_dir=None))
+    assert "| SAGE Sentient (official protocol, no profile finished) |" in none
+    assert "this project's variant" in ev.results_table({}, ["sage"])
 
 
 def test_the_tested_model_gets_the_system_prompt_and_the_room_left(monkeypatch, tiny):
