@@ -75,6 +75,7 @@ SAMPLE_PROFILES = HERE / "data" / "eval" / "sage_profiles.jsonl"
 START = 40                   # the user's emotion before the first reply (SAGE's simulator starts at 40)
 AXES = ("C", "A", "P")       # 03's axes: SAGE's simulator gives no levels on them (v_t = 0)
 VARIANT = "this project's variant, not the official protocol"
+PROMPT_FILES = ("simulator_response.py", "npc_response.py")     # what the official protocol reads
 # the official protocol's facts (test_npc.py, simulator_response.py)
 CHANGE_MAX, SUCCESS_AT, FAILURE_BELOW = 10, 100, 10      # |change| <= 10; e >= 100 success, e < 10 failure
 GOODBYES = ("再见", "拜拜")                               # in the simulator's answer: the dialogue ends
@@ -250,7 +251,9 @@ def opening_constant(play, what: str, path: Path) -> str:
 
 
 def git_commit(folder: Path) -> str:
-    """The checkout's commit (12 characters; "+ local changes" when the two prompt files differ from it)."""
+    """The checkout's commit (12 characters; "+ local changes" when the two prompt files differ from it). The
+    official files sit in a SAGE folder of a larger repository, so the folder need not be its top; but the
+    repository must track them: a copy dropped into some other git project is "not a git checkout"."""
     def git(*cmd):
         try:
             return subprocess.run(["git", "-C", str(folder), *cmd], capture_output=True, text=True, timeout=30)
@@ -258,9 +261,10 @@ def git_commit(folder: Path) -> str:
             return None
 
     head = git("rev-parse", "--short=12", "HEAD")
-    if head is None or head.returncode != 0:
+    tracked = git("ls-files", "--error-unmatch", "--", *PROMPT_FILES)
+    if head is None or head.returncode != 0 or tracked is None or tracked.returncode != 0:
         return f"{folder} (not a git checkout)"
-    changed = git("status", "--porcelain", "--", "simulator_response.py", "npc_response.py")
+    changed = git("status", "--porcelain", "--", *PROMPT_FILES)
     return head.stdout.strip() + (" + local changes" if changed is None or changed.stdout.strip() else "")
 
 

@@ -88,6 +88,17 @@ def test_a_git_checkout_is_labelled_with_its_commit(tmp_path):
         subprocess.run(git + cmd, check=True)
     head = subprocess.run(git + ["rev-parse", "--short=12", "HEAD"], capture_output=True, text=True).stdout.strip()
     assert sage.protocol(str(tmp_path)).label("api:sim") == f"official protocol, {head}, simulator api:sim"
+    (tmp_path / "SAGE" / "npc_response.py").write_text("changed", encoding="utf-8")
+    assert sage.git_commit(tmp_path / "SAGE") == f"{head} + local changes"
+
+
+def test_a_copy_inside_another_git_project_does_not_take_its_commit(tmp_path):
+    git = ["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t"]
+    (tmp_path / "notes.txt").write_text("someone else's project", encoding="utf-8")
+    for cmd in (["init", "-q"], ["add", "-A"], ["commit", "-qm", "x"]):
+        subprocess.run(git + cmd, check=True)
+    shutil.copytree(FIX / "SAGE", tmp_path / "SAGE")          # dropped in, not tracked by that project
+    assert sage.git_commit(tmp_path / "SAGE") == f"{tmp_path / 'SAGE'} (not a git checkout)"
 
 
 def test_the_prompts_as_sent_for_a_known_state():
