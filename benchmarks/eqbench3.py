@@ -605,7 +605,7 @@ def summary(cases: list[dict], t_interval) -> dict:
     return s
 
 
-def column(summaries: dict, official_dir=False) -> str:
+def column(summaries: dict, official_dir=None) -> str:
     """05's EQ-Bench 3 column header: what produced the score, so that it cannot be taken for another (with
     --eqbench3-dir the official label even before any case finished)."""
     by = [s["eqbench3"] for s in summaries.values() if "eqbench3" in s]
@@ -634,7 +634,7 @@ def cell(s: dict, fmt) -> str:
     return (fmt(s["score"], s["n"]) if s["n"] else "-") + failed + unscored
 
 
-def notes(summaries: dict, official_dir=False) -> list[str]:
+def notes(summaries: dict, official_dir=None) -> list[str]:
     """results.md's lines under the table on how the EQ-Bench 3 column was produced."""
     head = column(summaries, official_dir)
     if head == PROXY:
