@@ -41,6 +41,7 @@ Departures from the paper (and why)
 CPU:  python 01_rubric_sft.py                                       (SmolLM2, ~1 s a step, 150 steps)
 GPU:  python 01_rubric_sft.py --model Qwen2.5-7B-Instruct --batch-size 16 --steps 300 --lr 1e-4
 """
+
 from __future__ import annotations
 
 import argparse
@@ -54,16 +55,16 @@ import torch
 from tqdm import tqdm
 
 import common
-import plots
 import offline
+import plots
 
 HERE = Path(__file__).resolve().parent
-DIMS = ("cognitive", "affective", "proactive")   # CARE's three empathy dimensions
+DIMS = ("cognitive", "affective", "proactive")  # CARE's three empathy dimensions
 # the generator's system prompt and the criteria judge's prompt (data/prompts.json: every stage's prompts)
 PROMPTS = json.loads((HERE / "data" / "prompts.json").read_text(encoding="utf-8"))
 RUBRIC_SYSTEM, CRITERIA_PROMPT = ("\n".join(PROMPTS[k]) for k in ("rubric_system", "criteria_judge"))
-EVAL_BATCH = 8                                   # held-out turns per generate call
-UNIFORM_RUBRIC = {"weights": {d: 1 / 3 for d in DIMS}, "criteria": PROMPTS["uniform_rubric"]}   # a fixed rubric
+EVAL_BATCH = 8  # held-out turns per generate call
+UNIFORM_RUBRIC = {"weights": {d: 1 / 3 for d in DIMS}, "criteria": PROMPTS["uniform_rubric"]}  # a fixed rubric
 
 
 # ---------------------------------------------------------------------------------------------
@@ -111,9 +112,15 @@ def dominant(rubric: dict) -> str:
 
 def rubric_prompt(messages: list[dict]) -> list[dict]:
     """The generator's chat input: the dialogue as a transcript, then the request."""
-    return [{"role": "system", "content": RUBRIC_SYSTEM},
-            {"role": "user", "content": "Conversation so far:\n" + "\n".join(common.transcript_lines(messages))
-             + "\n\nWrite the rubric for the supporter's next reply."}]
+    return [
+        {"role": "system", "content": RUBRIC_SYSTEM},
+        {
+            "role": "user",
+            "content": "Conversation so far:\n"
+            + "\n".join(common.transcript_lines(messages))
+            + "\n\nWrite the rubric for the supporter's next reply.",
+        },
+    ]
 
 
 def prompt_text(tokenizer, messages: list[dict]) -> str:
@@ -121,22 +128,25 @@ def prompt_text(tokenizer, messages: list[dict]) -> str:
 
 
 def rubric_text(rubric: dict) -> str:
-    return json.dumps({"weights": {d: round(rubric["weights"][d], 2) for d in DIMS}, "criteria": rubric["criteria"]},
-                      ensure_ascii=False)
+    return json.dumps(
+        {"weights": {d: round(rubric["weights"][d], 2) for d in DIMS}, "criteria": rubric["criteria"]},
+        ensure_ascii=False,
+    )
 
 
-def generate_rubrics(model, tokenizer, contexts: list[list[dict]], max_new_tokens: int, temperature: float,
-                     batch_size=8) -> list[tuple[str, list[int], list[int]]]:
+def generate_rubrics(
+    model, tokenizer, contexts: list[list[dict]], max_new_tokens: int, temperature: float, batch_size=8
+) -> list[tuple[str, list[int], list[int]]]:
     """For each dialogue (text, prompt ids, generated ids), in batches of prompts of similar length. Greedy
     (temperature 0) decodes each distinct prompt once: the same prompt gets the same rubric (04's K dialogues
     of a scenario share their first turn)."""
     prompts = [tokenizer(prompt_text(tokenizer, c), add_special_tokens=False)["input_ids"] for c in contexts]
-    first: dict = {}           # greedy: one decoding row per distinct prompt; sampled: every row
+    first: dict = {}  # greedy: one decoding row per distinct prompt; sampled: every row
     for i, p in enumerate(prompts):
         first.setdefault(tuple(p) if temperature == 0 else i, i)
     order, out = sorted(first.values(), key=lambda i: len(prompts[i])), [None] * len(prompts)
     for j in range(0, len(order), batch_size):
-        batch = order[j:j + batch_size]
+        batch = order[j : j + batch_size]
         replies = common.generate_batch(model, tokenizer, [prompts[i] for i in batch], max_new_tokens, temperature)
         for i, (y, _) in zip(batch, replies):
             out[i] = (tokenizer.decode(y, skip_special_tokens=True), prompts[i], y)
@@ -148,19 +158,21 @@ def generate_rubrics(model, tokenizer, contexts: list[list[dict]], max_new_token
 # ---------------------------------------------------------------------------------------------
 def sft_loss(model, batch: list[dict], pad_id: int, device) -> tuple[torch.Tensor, int]:
     """The token-mean cross-entropy on the rubric tokens of a right-padded batch -> (loss, N)."""
-    ids, attn, is_rubric = common.right_pad([b["ids"] for b in batch], pad_id,
-                                            [[(len(b["prompt_ids"]), len(b["ids"]))] for b in batch], device)
-    labels = ids.masked_fill(is_rubric == 0, -100)        # the prompt and the padding are not targets
+    ids, attn, is_rubric = common.right_pad(
+        [b["ids"] for b in batch], pad_id, [[(len(b["prompt_ids"]), len(b["ids"]))] for b in batch], device
+    )
+    labels = ids.masked_fill(is_rubric == 0, -100)  # the prompt and the padding are not targets
     L = ids.shape[1]
     # Only the last k positions can predict a rubric token (position j predicts token j + 1, and no row's
     # rubric starts before the shortest prompt ends), so the LM head runs on those alone: the logits of a
     # micro-batch shrink from B x L x V to B x k x V (k: the rubric plus the length spread)
     k = min(L, L - min(len(b["prompt_ids"]) for b in batch) + 1)
     logits = model(input_ids=ids, attention_mask=attn, logits_to_keep=k).logits[:, :-1].float()
-    target = labels[:, L - k + 1:]
+    target = labels[:, L - k + 1 :]
     # L = -(1/N) sum_i log p(y_i | x, y_<i) over the N positions whose label is a rubric token
-    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1),
-                                             ignore_index=-100, reduction="sum")
+    loss = torch.nn.functional.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=-100, reduction="sum"
+    )
     N = int((target != -100).sum())
     return loss / max(N, 1), N
 
@@ -171,10 +183,10 @@ def sft_loss(model, batch: list[dict], pad_id: int, device) -> tuple[torch.Tenso
 def main(argv=None):
     args = parse_args(argv)
     common.set_seed(args.seed)
-    train = load_sft(args.train, args.weight_tolerance)     # inputs checked before anything is created
+    train = load_sft(args.train, args.weight_tolerance)  # inputs checked before anything is created
     val = load_sft(args.val, args.weight_tolerance)[: args.eval_limit or None]
     common.check_model_args(args)
-    model, tokenizer = common.load_policy(args, trainable=True)     # loaded before the run folder is made
+    model, tokenizer = common.load_policy(args, trainable=True)  # loaded before the run folder is made
     run_dir = common.open_run(args, ("metrics.jsonl", "eval_samples.jsonl"))
     examples = [encode(tokenizer, r, args.max_len) for r in train]
     params = [p for p in model.parameters() if p.requires_grad]
@@ -184,17 +196,26 @@ def main(argv=None):
     if state:
         print(f"resumed at step {start}")
     logger = common.MetricsLogger(run_dir)
-    print(f"run folder {run_dir} | {len(train)} train / {len(val)} val turns | "
-          f"trainable parameters {sum(p.numel() for p in params):,}")
+    print(
+        f"run folder {run_dir} | {len(train)} train / {len(val)} val turns | "
+        f"trainable parameters {sum(p.numel() for p in params):,}"
+    )
     try:
         train_loop(args, run_dir, model, tokenizer, examples, val, params, optimizer, scheduler, logger, start)
-    except common.UserError:                  # keep the finished steps, then stop with the one message
+    except common.UserError:  # keep the finished steps, then stop with the one message
         common.checkpoint_on_error(run_dir, model, optimizer, scheduler, logger, start)
         raise
     model.save_pretrained(run_dir / "adapter", safe_serialization=True)
     tokenizer.save_pretrained(run_dir / "adapter")
-    plots.curves(run_dir, {"loss": "SFT loss (rubric tokens)", "eval_parse_valid": "val: parse-valid share",
-                                  "eval_weight_mae": "val: weight MAE", "eval_dominant_acc": "val: dominant dimension"})
+    plots.curves(
+        run_dir,
+        {
+            "loss": "SFT loss (rubric tokens)",
+            "eval_parse_valid": "val: parse-valid share",
+            "eval_weight_mae": "val: weight MAE",
+            "eval_dominant_acc": "val: dominant dimension",
+        },
+    )
     print(f"rubric generator adapter: {run_dir / 'adapter'} (02_rubric_pref_rl.py --adapter takes it); curves.png")
 
 
@@ -211,21 +232,23 @@ def train_loop(args, run_dir, model, tokenizer, examples, val, params, optimizer
     # the batches of every epoch depend only on (seed, epoch): a resumed run sees the same batches
     schedule, epoch = [], 0
     while len(schedule) < args.steps:
-        schedule += length_grouped_batches([len(e["ids"]) for e in examples], args.batch_size,
-                                           random.Random(args.seed * 1000 + epoch))
+        schedule += length_grouped_batches(
+            [len(e["ids"]) for e in examples], args.batch_size, random.Random(args.seed * 1000 + epoch)
+        )
         epoch += 1
     if start == 1:
-        run_eval(0)                                         # the untrained generator, for comparison
+        run_eval(0)  # the untrained generator, for comparison
     model.train()
-    for step in tqdm(range(start, args.steps + 1), desc="sft", initial=start - 1, total=args.steps,
-                     disable=not args.progress):
+    for step in tqdm(
+        range(start, args.steps + 1), desc="sft", initial=start - 1, total=args.steps, disable=not args.progress
+    ):
         t0, batch = time.time(), [examples[i] for i in schedule[step - 1]]
         # 1. forward and backward over micro-batches; the token mean over the whole batch's rubric tokens
         N = sum(sum(x != -100 for x in b["labels"][1:]) for b in batch)
         optimizer.zero_grad(set_to_none=True)
         loss_sum = 0.0
         for j in range(0, len(batch), args.micro_batch_size):
-            loss, n = sft_loss(model, batch[j:j + args.micro_batch_size], tokenizer.pad_token_id, device)
+            loss, n = sft_loss(model, batch[j : j + args.micro_batch_size], tokenizer.pad_token_id, device)
             (loss * n / N).backward()
             loss_sum += loss.item() * n
         # 2. clip, step, schedule (a non-finite gradient is skipped, and counted)
@@ -234,8 +257,17 @@ def train_loop(args, run_dir, model, tokenizer, examples, val, params, optimizer
             optimizer.step()
         scheduler.step()
         # 3. log, evaluate, checkpoint
-        logger.log(step, {"loss": loss_sum / N, "grad_norm": gn, "lr": lr, "rubric_tokens": N,
-                          "step_seconds": time.time() - t0, "nonfinite_grads": int(not math.isfinite(gn))})
+        logger.log(
+            step,
+            {
+                "loss": loss_sum / N,
+                "grad_norm": gn,
+                "lr": lr,
+                "rubric_tokens": N,
+                "step_seconds": time.time() - t0,
+                "nonfinite_grads": int(not math.isfinite(gn)),
+            },
+        )
         if step % args.eval_every == 0 or step == args.steps:
             run_eval(step)
         if step % args.save_every == 0 or step == args.steps:
@@ -248,9 +280,12 @@ def train_loop(args, run_dir, model, tokenizer, examples, val, params, optimizer
 def check_messages(msgs, where: str) -> list[dict]:
     common.check(isinstance(msgs, list) and msgs, f"{where}: field 'messages' must be a non-empty list")
     for i, m in enumerate(msgs):
-        common.check(isinstance(m, dict) and m.get("role") in ("system", "user", "assistant")
-                     and isinstance(m.get("content"), str),
-                     f"{where}: messages[{i}] must be {{'role': system|user|assistant, 'content': str}}")
+        common.check(
+            isinstance(m, dict)
+            and m.get("role") in ("system", "user", "assistant")
+            and isinstance(m.get("content"), str),
+            f"{where}: messages[{i}] must be {{'role': system|user|assistant, 'content': str}}",
+        )
     common.check(msgs[-1]["role"] == "user", f"{where}: messages must end with a user turn")
     common.check(any(m["content"].strip() for m in msgs if m["role"] == "user"), f"{where}: empty dialogue")
     return msgs
@@ -270,17 +305,22 @@ def encode(tokenizer, rec: dict, max_len: int) -> dict:
     prompt with -100. A prompt too long for max_len loses its first tokens (the rubric instructions, then the
     oldest turns), with a warning: the model then trains on a prompt it never sees when generating."""
     p_text = prompt_text(tokenizer, rec["messages"])
-    full = tokenizer.apply_chat_template(rubric_prompt(rec["messages"]) + [
-        {"role": "assistant", "content": rubric_text(rec["rubric"])}], tokenize=False)
+    full = tokenizer.apply_chat_template(
+        rubric_prompt(rec["messages"]) + [{"role": "assistant", "content": rubric_text(rec["rubric"])}], tokenize=False
+    )
     common.check(full.startswith(p_text), "the chat template changes earlier turns; 01 needs one that does not")
     p_ids = tokenizer(p_text, add_special_tokens=False)["input_ids"]
-    y_ids = tokenizer(full[len(p_text):], add_special_tokens=False)["input_ids"]
+    y_ids = tokenizer(full[len(p_text) :], add_special_tokens=False)["input_ids"]
     where, room = rec.get("_where", rec.get("id")), max_len - len(y_ids)
-    common.check(len(y_ids) <= max_len // 2, f"{where}: the rubric is {len(y_ids)} tokens, more than half of "
-                                             f"--max-len {max_len}; raise --max-len")
+    common.check(
+        len(y_ids) <= max_len // 2,
+        f"{where}: the rubric is {len(y_ids)} tokens, more than half of --max-len {max_len}; raise --max-len",
+    )
     if len(p_ids) > room:
-        common.warn(f"{where}: the prompt of {len(p_ids)} tokens is cut to its last {room} (its start goes) to fit "
-                    f"--max-len {max_len}; raise --max-len")
+        common.warn(
+            f"{where}: the prompt of {len(p_ids)} tokens is cut to its last {room} (its start goes) to fit "
+            f"--max-len {max_len}; raise --max-len"
+        )
         p_ids = p_ids[-room:]
     return {"ids": p_ids + y_ids, "labels": [-100] * len(p_ids) + y_ids, "prompt_ids": p_ids}
 
@@ -292,16 +332,15 @@ def length_grouped_batches(lengths: list[int], batch_size: int, rng: random.Rand
     rng.shuffle(idx)
     batches = []
     for w in range(0, len(idx), batch_size * 8):
-        chunk = sorted(idx[w:w + batch_size * 8], key=lambda i: lengths[i])
-        batches += [chunk[j:j + batch_size] for j in range(0, len(chunk), batch_size)]
+        chunk = sorted(idx[w : w + batch_size * 8], key=lambda i: lengths[i])
+        batches += [chunk[j : j + batch_size] for j in range(0, len(chunk), batch_size)]
     rng.shuffle(batches)
     return batches
 
 
 def evaluate(model, tokenizer, recs: list[dict], args) -> tuple[dict, list[dict]]:
     """Greedy rubrics for held-out turns: the parse-valid rate, weight MAE, dominant-dimension accuracy."""
-    gens = generate_rubrics(model, tokenizer, [r["messages"] for r in recs], args.max_new_tokens, 0.0,
-                            EVAL_BATCH)
+    gens = generate_rubrics(model, tokenizer, [r["messages"] for r in recs], args.max_new_tokens, 0.0, EVAL_BATCH)
     mae, hit, samples = [], 0, []
     for r, (text, _, _) in zip(recs, gens):
         rubric, why = parse_rubric(text, args.weight_tolerance)
@@ -310,16 +349,22 @@ def evaluate(model, tokenizer, recs: list[dict], args) -> tuple[dict, list[dict]
             mae.append(sum(abs(rubric["weights"][d] - r["rubric"]["weights"][d]) for d in DIMS) / 3)
             hit += dominant(rubric) == dominant(r["rubric"])
         samples.append({"id": r.get("id"), "text": text, "valid": rubric is not None, "reason": why})
-    return {"eval_parse_valid": len(mae) / len(recs), "eval_weight_mae": sum(mae) / len(mae) if mae else None,
-            "eval_dominant_acc": hit / len(recs)}, samples
+    return {
+        "eval_parse_valid": len(mae) / len(recs),
+        "eval_weight_mae": sum(mae) / len(mae) if mae else None,
+        "eval_dominant_acc": hit / len(recs),
+    }, samples
 
 
 # the criteria judge: s(y, c) in [0, 1] for a reply y and each criterion c (02 trains with it, 04 rewards)
 def parse_scores(text: str | None, n: int) -> list[float] | None:
     """{"scores": [n numbers in 0-10]} (perhaps in prose) -> n scores in [0, 1], or None."""
     scores = (common.first_json(text)[0] or {}).get("scores")
-    ok = isinstance(scores, list) and len(scores) == n and all(
-        isinstance(x, (int, float)) and not isinstance(x, bool) and 0 <= x <= 10 for x in scores)
+    ok = (
+        isinstance(scores, list)
+        and len(scores) == n
+        and all(isinstance(x, (int, float)) and not isinstance(x, bool) and 0 <= x <= 10 for x in scores)
+    )
     return [x / 10 for x in scores] if ok else None
 
 
@@ -328,7 +373,7 @@ class CriteriaJudge:
     embed (offline: max(0, cos(e(y), e(c))), all-MiniLM-L6-v2) or an LLM (hf:, api:) asked for 0-10 per
     criterion, a malformed answer asked again (api: only; a local model at temperature 0 would repeat it)."""
 
-    def __init__(self, args, policy=None):     # policy: the (model, tokenizer) whose frozen base is --judge self
+    def __init__(self, args, policy=None):  # policy: the (model, tokenizer) whose frozen base is --judge self
         self.spec, self.retries = args.judge, args.judge_retries
         if self.spec == "embed":
             self.embed = offline.EmbedBackend(str(common.pick_device()))
@@ -339,14 +384,29 @@ class CriteriaJudge:
         if self.spec == "embed":
             out = []
             for it in items:
-                e = self.embed.encode([it["reply"]] + it["criteria"])        # the reply, then each criterion
+                e = self.embed.encode([it["reply"]] + it["criteria"])  # the reply, then each criterion
                 out.append([max(0.0, float(e[0] @ e[j])) for j in range(1, len(it["criteria"]) + 1)])
             return out
-        prompts = [[{"role": "user", "content": CRITERIA_PROMPT.format(
-            history="\n".join(common.transcript_lines(it["context"])), reply=it["reply"],
-            criteria="\n".join(f"{j + 1}. {c}" for j, c in enumerate(it["criteria"])))}] for it in items]
-        return common.ask_json(self.backend, prompts, lambda i, text: parse_scores(text, len(items[i]["criteria"])),
-                               self.retries, max_tokens=200)
+        prompts = [
+            [
+                {
+                    "role": "user",
+                    "content": CRITERIA_PROMPT.format(
+                        history="\n".join(common.transcript_lines(it["context"])),
+                        reply=it["reply"],
+                        criteria="\n".join(f"{j + 1}. {c}" for j, c in enumerate(it["criteria"])),
+                    ),
+                }
+            ]
+            for it in items
+        ]
+        return common.ask_json(
+            self.backend,
+            prompts,
+            lambda i, text: parse_scores(text, len(items[i]["criteria"])),
+            self.retries,
+            max_tokens=200,
+        )
 
 
 def judge_by_dimension(judge, cases: list[dict]) -> list[dict | None]:
@@ -365,30 +425,38 @@ def judge_by_dimension(judge, cases: list[dict]) -> list[dict | None]:
 
 
 def parse_args(argv=None):
-    count = common.number(int, low=1)          # argparse types: a bad value exits 2 with one line naming the flag
-    p = common.ArgumentParser(description=__doc__.split("\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    count = common.number(int, low=1)  # argparse types: a bad value exits 2 with one line naming the flag
+    p = common.ArgumentParser(
+        description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     common.add_model_args(p)
     g = p.add_argument_group("data")
     g.add_argument("--train", default=str(HERE / "data" / "rubric_sft_train.jsonl"), help="supervision JSONL")
     g.add_argument("--val", default=str(HERE / "data" / "rubric_sft_val.jsonl"), help="held-out turns JSONL")
-    g.add_argument("--max-len", type=common.number(int, low=64), default=1024,
-                   help="tokens per example (a longer prompt is cut from "
-                   "the left, with a warning)")
-    g.add_argument("--weight-tolerance", type=common.number(low=0, high=0.5), default=0.02,
-                   help="|sum of weights - 1| allowed")
+    g.add_argument(
+        "--max-len",
+        type=common.number(int, low=64),
+        default=1024,
+        help="tokens per example (a longer prompt is cut from the left, with a warning)",
+    )
+    g.add_argument(
+        "--weight-tolerance", type=common.number(low=0, high=0.5), default=0.02, help="|sum of weights - 1| allowed"
+    )
     g = p.add_argument_group("optimisation")
     g.add_argument("--steps", type=count, default=150, help="optimizer steps")
     g.add_argument("--batch-size", type=count, default=8, help="examples per step")
     g.add_argument("--micro-batch-size", type=count, default=4, help="examples per forward/backward")
-    g.add_argument("--lr", type=common.number(above=0), default=2e-4,
-                   help="peak learning rate (AdamW, no weight decay)")
+    g.add_argument(
+        "--lr", type=common.number(above=0), default=2e-4, help="peak learning rate (AdamW, no weight decay)"
+    )
     g = p.add_argument_group("evaluation")
     g.add_argument("--eval-every", type=count, default=50, help="evaluate on --val every N steps (and at 0)")
-    g.add_argument("--eval-limit", type=common.number(int, low=0), default=0,
-                   help="evaluate on the first N val turns (0 = all)")
-    g.add_argument("--max-new-tokens", type=common.number(int, low=8), default=256,
-                   help="token cap of a generated rubric")
+    g.add_argument(
+        "--eval-limit", type=common.number(int, low=0), default=0, help="evaluate on the first N val turns (0 = all)"
+    )
+    g.add_argument(
+        "--max-new-tokens", type=common.number(int, low=8), default=256, help="token cap of a generated rubric"
+    )
     common.add_run_args(p, "rubric-sft", resume="a run folder: continue from its last checkpoint", save_every=50)
     return p.parse_args(argv)
 

@@ -49,6 +49,7 @@ CPU:  python 02_rubric_pref_rl.py --adapter runs/rubric-sft-<time>/adapter      
 GPU:  python 02_rubric_pref_rl.py --model Qwen2.5-7B-Instruct --adapter <01 adapter> \\
           --judge api:Qwen/Qwen2.5-72B-Instruct --api-base http://localhost:8000/v1 --contexts-per-step 16 --g 8
 """
+
 from __future__ import annotations
 
 import argparse
@@ -69,7 +70,7 @@ import plots
 sft = importlib.import_module("01_rubric_sft")  # the rubric format, parser, generation and criteria judge
 HERE = Path(__file__).resolve().parent
 DIMS = sft.DIMS
-GEN_BATCH = 16                                  # contexts per generate call
+GEN_BATCH = 16  # contexts per generate call
 
 
 # ---------------------------------------------------------------------------------------------
@@ -84,8 +85,9 @@ def rubric_score(rubric: dict, s: dict) -> float:
     return S
 
 
-def preference_reward(S_chosen, S_rejected, valid: bool, margin_coef: float, margin_tau: float,
-                      use_margin=True, use_format=True) -> dict:
+def preference_reward(
+    S_chosen, S_rejected, valid: bool, margin_coef: float, margin_tau: float, use_margin=True, use_format=True
+) -> dict:
     """r = r_rec + r_margin + r_fmt for one sampled rubric (the three returned for the log)."""
     if not valid:
         # r_fmt = -1 for a rubric that does not parse (0 without the format term); nothing else counts
@@ -121,7 +123,7 @@ def k3_kl(logp, logp_ref):
 
 def rubric_logprobs(model, samples: list[dict], pad_id: int, temperature: float) -> torch.Tensor:
     """log pi(y_i) of every rubric token of a micro-batch, flat, at the temperature that sampled them."""
-    spans = [[(s["start"], len(s["ids"]))] for s in samples]               # the rubric, after its prompt
+    spans = [[(s["start"], len(s["ids"]))] for s in samples]  # the rubric, after its prompt
     ids, attn, mask = common.right_pad([s["ids"] for s in samples], pad_id, spans, next(model.parameters()).device)
     return common.token_logprobs(model, ids, attn, mask, temperature)
 
@@ -137,22 +139,31 @@ def ppo_update(model, tokenizer, optimizer, scheduler, samples: list[dict], args
     sorted by length only inside a minibatch, for the micro-batches' padding. samples: {"ids": prompt +
     rubric, "start": where the rubric starts, "A": its advantage, "context": its context's index}."""
     params, pad, temp = [p for p in model.parameters() if p.requires_grad], tokenizer.pad_token_id, args.temperature
-    per = args.minibatch_size // args.g                             # contexts per minibatch
+    per = args.minibatch_size // args.g  # contexts per minibatch
     contexts = sorted({x["context"] for x in samples})
-    minibatches = [[i for i, x in enumerate(samples) if x["context"] in contexts[j:j + per]]
-                   for j in range(0, len(contexts), per)]
+    minibatches = [
+        [i for i, x in enumerate(samples) if x["context"] in contexts[j : j + per]]
+        for j in range(0, len(contexts), per)
+    ]
 
-    def micro(mb):                                  # the micro-batches of a minibatch, by length
+    def micro(mb):  # the micro-batches of a minibatch, by length
         mb = sorted(mb, key=lambda i: len(samples[i]["ids"]))
-        return [mb[j:j + args.micro_batch_size] for j in range(0, len(mb), args.micro_batch_size)]
+        return [mb[j : j + args.micro_batch_size] for j in range(0, len(mb), args.micro_batch_size)]
 
-    def sizes(part):                                # the rubric tokens of each sample
+    def sizes(part):  # the rubric tokens of each sample
         return [len(samples[i]["ids"]) - samples[i]["start"] for i in part]
 
-    if not minibatches:                             # nothing to train on: the schedule still moves
+    if not minibatches:  # nothing to train on: the schedule still moves
         scheduler.step()
-        return {"loss": math.nan, "clip_frac": math.nan, "kl": math.nan, "grad_norm": math.nan, "train_tokens": 0,
-                "optimizer_steps": 0, "nonfinite_grads": 0}
+        return {
+            "loss": math.nan,
+            "clip_frac": math.nan,
+            "kl": math.nan,
+            "grad_norm": math.nan,
+            "train_tokens": 0,
+            "optimizer_steps": 0,
+            "nonfinite_grads": 0,
+        }
     # pi_old where the policy moves before the minibatch is used: after the first optimizer step (the first
     # minibatch's ratio is exactly 1); the reference (the base, adapter off) when the KL is used
     old, ref = {}, {}
@@ -185,14 +196,19 @@ def ppo_update(model, tokenizer, optimizer, scheduler, samples: list[dict], args
             loss_total += loss_sum.item() / N
             clipped, tokens = clipped + was_clipped.sum().item(), tokens + len(A)
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, 1.0))
-        if math.isfinite(grad_norm):                         # a non-finite gradient is skipped, and counted
+        if math.isfinite(grad_norm):  # a non-finite gradient is skipped, and counted
             optimizer.step()
             grad_norms.append(grad_norm)
     scheduler.step()
-    return {"loss": loss_total / len(minibatches), "clip_frac": clipped / tokens,
-            "kl": kl_total / tokens if ref else math.nan,
-            "grad_norm": sum(grad_norms) / len(grad_norms) if grad_norms else math.nan, "train_tokens": tokens,
-            "optimizer_steps": len(grad_norms), "nonfinite_grads": len(minibatches) - len(grad_norms)}
+    return {
+        "loss": loss_total / len(minibatches),
+        "clip_frac": clipped / tokens,
+        "kl": kl_total / tokens if ref else math.nan,
+        "grad_norm": sum(grad_norms) / len(grad_norms) if grad_norms else math.nan,
+        "train_tokens": tokens,
+        "optimizer_steps": len(grad_norms),
+        "nonfinite_grads": len(minibatches) - len(grad_norms),
+    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -201,12 +217,12 @@ def ppo_update(model, tokenizer, optimizer, scheduler, samples: list[dict], args
 def main(argv=None):
     args = parse_args(argv)
     common.set_seed(args.seed)
-    train, test = load_pairs(args.train), load_pairs(args.test)    # inputs checked before anything is created
+    train, test = load_pairs(args.train), load_pairs(args.test)  # inputs checked before anything is created
     weight_turns = sft.load_sft(args.weight_turns, args.weight_tolerance)
     if args.report_limit:
         test, weight_turns = test[: args.report_limit], weight_turns[: args.report_limit]
     common.check_model_args(args)
-    model, tokenizer = common.load_policy(args, trainable=True)     # loaded before the run folder is made
+    model, tokenizer = common.load_policy(args, trainable=True)  # loaded before the run folder is made
     judge = sft.CriteriaJudge(args)
     if not args.adapter:
         print("warning: no --adapter: starting from the base model, not from 01's SFT generator", file=sys.stderr)
@@ -219,27 +235,43 @@ def main(argv=None):
         start, before = state["step"] + 1, state["report_before"]
     else:
         before = report(model, tokenizer, judge, test, weight_turns, args)
-    print(f"before RL: held-out preference-recovery accuracy {before['recovery_acc']:.3f}, "
-          f"parse-valid {before['parse_valid']:.3f}")
+    print(
+        f"before RL: held-out preference-recovery accuracy {before['recovery_acc']:.3f}, "
+        f"parse-valid {before['parse_valid']:.3f}"
+    )
     if args.report_only:
         print(write_report(run_dir, before, before))
         return
     logger = common.MetricsLogger(run_dir)
-    print(f"run folder {run_dir} | {len(train)} train / {len(test)} test pairs | "
-          f"trainable parameters {sum(p.numel() for p in params):,}")
+    print(
+        f"run folder {run_dir} | {len(train)} train / {len(test)} test pairs | "
+        f"trainable parameters {sum(p.numel() for p in params):,}"
+    )
     try:
-        for step in tqdm(range(start, args.steps + 1), desc="rubric rl", initial=start - 1, total=args.steps,
-                         disable=not args.progress):
+        for step in tqdm(
+            range(start, args.steps + 1),
+            desc="rubric rl",
+            initial=start - 1,
+            total=args.steps,
+            disable=not args.progress,
+        ):
             train_step(step, args, run_dir, model, tokenizer, judge, train, optimizer, scheduler, logger)
             if step % args.save_every == 0 or step == args.steps:
                 common.save_checkpoint(run_dir, step, model, optimizer, scheduler, extra={"report_before": before})
-    except common.UserError:                  # keep the finished steps, then stop with the one message
+    except common.UserError:  # keep the finished steps, then stop with the one message
         common.checkpoint_on_error(run_dir, model, optimizer, scheduler, logger, start, extra={"report_before": before})
         raise
     model.save_pretrained(run_dir / "adapter", safe_serialization=True)
     tokenizer.save_pretrained(run_dir / "adapter")
-    plots.curves(run_dir, {"reward_mean": "reward (mean)", "recovery_rate": "preference recovered",
-                                  "parse_valid": "parse-valid share", "clip_frac": "clip fraction"})
+    plots.curves(
+        run_dir,
+        {
+            "reward_mean": "reward (mean)",
+            "recovery_rate": "preference recovered",
+            "parse_valid": "parse-valid share",
+            "clip_frac": "clip fraction",
+        },
+    )
     print(write_report(run_dir, before, report(model, tokenizer, judge, test, weight_turns, args)))
     print(f"frozen rubric generator: {run_dir / 'adapter'}")
 
@@ -251,17 +283,28 @@ def train_step(step, args, run_dir, model, tokenizer, judge, train, optimizer, s
     # 1. sample G rubrics per context
     model.eval()
     pairs = [p for p in batch for _ in range(args.g)]
-    gens = sft.generate_rubrics(model, tokenizer, [p["context"] for p in pairs], args.max_new_tokens,
-                                args.temperature, GEN_BATCH)
+    gens = sft.generate_rubrics(
+        model, tokenizer, [p["context"] for p in pairs], args.max_new_tokens, args.temperature, GEN_BATCH
+    )
     parsed = [sft.parse_rubric(text, args.weight_tolerance) for text, _, _ in gens]
     # 2. judge chosen and rejected on every criterion; S(y); the rewards r = r_rec + r_margin + r_fmt
     judged = judge_rubrics(judge, pairs, [rb for rb, _ in parsed])
     rewards, parts = [], []
     for (rb, _), j in zip(parsed, judged):
         # the judge failed on a valid rubric: no signal (None, left out)
-        part = None if rb is not None and j is None else preference_reward(
-            j["S_chosen"] if j else 0.0, j["S_rejected"] if j else 0.0, rb is not None, args.margin_coef,
-            args.margin_tau, args.use_margin, args.use_format)
+        part = (
+            None
+            if rb is not None and j is None
+            else preference_reward(
+                j["S_chosen"] if j else 0.0,
+                j["S_rejected"] if j else 0.0,
+                rb is not None,
+                args.margin_coef,
+                args.margin_tau,
+                args.use_margin,
+                args.use_format,
+            )
+        )
         parts.append(part)
         rewards.append(None if part is None else part["r_rec"] + part["r_margin"] + part["r_fmt"])
     # 3. advantages within each context's group (judge-failed rubrics left out)
@@ -269,24 +312,47 @@ def train_step(step, args, run_dir, model, tokenizer, judge, train, optimizer, s
     for c in range(len(batch)):
         idx = [c * args.g + i for i in range(args.g) if rewards[c * args.g + i] is not None]
         A = group_advantages([rewards[i] for i in idx])
-        degenerate += all(abs(a) < 1e-9 for a in A)     # all G rewards equal: nothing to learn here
-        samples += [{"ids": gens[i][1] + gens[i][2], "start": len(gens[i][1]), "A": a, "context": c}
-                    for i, a in zip(idx, A) if gens[i][2]]
+        degenerate += all(abs(a) < 1e-9 for a in A)  # all G rewards equal: nothing to learn here
+        samples += [
+            {"ids": gens[i][1] + gens[i][2], "start": len(gens[i][1]), "A": a, "context": c}
+            for i, a in zip(idx, A)
+            if gens[i][2]
+        ]
     # 4. update: the clipped surrogate on the rubric tokens
     upd = ppo_update(model, tokenizer, optimizer, scheduler, samples, args)
     # 5. log, keep the samples
-    common.append_jsonl(run_dir / "rollouts.jsonl", [
-        {"step": step, "pair": pairs[i].get("id"), "g": i % args.g, "text": text, "valid": rb is not None,
-         "reason": why, "S_chosen": j and round(j["S_chosen"], 4), "S_rejected": j and round(j["S_rejected"], 4),
-         "reward": r, **(part or {})}
-        for i, ((text, _, _), (rb, why), j, part, r) in enumerate(zip(gens, parsed, judged, parts, rewards))])
+    common.append_jsonl(
+        run_dir / "rollouts.jsonl",
+        [
+            {
+                "step": step,
+                "pair": pairs[i].get("id"),
+                "g": i % args.g,
+                "text": text,
+                "valid": rb is not None,
+                "reason": why,
+                "S_chosen": j and round(j["S_chosen"], 4),
+                "S_rejected": j and round(j["S_rejected"], 4),
+                "reward": r,
+                **(part or {}),
+            }
+            for i, ((text, _, _), (rb, why), j, part, r) in enumerate(zip(gens, parsed, judged, parts, rewards))
+        ],
+    )
     ok, judged_ok = [r for r in rewards if r is not None], [j for j in judged if j is not None]
-    logger.log(step, {
-        "reward_mean": sum(ok) / len(ok) if ok else None,
-        "recovery_rate": sum(j["S_chosen"] > j["S_rejected"] for j in judged_ok) / max(1, len(judged_ok)),
-        "parse_valid": sum(rb is not None for rb, _ in parsed) / len(parsed),
-        "judge_failures": sum(r is None for r in rewards), "degenerate_groups": degenerate,
-        **upd, "lr": optimizer.param_groups[0]["lr"], "step_seconds": time.time() - t0})
+    logger.log(
+        step,
+        {
+            "reward_mean": sum(ok) / len(ok) if ok else None,
+            "recovery_rate": sum(j["S_chosen"] > j["S_rejected"] for j in judged_ok) / max(1, len(judged_ok)),
+            "parse_valid": sum(rb is not None for rb, _ in parsed) / len(parsed),
+            "judge_failures": sum(r is None for r in rewards),
+            "degenerate_groups": degenerate,
+            **upd,
+            "lr": optimizer.param_groups[0]["lr"],
+            "step_seconds": time.time() - t0,
+        },
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -298,12 +364,17 @@ def load_pairs(path: str) -> list[dict]:
         w, ctx = r["_where"], r.get("prompt", r.get("messages"))
         common.check(ctx is not None, f"{w}: needs field 'prompt' (or 'messages')")
         r["context"] = sft.check_messages([{"role": "user", "content": ctx}] if isinstance(ctx, str) else ctx, w)
-        for side in ("chosen", "rejected"):   # a string, or a list ending with the assistant's message
+        for side in ("chosen", "rejected"):  # a string, or a list ending with the assistant's message
             x = r.get(side)
-            x = x[-1].get("content") if isinstance(x, list) and x and isinstance(x[-1], dict) and \
-                x[-1].get("role") == "assistant" else x
-            common.check(isinstance(x, str) and x.strip(), f"{w}: field '{side}' must be a non-empty string or a "
-                                                           f"list ending with an assistant message")
+            x = (
+                x[-1].get("content")
+                if isinstance(x, list) and x and isinstance(x[-1], dict) and x[-1].get("role") == "assistant"
+                else x
+            )
+            common.check(
+                isinstance(x, str) and x.strip(),
+                f"{w}: field '{side}' must be a non-empty string or a list ending with an assistant message",
+            )
             r[f"{side}_text"] = x.strip()
         common.check(r["chosen_text"] != r["rejected_text"], f"{w}: chosen and rejected are the same text")
     return recs
@@ -312,14 +383,21 @@ def load_pairs(path: str) -> list[dict]:
 def judge_rubrics(judge, pairs: list[dict], rubrics: list[dict | None]) -> list[dict | None]:
     """For each (pair, rubric): S(chosen), S(rejected) and the per-criterion scores; None when the rubric is
     invalid or the judge failed on it."""
-    cases = [{"context": p["context"], "reply": p[f"{side}_text"], "criteria": rb["criteria"]}
-             for p, rb in zip(pairs, rubrics) if rb is not None for side in ("chosen", "rejected")]
+    cases = [
+        {"context": p["context"], "reply": p[f"{side}_text"], "criteria": rb["criteria"]}
+        for p, rb in zip(pairs, rubrics)
+        if rb is not None
+        for side in ("chosen", "rejected")
+    ]
     scores, out = iter(sft.judge_by_dimension(judge, cases)), []
     for rb in rubrics:
         s = {"chosen": next(scores), "rejected": next(scores)} if rb is not None else {}
         ok = rb is not None and s["chosen"] is not None and s["rejected"] is not None
-        out.append({"S_chosen": rubric_score(rb, s["chosen"]), "S_rejected": rubric_score(rb, s["rejected"]), "s": s}
-                   if ok else None)
+        out.append(
+            {"S_chosen": rubric_score(rb, s["chosen"]), "S_rejected": rubric_score(rb, s["rejected"]), "s": s}
+            if ok
+            else None
+        )
     return out
 
 
@@ -327,15 +405,17 @@ def report(model, tokenizer, judge, test_pairs, weight_turns, args) -> dict:
     """Held out: the preference-recovery accuracy (also by what the pair needs), the parse-valid rate, and
     the mean weights by turn index and by the user's emotion."""
     model.eval()
-    gens = sft.generate_rubrics(model, tokenizer, [p["context"] for p in test_pairs], args.max_new_tokens, 0.0,
-                                GEN_BATCH)
+    gens = sft.generate_rubrics(
+        model, tokenizer, [p["context"] for p in test_pairs], args.max_new_tokens, 0.0, GEN_BATCH
+    )
     rubrics = [sft.parse_rubric(text, args.weight_tolerance)[0] for text, _, _ in gens]
     hits = [j is not None and j["S_chosen"] > j["S_rejected"] for j in judge_rubrics(judge, test_pairs, rubrics)]
     by_need: dict[str, list[bool]] = {}
     for p, h in zip(test_pairs, hits):
         by_need.setdefault(p.get("need", "all"), []).append(h)
-    gens = sft.generate_rubrics(model, tokenizer, [r["messages"] for r in weight_turns], args.max_new_tokens, 0.0,
-                                GEN_BATCH)
+    gens = sft.generate_rubrics(
+        model, tokenizer, [r["messages"] for r in weight_turns], args.max_new_tokens, 0.0, GEN_BATCH
+    )
     by_turn, by_emotion = [], []
     for r, (text, _, _) in zip(weight_turns, gens):
         rb = sft.parse_rubric(text, args.weight_tolerance)[0]
@@ -343,11 +423,15 @@ def report(model, tokenizer, judge, test_pairs, weight_turns, args) -> dict:
             by_turn.append((r.get("turn", sum(m["role"] == "user" for m in r["messages"])), rb["weights"]))
             by_emotion.append((r.get("emotion", "unknown"), rb["weights"]))
     model.train()
-    return {"recovery_acc": sum(hits) / len(test_pairs),
-            "parse_valid": sum(r is not None for r in rubrics) / len(test_pairs),
-            "recovery_by_need": {k: sum(v) / len(v) for k, v in sorted(by_need.items())},
-            "weights_by_turn": mean_weights_by(by_turn), "weights_by_emotion": mean_weights_by(by_emotion),
-            "weight_turns_valid": len(by_turn), "weight_turns": len(weight_turns)}
+    return {
+        "recovery_acc": sum(hits) / len(test_pairs),
+        "parse_valid": sum(r is not None for r in rubrics) / len(test_pairs),
+        "recovery_by_need": {k: sum(v) / len(v) for k, v in sorted(by_need.items())},
+        "weights_by_turn": mean_weights_by(by_turn),
+        "weights_by_emotion": mean_weights_by(by_emotion),
+        "weight_turns_valid": len(by_turn),
+        "weight_turns": len(weight_turns),
+    }
 
 
 def mean_weights_by(rows: list[tuple]) -> dict:
@@ -356,22 +440,33 @@ def mean_weights_by(rows: list[tuple]) -> dict:
     groups: dict = {}
     for key, w in rows:
         groups.setdefault(key, []).append([w[d] for d in DIMS])
+
     def numbers_first(k):
         return (0, k, "") if isinstance(k, (int, float)) else (1, 0, str(k))
 
     order = sorted(groups, key=numbers_first)
-    return {str(k): {"n": len(groups[k]), "w": [round(sum(x[j] for x in groups[k]) / len(groups[k]), 4)
-                                               for j in range(len(DIMS))]} for k in order}
+    return {
+        str(k): {
+            "n": len(groups[k]),
+            "w": [round(sum(x[j] for x in groups[k]) / len(groups[k]), 4) for j in range(len(DIMS))],
+        }
+        for k in order
+    }
 
 
 def write_report(run_dir: Path, before: dict, after: dict) -> str:
     """report.json, report.md (before / after RL) and the two weight plots (plots.rubric_weights)."""
     (run_dir / "report.json").write_text(json.dumps({"before": before, "after": after}, indent=1))
-    L = ["| held-out | before RL | after RL |", "|---|---|---|",
-         f"| preference-recovery accuracy | {before['recovery_acc']:.3f} | {after['recovery_acc']:.3f} |",
-         f"| parse-valid rate | {before['parse_valid']:.3f} | {after['parse_valid']:.3f} |"]
-    L += [f"| accuracy, {k} needed | {before['recovery_by_need'].get(k, 0):.3f} | {v:.3f} |"
-          for k, v in after["recovery_by_need"].items()]
+    L = [
+        "| held-out | before RL | after RL |",
+        "|---|---|---|",
+        f"| preference-recovery accuracy | {before['recovery_acc']:.3f} | {after['recovery_acc']:.3f} |",
+        f"| parse-valid rate | {before['parse_valid']:.3f} | {after['parse_valid']:.3f} |",
+    ]
+    L += [
+        f"| accuracy, {k} needed | {before['recovery_by_need'].get(k, 0):.3f} | {v:.3f} |"
+        for k, v in after["recovery_by_need"].items()
+    ]
     for name, key in (("turn index", "weights_by_turn"), ("user emotion", "weights_by_emotion")):
         L += ["", f"| mean weights (C / A / P) by {name} | n | before RL | after RL |", "|---|---|---|---|"]
         for k, v in after[key].items():
@@ -384,55 +479,81 @@ def write_report(run_dir: Path, before: dict, after: dict) -> str:
 
 
 def parse_args(argv=None):
-    count = common.number(int, low=1)          # argparse types: a bad value exits 2 with one line naming the flag
-    p = common.ArgumentParser(description=__doc__.split("\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    count = common.number(int, low=1)  # argparse types: a bad value exits 2 with one line naming the flag
+    p = common.ArgumentParser(
+        description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     common.add_model_args(p)
     g = p.add_argument_group("data")
     g.add_argument("--train", default=str(HERE / "data" / "rubric_pref_train.jsonl"), help="preference pairs")
     g.add_argument("--test", default=str(HERE / "data" / "rubric_pref_test.jsonl"), help="held-out pairs")
-    g.add_argument("--weight-turns", default=str(HERE / "data" / "rubric_sft_val.jsonl"),
-                   help="held-out supervision turns (with turn and emotion) for the weights report")
+    g.add_argument(
+        "--weight-turns",
+        default=str(HERE / "data" / "rubric_sft_val.jsonl"),
+        help="held-out supervision turns (with turn and emotion) for the weights report",
+    )
     g.add_argument("--weight-tolerance", type=float, default=0.02, help="|sum of weights - 1| allowed")
     g = p.add_argument_group("reward")
     g.add_argument("--judge", default="embed", help="embed | hf:<model-or-path> | api:<model>: scores s(y, c)")
-    g.add_argument("--judge-retries", type=common.number(int, low=0), default=2,
-                   help="re-asks of an api: judge on malformed JSON (a "
-                   "local judge at temperature 0 is not re-asked: it would answer the same)")
+    g.add_argument(
+        "--judge-retries",
+        type=common.number(int, low=0),
+        default=2,
+        help="re-asks of an api: judge on malformed JSON (a "
+        "local judge at temperature 0 is not re-asked: it would answer the same)",
+    )
     g.add_argument("--margin-coef", type=common.number(low=0), default=0.5, help="lambda of the margin term")
-    g.add_argument("--margin-tau", type=common.number(above=0), default=0.05,
-                   help="tau: the score difference where tanh bends")
+    g.add_argument(
+        "--margin-tau", type=common.number(above=0), default=0.05, help="tau: the score difference where tanh bends"
+    )
     g.add_argument("--no-margin", action="store_true", help="ablation: drop the margin term")
     g.add_argument("--no-format", action="store_true", help="ablation: an invalid rubric gets 0, not -1")
     g.add_argument("--recovery-only", action="store_true", help="ablation: the recovery term only")
     g = p.add_argument_group("algorithm")
     g.add_argument("--g", type=common.number(int, low=2), default=4, help="rubrics sampled per context (the group)")
-    g.add_argument("--temperature", type=common.number(above=0), default=1.0,
-                   help="sampling temperature of the rubrics")
+    g.add_argument(
+        "--temperature", type=common.number(above=0), default=1.0, help="sampling temperature of the rubrics"
+    )
     g.add_argument("--max-new-tokens", type=common.number(int, low=8), default=256, help="token cap of a rubric")
     g.add_argument("--clip-low", type=common.number(low=0), default=0.2, help="ratio clip below: 1 - clip_low")
     g.add_argument("--clip-high", type=common.number(low=0), default=0.28, help="ratio clip above: 1 + clip_high")
-    g.add_argument("--kl-coef", type=common.number(low=0), default=0.0,
-                   help="beta of the k3 KL to the adapter-off base "
-                   "(the model before 01's SFT)")
+    g.add_argument(
+        "--kl-coef",
+        type=common.number(low=0),
+        default=0.0,
+        help="beta of the k3 KL to the adapter-off base (the model before 01's SFT)",
+    )
     g = p.add_argument_group("optimisation")
     g.add_argument("--steps", type=count, default=30, help="RL steps")
     g.add_argument("--contexts-per-step", type=count, default=4, help="preference pairs per step")
-    g.add_argument("--lr", type=common.number(above=0), default=5e-5,
-                   help="peak learning rate (AdamW, no weight decay)")
-    g.add_argument("--minibatch-size", type=count, default=64, help="rubrics per optimizer step (whole contexts: "
-                   "a multiple of --g)")
+    g.add_argument(
+        "--lr", type=common.number(above=0), default=5e-5, help="peak learning rate (AdamW, no weight decay)"
+    )
+    g.add_argument(
+        "--minibatch-size",
+        type=count,
+        default=64,
+        help="rubrics per optimizer step (whole contexts: a multiple of --g)",
+    )
     g.add_argument("--micro-batch-size", type=count, default=4, help="rubrics per forward/backward")
     common.add_backend_args(p)
     g = common.add_run_args(p, "rubric-rl", resume="a run folder: continue from its last checkpoint", save_every=10)
     g.add_argument("--report-limit", type=int, default=0, help="use the first N held-out pairs / turns (0 = all)")
-    g.add_argument("--report-only", action="store_true", help="no training: the held-out report of --model "
-                                                               "(+ --adapter), then stop")
+    g.add_argument(
+        "--report-only",
+        action="store_true",
+        help="no training: the held-out report of --model (+ --adapter), then stop",
+    )
     args = p.parse_args(argv)
-    common.check(args.judge == "embed" or args.judge.startswith(("hf:", "api:")),
-                 f"--judge must be embed, hf:<model> or api:<model>, got '{args.judge}'")
-    common.check(args.minibatch_size % args.g == 0, f"--minibatch-size must be a multiple of --g (a minibatch "
-                 f"holds whole contexts), got {args.minibatch_size} and {args.g}")
+    common.check(
+        args.judge == "embed" or args.judge.startswith(("hf:", "api:")),
+        f"--judge must be embed, hf:<model> or api:<model>, got '{args.judge}'",
+    )
+    common.check(
+        args.minibatch_size % args.g == 0,
+        f"--minibatch-size must be a multiple of --g (a minibatch "
+        f"holds whole contexts), got {args.minibatch_size} and {args.g}",
+    )
     args.use_margin = not (args.no_margin or args.recovery_only)
     args.use_format = not (args.no_format or args.recovery_only)
     return args

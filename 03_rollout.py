@@ -54,6 +54,7 @@ CPU:  python 03_rollout.py                     (SmolLM2-135M-Instruct, embed jud
 GPU:  python 03_rollout.py --model Qwen2.5-7B-Instruct --judge api:Qwen2.5-72B-Instruct \\
           --user api:Qwen2.5-72B-Instruct --api-base http://localhost:8000/v1 --max-turns 15
 """
+
 from __future__ import annotations
 
 import argparse
@@ -74,17 +75,25 @@ import offline
 HERE = Path(__file__).resolve().parent
 AXES = ("C", "A", "P")
 # EMPA's initial-deficit items: (axis, multiplier m); each adds -2 * m * level (level 0-3)
-DEFICIT_ITEMS = {"C1": ("C", 1.0), "C2": ("C", 1.0), "C3": ("C", 1.5),
-                 "A1": ("A", 1.0), "A2": ("A", 2.0), "A3": ("A", 1.5),
-                 "P1": ("P", 1.0), "P2": ("P", 2.0), "P3": ("P", 1.5)}
-PROGRESS_POINTS = (0.0, 1.0, 3.0)                      # progress level 0, 1, 2
+DEFICIT_ITEMS = {
+    "C1": ("C", 1.0),
+    "C2": ("C", 1.0),
+    "C3": ("C", 1.5),
+    "A1": ("A", 1.0),
+    "A2": ("A", 2.0),
+    "A3": ("A", 1.5),
+    "P1": ("P", 1.0),
+    "P2": ("P", 2.0),
+    "P3": ("P", 1.5),
+}
+PROGRESS_POINTS = (0.0, 1.0, 3.0)  # progress level 0, 1, 2
 NEGATIVE_POINTS = {"C": (0.0, -2.0, -4.0), "A": (0.0, -2.0, -5.0), "P": (0.0, -2.0, -5.0)}
 # the LLM judge's and user's prompts, what the user is told of the trend, the scripted user's lines when a
 # scenario brings none, the policy's system prompt and Kardia-R1's format request (data/prompts.json)
 PROMPTS = json.loads((HERE / "data" / "prompts.json").read_text(encoding="utf-8"))
 JUDGE_PROMPT, USER_PROMPT = ("\n".join(PROMPTS[k]) for k in ("mdep_judge", "user"))
 TREND_TEXT, DEFAULT_USER_LINES = PROMPTS["trend"], PROMPTS["scripted_user_lines"]
-MAX_MESSAGE_CHARS = 2000            # a simulated-user message is cut to this (an LLM user can run on)
+MAX_MESSAGE_CHARS = 2000  # a simulated-user message is cut to this (an LLM user can run on)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -127,12 +136,12 @@ def episode_status(P0, dEs, states, t, args) -> str | None:
     rounded to 2 decimals as MICA's public code compares them (epj/scoring.py reads its rounded trajectory)."""
     if t < args.min_turns:
         return None
-    if round(sum(dEs), 2) >= norm(P0):                             # E_total >= ||P0||
+    if round(sum(dEs), 2) >= norm(P0):  # E_total >= ||P0||
         return "success"
     dE2 = [round(dE, 2) for dE in dEs]
     w = args.collapse_window
     if len(dE2) >= w and all(dE < 0 for dE in dE2[-w:]):
-        return "failure"                                           # collapsed
+        return "failure"  # collapsed
     if len(dE2) >= 8 and len(states) >= 5:
         stagnant = common.mean_std([round(norm(P), 2) for P in states[-5:]], ddof=1)[1] < 0.5
         regressing = sum(dE < 0 for dE in dE2[-8:]) >= 6 and sum(dE2[-8:]) < -1
@@ -163,20 +172,20 @@ def emotion_status(e: float) -> str | None:
 class Trajectory:
     scenario: dict
     k: int
-    ids: list[int]                                  # the policy's whole context, token ids
-    messages: list[dict]                            # the same dialogue as text
+    ids: list[int]  # the policy's whole context, token ids
+    messages: list[dict]  # the same dialogue as text
     spans: list[tuple[int, int]] = field(default_factory=list)  # [start, end) of each reply's ids
-    states: list[list[float]] = field(default_factory=list)     # P_0 .. P_T
+    states: list[list[float]] = field(default_factory=list)  # P_0 .. P_T
     vs: list[list[float] | None] = field(default_factory=list)  # v_1 .. v_T (None: the judge failed)
     levels: list[dict | None] = field(default_factory=list)
     features: list[dict] = field(default_factory=list)
     dEs: list[float] = field(default_factory=list)
     truncated: list[bool] = field(default_factory=list)
-    emotions: list[float] = field(default_factory=list)       # e_0 .. e_T, the user's emotion (0-100)
+    emotions: list[float] = field(default_factory=list)  # e_0 .. e_T, the user's emotion (0-100)
     shown: list[str] = field(default_factory=list)  # what the user and the judge saw of each reply
     formatted: list[bool] = field(default_factory=list)  # --kardia-format: the reply had the 4 sections
-    extra: dict = field(default_factory=dict)       # per-turn lists a trainer adds (04: CARE's rubrics)
-    outcome: str | None = None                      # success | failure | timeout | context_limit | user_failed
+    extra: dict = field(default_factory=dict)  # per-turn lists a trainer adds (04: CARE's rubrics)
+    outcome: str | None = None  # success | failure | timeout | context_limit | user_failed
 
     @property
     def T(self) -> int:
@@ -200,13 +209,13 @@ def advance_state(tr: Trajectory, verdict: dict | None):
         tr.emotions.append(tr.emotions[-1])
         return
     v = levels_to_v(verdict["levels"])
-    r0 = norm(tr.scenario["p0"])                          # 0 for 05's SAGE profiles: no EMPA deficit
-    v_star = [-x / r0 if r0 > 0 else 0.0 for x in tr.scenario["p0"]]               # v* = -P0 / ||P0||
+    r0 = norm(tr.scenario["p0"])  # 0 for 05's SAGE profiles: no EMPA deficit
+    v_star = [-x / r0 if r0 > 0 else 0.0 for x in tr.scenario["p0"]]  # v* = -P0 / ||P0||
     tr.vs.append(v)
     tr.levels.append(verdict["levels"])
     tr.features.append(verdict["features"])
-    tr.states.append([P_prev[i] + v[i] for i in range(3)])                          # P_t = P_{t-1} + v_t
-    tr.dEs.append(sum(v[i] * v_star[i] for i in range(3)))                          # dE_t = v_t . v*
+    tr.states.append([P_prev[i] + v[i] for i in range(3)])  # P_t = P_{t-1} + v_t
+    tr.dEs.append(sum(v[i] * v_star[i] for i in range(3)))  # dE_t = v_t . v*
     # e_t = min(100, max(0, e_{t-1} + change_t)); the judge's own change when it states one (05's SAGE)
     change = verdict["change"] if verdict.get("change") is not None else emotion_change(verdict["levels"])
     tr.emotions.append(min(100.0, max(0.0, tr.emotions[-1] + change)))
@@ -220,11 +229,20 @@ def rollout(model, tokenizer, scenarios: list[dict], judge, user, args, desc="ro
     trajs = []
     for s in scenarios:
         msgs, ids = opening_ids(tokenizer, s, args)
-        trajs += [Trajectory(scenario=s, k=k, ids=list(ids), messages=[dict(m) for m in msgs],
-                             states=[list(s["p0"])], emotions=[args.emotion_start]) for k in range(args.k)]
+        trajs += [
+            Trajectory(
+                scenario=s,
+                k=k,
+                ids=list(ids),
+                messages=[dict(m) for m in msgs],
+                states=[list(s["p0"])],
+                emotions=[args.emotion_start],
+            )
+            for k in range(args.k)
+        ]
     was_training = model.training
     model.eval()
-    kv, row_of = TurnCache(), {}               # the last turn's KV cache and which dialogue each row is
+    kv, row_of = TurnCache(), {}  # the last turn's KV cache and which dialogue each row is
     for t in tqdm(range(1, args.max_turns + 1), desc=desc, leave=False, disable=not args.progress):
         live = [tr for tr in trajs if tr.outcome is None]
         if not live:
@@ -239,8 +257,11 @@ def rollout(model, tokenizer, scenarios: list[dict], judge, user, args, desc="ro
         for tr, verdict in zip(live, judge.judge(cases)):
             advance_state(tr, verdict)
             # 3. does the episode end? (EMPA's rules, or with --emotion-ends RLVER's on the emotion)
-            tr.outcome = (emotion_status(tr.emotions[-1]) if args.emotion_ends else
-                          episode_status(tr.scenario["p0"], tr.dEs, tr.states, t, args))
+            tr.outcome = (
+                emotion_status(tr.emotions[-1])
+                if args.emotion_ends
+                else episode_status(tr.scenario["p0"], tr.dEs, tr.states, t, args)
+            )
             if tr.outcome is None and t == args.max_turns:
                 tr.outcome = "timeout"
         # 4. the simulated user answers the dialogues that go on
@@ -257,12 +278,11 @@ def policy_turn(model, tokenizer, live: list[Trajectory], args, kv) -> list[dict
         tr.spans.append((len(tr.ids), len(tr.ids) + len(reply_ids)))
         tr.ids.extend(reply_ids)
         tr.truncated.append(not ended)
-        seen = common.strip_thinking(text)          # a thinking model's <think> part reaches no one
+        seen = common.strip_thinking(text)  # a thinking model's <think> part reaches no one
         shown, ok = kardia_response(seen) if args.kardia_format else (seen, True)
         tr.shown.append(shown)
         tr.formatted.append(ok)
-        cases.append({"scenario": tr.scenario, "history": seen_history(tr), "reply": shown,
-                      "emotion": tr.emotions[-1]})
+        cases.append({"scenario": tr.scenario, "history": seen_history(tr), "reply": shown, "emotion": tr.emotions[-1]})
         tr.messages.append({"role": "assistant", "content": text})
     return cases
 
@@ -274,21 +294,32 @@ def user_turn(tokenizer, going: list[Trajectory], user, args):
         # better / stuck / worse: the last change of the user's state, dE_t (EMPA) or e_t - e_{t-1}
         x = tr.emotions[-1] - tr.emotions[-2] if args.emotion_ends else tr.dEs[-1]
         trend = "better" if x > 0.5 else "worse" if x < -0.5 else "stuck"
-        band = (f"your emotion is {tr.emotions[-1]:.0f} out of 100 (0 = desperate, 100 = fully supported)"
-                if args.emotion_ends else
-                state_band(hinge_distance(tr.states[-1], eps=args.eps), hinge_distance(tr.states[0], eps=args.eps)))
-        asks.append({"scenario": tr.scenario, "k": tr.k, "history": seen_history(tr), "trend": trend,
-                     "band": f"{band}; {TREND_TEXT[trend]}"})
+        band = (
+            f"your emotion is {tr.emotions[-1]:.0f} out of 100 (0 = desperate, 100 = fully supported)"
+            if args.emotion_ends
+            else state_band(hinge_distance(tr.states[-1], eps=args.eps), hinge_distance(tr.states[0], eps=args.eps))
+        )
+        asks.append(
+            {
+                "scenario": tr.scenario,
+                "k": tr.k,
+                "history": seen_history(tr),
+                "trend": trend,
+                "band": f"{band}; {TREND_TEXT[trend]}",
+            }
+        )
     for tr, answer in zip(going, user.reply(asks) if going else []):
         if answer is None:
             tr.outcome = "user_failed"
             continue
         if len(answer) > MAX_MESSAGE_CHARS:
-            common.warn(f"a simulated-user message of {len(answer):,} characters was cut to "
-                        f"{MAX_MESSAGE_CHARS} (scenario {tr.scenario['id']})")
+            common.warn(
+                f"a simulated-user message of {len(answer):,} characters was cut to "
+                f"{MAX_MESSAGE_CHARS} (scenario {tr.scenario['id']})"
+            )
             answer = answer[:MAX_MESSAGE_CHARS]
         tr.messages.append({"role": "user", "content": answer})
-        end = None if tr.truncated[-1] else tokenizer.decode(tr.ids[-1:])     # the end-of-turn token it sampled
+        end = None if tr.truncated[-1] else tokenizer.decode(tr.ids[-1:])  # the end-of-turn token it sampled
         extra = next_user_ids(tokenizer, tr.messages, tr.messages[-2]["content"], end)
         if len(tr.ids) + len(extra) + args.max_new_tokens > args.max_context:
             tr.outcome = "context_limit"
@@ -303,44 +334,72 @@ def trajectory_record(tr: Trajectory, args, rewards: list[float] | None = None, 
     # default reward written here: IDR r_t = d(P_{t-1}) - d(P_t); the trainer passes its own
     rewards = rewards if rewards is not None else incremental_distance_rewards(tr.states, eps=args.eps)
     replies = [i for i, m in enumerate(tr.messages) if m["role"] == "assistant"]
-    turns = [{"t": t + 1, "user": tr.messages[i - 1]["content"], "assistant": tr.messages[i]["content"],
-              "v": tr.vs[t], "levels": tr.levels[t], "state": tr.states[t + 1], "distance": round(d[t + 1], 4),
-              "dE": round(tr.dEs[t], 4), "reward": rewards[t], "truncated": tr.truncated[t],
-              "judge_failed": tr.vs[t] is None, "emotion": tr.emotions[t + 1],
-              **({"shown": tr.shown[t], "formatted": tr.formatted[t]} if args.kardia_format else {}),
-              "reply_tokens": tr.spans[t][1] - tr.spans[t][0], "judge_features": tr.features[t]}
-             for t, i in enumerate(replies[:tr.T])]
-    return {"scenario_id": tr.scenario["id"], "k": tr.k, "p0": tr.scenario["p0"], "outcome": tr.outcome,
-            "turns": turns, "final_distance": round(d[-1], 4), "initial_distance": round(d[0], 4),
-            "E_total": round(sum(tr.dEs), 4), "final_emotion": tr.emotions[-1], "return": round(sum(rewards), 4),
-            **extra}
+    turns = [
+        {
+            "t": t + 1,
+            "user": tr.messages[i - 1]["content"],
+            "assistant": tr.messages[i]["content"],
+            "v": tr.vs[t],
+            "levels": tr.levels[t],
+            "state": tr.states[t + 1],
+            "distance": round(d[t + 1], 4),
+            "dE": round(tr.dEs[t], 4),
+            "reward": rewards[t],
+            "truncated": tr.truncated[t],
+            "judge_failed": tr.vs[t] is None,
+            "emotion": tr.emotions[t + 1],
+            **({"shown": tr.shown[t], "formatted": tr.formatted[t]} if args.kardia_format else {}),
+            "reply_tokens": tr.spans[t][1] - tr.spans[t][0],
+            "judge_features": tr.features[t],
+        }
+        for t, i in enumerate(replies[: tr.T])
+    ]
+    return {
+        "scenario_id": tr.scenario["id"],
+        "k": tr.k,
+        "p0": tr.scenario["p0"],
+        "outcome": tr.outcome,
+        "turns": turns,
+        "final_distance": round(d[-1], 4),
+        "initial_distance": round(d[0], 4),
+        "E_total": round(sum(tr.dEs), 4),
+        "final_emotion": tr.emotions[-1],
+        "return": round(sum(rewards), 4),
+        **extra,
+    }
 
 
 def main(argv=None):
     args = parse_args(argv)
     common.set_seed(args.seed)
-    scenarios = load_scenarios(args.scenarios)[: args.num_scenarios or None]   # inputs checked before anything
+    scenarios = load_scenarios(args.scenarios)[: args.num_scenarios or None]  # inputs checked before anything
     common.check_model_args(args)
     model, tokenizer = common.load_policy(args, trainable=False)
     judge, user = make_judge(args, (model, tokenizer)), make_user(args, (model, tokenizer))
-    run_dir = common.open_run(args)             # after every model loaded: a bad one leaves no folder
+    run_dir = common.open_run(args)  # after every model loaded: a bad one leaves no folder
     t0 = time.time()
     records = [trajectory_record(tr, args) for tr in rollout(model, tokenizer, scenarios, judge, user, args)]
     common.append_jsonl(run_dir / "rollouts.jsonl", records)
     for rec in records if not args.quiet else []:
-        print(f"\n=== {rec['scenario_id']} k={rec['k']}  P0={rec['p0']}  outcome={rec['outcome']}  "
-              f"d: {rec['initial_distance']} -> {rec['final_distance']}  return={rec['return']:.3f}")
+        print(
+            f"\n=== {rec['scenario_id']} k={rec['k']}  P0={rec['p0']}  outcome={rec['outcome']}  "
+            f"d: {rec['initial_distance']} -> {rec['final_distance']}  return={rec['return']:.3f}"
+        )
         for tu in rec["turns"]:
             flags = " [cut off]" * tu["truncated"] + " [judge failed]" * tu["judge_failed"]
             print(f"  user:      {tu['user']}\n  assistant: {tu['assistant']}{flags}")
             print(f"             v={tu['v']}  P={tu['state']}  d={tu['distance']}  r={tu['reward']:.3f}")
     n, judged = len(records), [t["judge_failed"] for r in records for t in r["turns"]]
-    print(f"\n{n} trajectories in {time.time() - t0:.1f}s | mean return {sum(r['return'] for r in records) / n:.3f} "
-          f"| success {sum(r['outcome'] == 'success' for r in records)}/{n} | mean final distance "
-          f"{sum(r['final_distance'] for r in records) / n:.3f} | written to {run_dir / 'rollouts.jsonl'}")
-    print(f"judge failed on {sum(judged)}/{len(judged)} turns | user failed in "
-          f"{sum(r['outcome'] == 'user_failed' for r in records)} dialogues"
-          + "".join(f" | {k} {v}" for k, v in common.api_counts(judge, user).items()))
+    print(
+        f"\n{n} trajectories in {time.time() - t0:.1f}s | mean return {sum(r['return'] for r in records) / n:.3f} "
+        f"| success {sum(r['outcome'] == 'success' for r in records)}/{n} | mean final distance "
+        f"{sum(r['final_distance'] for r in records) / n:.3f} | written to {run_dir / 'rollouts.jsonl'}"
+    )
+    print(
+        f"judge failed on {sum(judged)}/{len(judged)} turns | user failed in "
+        f"{sum(r['outcome'] == 'user_failed' for r in records)} dialogues"
+        + "".join(f" | {k} {v}" for k, v in common.api_counts(judge, user).items())
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -353,9 +412,12 @@ def load_scenarios(path) -> list[dict]:
         w = r["_where"]
         common.check(r["opening"].strip(), f"{w}: field 'opening' is empty")
         if "p0" in r:
-            common.check(isinstance(r["p0"], list) and len(r["p0"]) == 3 and
-                         all(type(x) in (int, float) and x <= 0 for x in r["p0"]),
-                         f"{w}: field 'p0' must be a list of 3 numbers <= 0 (C, A, P)")
+            common.check(
+                isinstance(r["p0"], list)
+                and len(r["p0"]) == 3
+                and all(type(x) in (int, float) and x <= 0 for x in r["p0"]),
+                f"{w}: field 'p0' must be a list of 3 numbers <= 0 (C, A, P)",
+            )
             r["p0"] = [float(x) for x in r["p0"]]
         else:
             common.check(isinstance(r.get("items"), dict), f"{w}: needs field 'items' (9 ratings) or 'p0'")
@@ -364,14 +426,18 @@ def load_scenarios(path) -> list[dict]:
                 common.check(type(v) is int and 0 <= v <= 3, f"{w}: field 'items.{name}' must be an integer 0-3")
             r["p0"] = initial_deficit(r["items"])
         common.check(norm(r["p0"]) > 0, f"{w}: the initial deficit is zero: nothing to support")
-        common.check(isinstance(r.get("profile", {}), dict),
-                     f"{w}: field 'profile' must be an object (e.g. MBTI, about, situation, emotion)")
+        common.check(
+            isinstance(r.get("profile", {}), dict),
+            f"{w}: field 'profile' must be an object (e.g. MBTI, about, situation, emotion)",
+        )
         lines = r.get("user_lines", {})
         common.check(isinstance(lines, dict), f"{w}: field 'user_lines' must be an object")
         for trend in ("better", "stuck", "worse"):
             got = lines.get(trend, [])
-            common.check(isinstance(got, list) and all(isinstance(s, str) and s.strip() for s in got),
-                         f"{w}: field 'user_lines.{trend}' must be a list of non-empty strings")
+            common.check(
+                isinstance(got, list) and all(isinstance(s, str) and s.strip() for s in got),
+                f"{w}: field 'user_lines.{trend}' must be a list of non-empty strings",
+            )
         r["user_lines"] = {t: lines.get(t) or DEFAULT_USER_LINES[t] for t in ("better", "stuck", "worse")}
     return recs
 
@@ -395,12 +461,23 @@ class LLMJudge:
         self.backend, self.retries = backend, retries
 
     def judge(self, cases: list[dict]) -> list[dict | None]:
-        prompts = [[{"role": "user", "content": JUDGE_PROMPT.format(
-            persona=c["scenario"]["persona"], situation=c["scenario"]["situation"],
-            history="\n".join(common.transcript_lines(c["history"]) + [f"Supporter: {c['reply']}"]))}] for c in cases]
+        prompts = [
+            [
+                {
+                    "role": "user",
+                    "content": JUDGE_PROMPT.format(
+                        persona=c["scenario"]["persona"],
+                        situation=c["scenario"]["situation"],
+                        history="\n".join(common.transcript_lines(c["history"]) + [f"Supporter: {c['reply']}"]),
+                    ),
+                }
+            ]
+            for c in cases
+        ]
         # malformed output: asked again (api: only), then that turn is given up (None: judge_failed)
-        levels = common.ask_json(self.backend, prompts, lambda i, text: parse_judge_json(text), self.retries,
-                                 max_tokens=200)
+        levels = common.ask_json(
+            self.backend, prompts, lambda i, text: parse_judge_json(text), self.retries, max_tokens=200
+        )
         return [None if lv is None else {"levels": lv, "features": {}} for lv in levels]
 
 
@@ -413,31 +490,50 @@ class LLMUser:
     def reply(self, items: list[dict]) -> list[str | None]:
         convs = []
         for it in items:
-            system = USER_PROMPT.format(persona=it["scenario"]["persona"], situation=it["scenario"]["situation"],
-                                        band=it["band"])
+            system = USER_PROMPT.format(
+                persona=it["scenario"]["persona"], situation=it["scenario"]["situation"], band=it["band"]
+            )
             # the roles swap: the supporter's words are the "user" turns of the role-playing model
-            convs.append([{"role": "system", "content": system}] + [
-                {"role": "assistant" if m["role"] == "user" else "user", "content": m["content"]}
-                for m in it["history"] if m["role"] != "system"])
+            convs.append(
+                [{"role": "system", "content": system}]
+                + [
+                    {"role": "assistant" if m["role"] == "user" else "user", "content": m["content"]}
+                    for m in it["history"]
+                    if m["role"] != "system"
+                ]
+            )
         # an empty answer is a failed turn (not asked again: the dialogue ends as user_failed)
-        return common.ask_json(self.backend, convs, lambda i, a: a.strip() if a and a.strip() else None, 0,
-                               who="user", noun="dialogues", max_tokens=120, temperature=0.7)
+        return common.ask_json(
+            self.backend,
+            convs,
+            lambda i, a: a.strip() if a and a.strip() else None,
+            0,
+            who="user",
+            noun="dialogues",
+            max_tokens=120,
+            temperature=0.7,
+        )
 
 
 def state_band(d: float, d0: float) -> str:
     """What an LLM user is told of the hidden state: a band (the trend is added), not the numbers."""
     left = d / d0 if d0 > 0 else 0.0
-    return ("you still feel very low and unsupported" if left > 0.75 else
-            "you feel somewhat better but not there yet" if left > 0.35 else "you feel much better")
+    return (
+        "you still feel very low and unsupported"
+        if left > 0.75
+        else "you feel somewhat better but not there yet"
+        if left > 0.35
+        else "you feel much better"
+    )
 
 
-def make_judge(args, policy=None):   # policy: the (model, tokenizer) whose frozen base is --judge self
+def make_judge(args, policy=None):  # policy: the (model, tokenizer) whose frozen base is --judge self
     if args.judge == "embed":
         return offline.EmbedJudge(HERE / "data" / "judge_prototypes.json", device=str(common.pick_device()))
     return LLMJudge(common.make_chat_backend(args.judge, args, args.judge_concurrency, policy), args.judge_retries)
 
 
-def make_user(args, policy=None):    # policy: as for make_judge, for --user self
+def make_user(args, policy=None):  # policy: as for make_judge, for --user self
     if args.user == "scripted":
         return offline.ScriptedUser(args.seed)
     return LLMUser(common.make_chat_backend(args.user, args, args.user_concurrency, policy))
@@ -449,8 +545,12 @@ def make_user(args, policy=None):    # policy: as for make_judge, for --user sel
 def kardia_response(text: str) -> tuple[str, bool]:
     """Kardia-R1's structured reply -> (the <response> part, True) when the four sections come in order
     with a non-empty response; otherwise (the text with any of the tags removed, False)."""
-    m = re.fullmatch(r"\s*<understanding>.*?</understanding>\s*<reasoning>.*?</reasoning>\s*<emotion>.*?</emotion>"
-                     r"\s*<response>(.*?)</response>\s*", text, re.S)
+    m = re.fullmatch(
+        r"\s*<understanding>.*?</understanding>\s*<reasoning>.*?</reasoning>\s*<emotion>.*?</emotion>"
+        r"\s*<response>(.*?)</response>\s*",
+        text,
+        re.S,
+    )
     if m and m.group(1).strip():
         return m.group(1).strip(), True
     return re.sub(r"</?(understanding|reasoning|emotion|response)>", " ", text).strip(), False
@@ -477,13 +577,17 @@ def opening_ids(tokenizer, s: dict, args) -> tuple[list[dict], list[int]]:
     over = len(ids) + args.max_new_tokens - args.max_context
     if over > 0:
         opening = tokenizer(s["opening"], add_special_tokens=False)["input_ids"]
-        keep = len(opening) - over - 8                  # a few tokens of slack: re-tokenising can merge
-        common.check(keep > 0, f"scenario {s['id']}: the system prompt alone leaves no room under "
-                               f"--max-context {args.max_context}")
+        keep = len(opening) - over - 8  # a few tokens of slack: re-tokenising can merge
+        common.check(
+            keep > 0,
+            f"scenario {s['id']}: the system prompt alone leaves no room under --max-context {args.max_context}",
+        )
         msgs[1]["content"] = tokenizer.decode(opening[-keep:], skip_special_tokens=True)
         ids = common.render_ids(tokenizer, msgs)
-        common.warn(f"scenario {s['id']} ({s.get('_where', '?')}): opening of {len(opening):,} tokens cut to "
-                    f"its last {keep:,} to fit --max-context {args.max_context}")
+        common.warn(
+            f"scenario {s['id']} ({s.get('_where', '?')}): opening of {len(opening):,} tokens cut to "
+            f"its last {keep:,} to fit --max-context {args.max_context}"
+        )
     return msgs, ids
 
 
@@ -498,15 +602,18 @@ def next_user_ids(tokenizer, messages: list[dict], reply_text: str, end: str | N
     head, text = common.chat_text(tokenizer, messages[:-2]), common.chat_text(tokenizer, messages)
     start, i, rendered = len(os.path.commonprefix([head, text])), -1, reply_text
     if text.startswith(common.chat_text(tokenizer, messages[:-2], generation_prompt=False)):
-        for rendered in dict.fromkeys([reply_text, common.strip_thinking(reply_text)]):   # as the template wrote it
+        for rendered in dict.fromkeys([reply_text, common.strip_thinking(reply_text)]):  # as the template wrote it
             i = text.find(rendered, start)
             if i >= 0:
                 break
-    common.check(i >= 0, "the model's chat template does not keep earlier turns and the assistant reply "
-                         "verbatim; the token-in/token-out rollout needs one that does")
-    after = text[i + len(rendered):]
+    common.check(
+        i >= 0,
+        "the model's chat template does not keep earlier turns and the assistant reply "
+        "verbatim; the token-in/token-out rollout needs one that does",
+    )
+    after = text[i + len(rendered) :]
     if end and end in after:
-        after = after[after.index(end) + len(end):]
+        after = after[after.index(end) + len(end) :]
     return tokenizer(after, add_special_tokens=False)["input_ids"]
 
 
@@ -539,54 +646,97 @@ class TurnCache:
             new = []
             for b, c in enumerate(contexts):
                 real = self.seq[b][self.mask[b].bool()].tolist()
-                assert c[:len(real)] == real, "TurnCache: a context does not extend its cached row"
-                new.append(c[len(real):])
+                assert c[: len(real)] == real, "TurnCache: a context does not extend its cached row"
+                new.append(c[len(real) :])
             tail, tail_mask = common.left_pad(new, pad, device)
             input_ids, attn = torch.cat([self.seq, tail], 1), torch.cat([self.mask, tail_mask], 1)
-            cache = self.cache                                # every column but the last of self.seq
-        replies, out = common.generate(model, tokenizer, input_ids, attn, args.max_new_tokens, args.temperature,
-                                       args.top_p, cache)
+            cache = self.cache  # every column but the last of self.seq
+        replies, out = common.generate(
+            model, tokenizer, input_ids, attn, args.max_new_tokens, args.temperature, args.top_p, cache
+        )
         n_new = out.sequences.shape[1] - input_ids.shape[1]
-        reply_mask = torch.tensor([[1] * len(r) + [0] * (n_new - len(r)) for r, _ in replies],
-                                  dtype=attn.dtype, device=device).reshape(len(replies), n_new)
+        reply_mask = torch.tensor(
+            [[1] * len(r) + [0] * (n_new - len(r)) for r, _ in replies], dtype=attn.dtype, device=device
+        ).reshape(len(replies), n_new)
         self.cache, self.seq, self.mask = out.past_key_values, out.sequences, torch.cat([attn, reply_mask], 1)
         return replies
 
 
 def add_env_args(p: argparse.ArgumentParser, scenarios_default: str, k_default: int = 4):
-    count, at_least_0 = common.number(int, low=1), common.number(low=0)     # argparse types: a bad value exits 2
+    count, at_least_0 = common.number(int, low=1), common.number(low=0)  # argparse types: a bad value exits 2
     g = p.add_argument_group("environment")
     g.add_argument("--scenarios", default=scenarios_default, help="scenarios JSONL")
     g.add_argument("--k", type=count, default=k_default, help="trajectories per scenario (K)")
     g.add_argument("--max-turns", type=count, default=3, help="assistant turns before a timeout (EMPA: 45)")
-    g.add_argument("--min-turns", type=count, default=2, help="no success or failure before this turn (EMPA: 12; "
-                   "--emotion-ends ignores it)")
+    g.add_argument(
+        "--min-turns",
+        type=count,
+        default=2,
+        help="no success or failure before this turn (EMPA: 12; --emotion-ends ignores it)",
+    )
     g.add_argument("--collapse-window", type=count, default=3, help="failure when the last N dE are all < 0 (EMPA: 5)")
     g.add_argument("--eps", type=at_least_0, default=1.0, help="hinge tolerance eps (1 high, 2 medium, 3 low)")
     g.add_argument("--judge", default="embed", help="embed | self | hf:<model-or-path> | api:<model>")
-    g.add_argument("--judge-retries", type=common.number(int, low=0), default=2, help="re-asks of an api: judge on "
-                   "malformed JSON (a local judge at temperature 0 is not re-asked: it would answer the same)")
+    g.add_argument(
+        "--judge-retries",
+        type=common.number(int, low=0),
+        default=2,
+        help="re-asks of an api: judge on "
+        "malformed JSON (a local judge at temperature 0 is not re-asked: it would answer the same)",
+    )
     g.add_argument("--user", default="scripted", help="scripted | self | hf:<model-or-path> | api:<model>")
-    g.add_argument("--judge-concurrency", type=count, default=None, help="the judge's own --api-concurrency "
-                   "(match what its server batches, e.g. vLLM --max-num-seqs)")
+    g.add_argument(
+        "--judge-concurrency",
+        type=count,
+        default=None,
+        help="the judge's own --api-concurrency (match what its server batches, e.g. vLLM --max-num-seqs)",
+    )
     g.add_argument("--user-concurrency", type=count, default=None, help="the simulated user's own --api-concurrency")
-    g.add_argument("--emotion-start", type=common.number(low=0, high=100), default=30.0,
-                   help="the simulated user's emotion e_0 (0-100; RLVER trains from 30, SAGE evaluates from 40)")
-    g.add_argument("--emotion-ends", action="store_true",
-                   help="end dialogues by RLVER's rule (emotion >= 100 success, < 10 failure) instead of EMPA's")
-    g.add_argument("--kardia-format", action="store_true", help="Kardia-R1's format: the policy writes "
-                   "<understanding>, <reasoning>, <emotion>, <response>; only the response reaches the others (a "
-                   "reply without the four sections: all of it, the tags removed)")
-    g.add_argument("--max-new-tokens", type=count, default=None,
-                   help="token cap of a reply (48; 192 with --kardia-format, room for the four sections)")
+    g.add_argument(
+        "--emotion-start",
+        type=common.number(low=0, high=100),
+        default=30.0,
+        help="the simulated user's emotion e_0 (0-100; RLVER trains from 30, SAGE evaluates from 40)",
+    )
+    g.add_argument(
+        "--emotion-ends",
+        action="store_true",
+        help="end dialogues by RLVER's rule (emotion >= 100 success, < 10 failure) instead of EMPA's",
+    )
+    g.add_argument(
+        "--kardia-format",
+        action="store_true",
+        help="Kardia-R1's format: the policy writes "
+        "<understanding>, <reasoning>, <emotion>, <response>; only the response reaches the others (a "
+        "reply without the four sections: all of it, the tags removed)",
+    )
+    g.add_argument(
+        "--max-new-tokens",
+        type=count,
+        default=None,
+        help="token cap of a reply (48; 192 with --kardia-format, room for the four sections)",
+    )
     g.add_argument("--temperature", type=at_least_0, default=1.0, help="sampling temperature (0 = greedy)")
-    g.add_argument("--top-p", type=common.number(above=0, high=1), default=1.0, help="nucleus sampling top-p (04's "
-                   "loss scores the whole distribution: keep 1 for training)")
-    g.add_argument("--no-kv-reuse", dest="kv_reuse", action="store_false", help="prefill each dialogue's whole "
-                   "context every turn instead of keeping its KV cache from the last turn (slower: a check of the "
-                   "cache)")
-    g.add_argument("--max-context", type=count, default=2048,
-                   help="stop a dialogue (outcome context_limit) before its context passes this many tokens")
+    g.add_argument(
+        "--top-p",
+        type=common.number(above=0, high=1),
+        default=1.0,
+        help="nucleus sampling top-p (04's loss scores the whole distribution: keep 1 for training)",
+    )
+    g.add_argument(
+        "--no-kv-reuse",
+        dest="kv_reuse",
+        action="store_false",
+        help="prefill each dialogue's whole "
+        "context every turn instead of keeping its KV cache from the last turn (slower: a check of the "
+        "cache)",
+    )
+    g.add_argument(
+        "--max-context",
+        type=count,
+        default=2048,
+        help="stop a dialogue (outcome context_limit) before its context passes this many tokens",
+    )
     common.add_backend_args(p)
 
 
@@ -596,15 +746,20 @@ def check_env_args(args):
         args.max_new_tokens = 192 if args.kardia_format else 48
     for flag, offline_spec in (("judge", "embed"), ("user", "scripted")):
         spec = getattr(args, flag)
-        common.check(spec in (offline_spec, "self") or (spec.startswith(("hf:", "api:")) and spec.partition(":")[2]),
-                     f"--{flag} must be {offline_spec}, self, hf:<model> or api:<model>, got '{spec}'")
-    common.check(args.max_context > args.max_new_tokens,
-                 f"--max-context must be larger than --max-new-tokens, got {args.max_context}")
+        common.check(
+            spec in (offline_spec, "self") or (spec.startswith(("hf:", "api:")) and spec.partition(":")[2]),
+            f"--{flag} must be {offline_spec}, self, hf:<model> or api:<model>, got '{spec}'",
+        )
+    common.check(
+        args.max_context > args.max_new_tokens,
+        f"--max-context must be larger than --max-new-tokens, got {args.max_context}",
+    )
 
 
 def parse_args(argv=None):
-    p = common.ArgumentParser(description=__doc__.split("\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = common.ArgumentParser(
+        description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     common.add_model_args(p)
     add_env_args(p, scenarios_default=str(HERE / "data" / "scenarios_test.jsonl"), k_default=2)
     g = common.add_run_args(p, "rollout")

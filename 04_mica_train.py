@@ -69,6 +69,7 @@ N GPUs: accelerate launch --num_processes N 04_mica_train.py ...  (each process 
         scenarios; accelerate sums the gradients and token counts over the processes; process 0 writes;
         docs/scale.md)
 """
+
 from __future__ import annotations
 
 import argparse
@@ -90,8 +91,8 @@ import common
 import offline
 import plots
 
-sft = importlib.import_module("01_rubric_sft")   # CARE: the rubric format and parser, generation, criteria judge
-env = importlib.import_module("03_rollout")      # the environment: scenarios, rollout, judges, users, IDR
+sft = importlib.import_module("01_rubric_sft")  # CARE: the rubric format and parser, generation, criteria judge
+env = importlib.import_module("03_rollout")  # the environment: scenarios, rollout, judges, users, IDR
 HERE = Path(__file__).resolve().parent
 DIMS = sft.DIMS
 
@@ -142,8 +143,10 @@ def mica_advantages(rewards, alpha, gamma) -> list[list[float]]:
     """rewards[k][t] for one scenario's K dialogues -> A[k][t], MICA's mix of the two."""
     A_turn, A_group = turn_level_advantages(rewards, gamma), group_level_advantages(rewards)
     # A[k][t] = alpha * A_turn[k][t] + (1 - alpha) * A_group[k][t]
-    return [[alpha * A_turn[k][t] + (1 - alpha) * A_group[k][t] for t in range(len(rewards[k]))]
-            for k in range(len(rewards))]
+    return [
+        [alpha * A_turn[k][t] + (1 - alpha) * A_group[k][t] for t in range(len(rewards[k]))]
+        for k in range(len(rewards))
+    ]
 
 
 def grpo_advantages(rewards) -> list[list[float]]:
@@ -193,14 +196,16 @@ def care_turn_rewards(crit_judge, trajs, rubrics) -> list[list[float]]:
     cases = []
     for i, tr in enumerate(trajs):
         hist = [m for m in env.seen_history(tr) if m["role"] != "system"]
-        cases += [{"context": hist[: 2 * t + 1], "reply": tr.shown[t], "criteria": rubrics[i][t]["criteria"]}
-                  for t in range(tr.T)]
+        cases += [
+            {"context": hist[: 2 * t + 1], "reply": tr.shown[t], "criteria": rubrics[i][t]["criteria"]}
+            for t in range(tr.T)
+        ]
     scores = iter(sft.judge_by_dimension(crit_judge, cases))
     r = []
     for i, tr in enumerate(trajs):
         r_i = []
         for t in range(tr.T):
-            s_t = next(scores)        # {d: [s(y_t, c) for c in C_d,t]}, None where the judge failed
+            s_t = next(scores)  # {d: [s(y_t, c) for c in C_d,t]}, None where the judge failed
             # r_t = S(y_t) under turn t's rubric; NaN where the judge failed (failed_turns leaves it out)
             r_i.append(float("nan") if s_t is None else rubric_score(rubrics[i][t], s_t))
         r.append(r_i)
@@ -219,8 +224,13 @@ def kardia_turn_rewards(crit_judge, trajs, use_format: bool) -> list[list[float]
             reply_axes, emotion_axis = kardia_criteria(tr.scenario, hist[2 * t]["content"])
             named = env.kardia_section(replies[t], "emotion") if use_format else tr.shown[t]
             cases.append({"context": hist[: 2 * t + 1], "reply": tr.shown[t], "criteria": {"reply": reply_axes}})
-            cases.append({"context": hist[: 2 * t + 1], "reply": named or "(no emotion named)",
-                          "criteria": {"emotion": [emotion_axis]}})
+            cases.append(
+                {
+                    "context": hist[: 2 * t + 1],
+                    "reply": named or "(no emotion named)",
+                    "criteria": {"emotion": [emotion_axis]},
+                }
+            )
     scores = iter(sft.judge_by_dimension(crit_judge, cases))
     r = []
     for tr in trajs:
@@ -256,7 +266,7 @@ def reward_parts(tr, args) -> dict[str, list[float]]:
         elif name == "rlver":
             parts["rlver"] = rlver_emotion_rewards(tr.emotions)
         else:
-            parts[name] = tr.extra[name]        # care / kardia: judged per criterion in the train loop
+            parts[name] = tr.extra[name]  # care / kardia: judged per criterion in the train loop
     return parts
 
 
@@ -270,8 +280,12 @@ def cutoff_penalty(args) -> float:
     #   care    1: the judge's scores and the rubric's weights lie in [0, 1]
     #   kardia  1: the mean criterion score lies in [0, 1]; 2 with --kardia-format (r_fmt: [-1, 1])
     weighted = "care" in args.reward_weights and args.care_distance == "weighted"
-    scale = {"idr": math.sqrt(3.0 if weighted else sum(args.idr_weights)), "rlver": 0.1, "care": 1.0,
-             "kardia": 2.0 if args.kardia_format else 1.0}
+    scale = {
+        "idr": math.sqrt(3.0 if weighted else sum(args.idr_weights)),
+        "rlver": 0.1,
+        "care": 1.0,
+        "kardia": 2.0 if args.kardia_format else 1.0,
+    }
     penalty = 0.0
     for name, weight in args.reward_weights.items():
         penalty += abs(weight) * scale[name]
@@ -324,6 +338,7 @@ def k3_kl(logp, logp_ref):
 class Sample:
     """One dialogue for the update: its token ids, each reply's [start, end) and advantage A[k][t] (None:
     a failed turn, left out of the loss)."""
+
     ids: list[int]
     spans: list[tuple[int, int]]
     A: list[float | None]
@@ -336,8 +351,10 @@ class Sample:
 
     def token_advantages(self) -> torch.Tensor:
         # A_i = A[k][t] for every token i of reply t (flat, in the order token_logprobs gives them)
-        return torch.repeat_interleave(torch.tensor([a for a in self.A if a is not None], dtype=torch.float32),
-                                       torch.tensor([end - start for start, end in self.scored()], dtype=torch.long))
+        return torch.repeat_interleave(
+            torch.tensor([a for a in self.A if a is not None], dtype=torch.float32),
+            torch.tensor([end - start for start, end in self.scored()], dtype=torch.long),
+        )
 
 
 def ppo_update(model, tokenizer, optimizer, scheduler, samples: list[Sample], args, acc, log_kl=False) -> dict:
@@ -354,22 +371,34 @@ def ppo_update(model, tokenizer, optimizer, scheduler, samples: list[Sample], ar
     # one (micro_batches: padding). A dialogue with nothing to score is left out; every process gets as many
     # minibatches (empty ones where it has run out)
     size = args.minibatch_size // acc.num_processes
-    minibatches = [[i for i in range(j, min(j + size, len(samples))) if samples[i].n_tokens() > 0]
-                   for j in range(0, len(samples), size)]
+    minibatches = [
+        [i for i in range(j, min(j + size, len(samples))) if samples[i].n_tokens() > 0]
+        for j in range(0, len(samples), size)
+    ]
     minibatches += [[] for _ in range(max(gather_object([len(minibatches)])) - len(minibatches))]
     total = int(acc.reduce(torch.tensor(sum(s.n_tokens() for s in samples), device=acc.device), "sum"))
-    if total == 0:                              # nothing to score anywhere: no update, the schedule still moves
+    if total == 0:  # nothing to score anywhere: no update, the schedule still moves
         scheduler.step()
-        return {"loss": math.nan, "clip_frac": math.nan, "ratio_min": math.nan, "ratio_max": math.nan,
-                "kl": math.nan, "grad_norm": math.nan, "train_tokens": 0, "optimizer_steps": 0,
-                "nonfinite_grads": 0, "empty_updates": 1}
+        return {
+            "loss": math.nan,
+            "clip_frac": math.nan,
+            "ratio_min": math.nan,
+            "ratio_max": math.nan,
+            "kl": math.nan,
+            "grad_norm": math.nan,
+            "train_tokens": 0,
+            "optimizer_steps": 0,
+            "nonfinite_grads": 0,
+            "empty_updates": 1,
+        }
     A_tok = {i: samples[i].token_advantages() for mb in minibatches for i in mb}
     need_ref = args.kl_coef > 0 or log_kl
     old, ref = old_and_ref_logprobs(model, tokenizer, samples, minibatches, args, need_ref)
     model.train()
     # sums (and the ratio's range) kept on the device, copied once at the end
-    loss_total, clipped, kl_total, ratio_lo, ratio_hi = torch.tensor([0, 0, 0, math.inf, -math.inf],
-                                                                     dtype=torch.float64, device=device)
+    loss_total, clipped, kl_total, ratio_lo, ratio_hi = torch.tensor(
+        [0, 0, 0, math.inf, -math.inf], dtype=torch.float64, device=device
+    )
     grad_norms, tokens, nonfinite_grads, n_updates = [], 0, 0, 0
     for _ in range(args.ppo_epochs):
         for mb in minibatches:
@@ -397,7 +426,7 @@ def ppo_update(model, tokenizer, optimizer, scheduler, samples: list[Sample], ar
                 loss_total += loss_sum.detach().double() / N
                 clipped += was_clipped.sum()
                 tokens += len(A)
-            if acc.num_processes > 1:             # the gradients summed over the processes, in one flat buffer
+            if acc.num_processes > 1:  # the gradients summed over the processes, in one flat buffer
                 grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in params]
                 flat = acc.reduce(torch.cat([g.reshape(-1) for g in grads]), "sum")
                 for p, g in zip(params, flat.split([p.numel() for p in params])):
@@ -406,21 +435,30 @@ def ppo_update(model, tokenizer, optimizer, scheduler, samples: list[Sample], ar
             if math.isfinite(grad_norm):
                 optimizer.step()
                 grad_norms.append(grad_norm)
-            else:                                              # a non-finite gradient is skipped, and counted
+            else:  # a non-finite gradient is skipped, and counted
                 optimizer.zero_grad(set_to_none=True)
                 nonfinite_grads += 1
     scheduler.step()
     # the sums over every process: one copy from the device, one collective
-    totals = torch.stack([loss_total, clipped, kl_total, torch.tensor(float(tokens), dtype=torch.float64,
-                                                                      device=device)])
+    totals = torch.stack(
+        [loss_total, clipped, kl_total, torch.tensor(float(tokens), dtype=torch.float64, device=device)]
+    )
     loss_total, clipped, kl_total, tokens = acc.reduce(totals, "sum").tolist()
-    ratios = gather_object([(float(ratio_lo), float(ratio_hi))])        # every process's (min, max)
+    ratios = gather_object([(float(ratio_lo), float(ratio_hi))])  # every process's (min, max)
     # loss: the mean of the minibatch losses (the micro losses add up to a minibatch's); grad_norm: the mean over
     # the optimizer steps taken (optimizer_steps); a minibatch with a non-finite gradient is counted apart
-    return {"loss": loss_total / n_updates, "clip_frac": clipped / tokens, "ratio_min": min(lo for lo, _ in ratios),
-            "ratio_max": max(hi for _, hi in ratios), "kl": kl_total / tokens if need_ref else math.nan,
-            "grad_norm": sum(grad_norms) / len(grad_norms) if grad_norms else math.nan, "train_tokens": int(tokens),
-            "optimizer_steps": len(grad_norms), "nonfinite_grads": nonfinite_grads, "empty_updates": 0}
+    return {
+        "loss": loss_total / n_updates,
+        "clip_frac": clipped / tokens,
+        "ratio_min": min(lo for lo, _ in ratios),
+        "ratio_max": max(hi for _, hi in ratios),
+        "kl": kl_total / tokens if need_ref else math.nan,
+        "grad_norm": sum(grad_norms) / len(grad_norms) if grad_norms else math.nan,
+        "train_tokens": int(tokens),
+        "optimizer_steps": len(grad_norms),
+        "nonfinite_grads": nonfinite_grads,
+        "empty_updates": 0,
+    }
 
 
 @torch.no_grad()
@@ -449,28 +487,28 @@ def old_and_ref_logprobs(model, tokenizer, samples, minibatches, args, need_ref:
 # ---------------------------------------------------------------------------------------------
 # The main loop
 # ---------------------------------------------------------------------------------------------
-def train_loop(args, acc, run_dir, scenarios, model, tokenizer, judge, user, optimizer, scheduler, logger, start,
-               care):
+def train_loop(args, acc, run_dir, scenarios, model, tokenizer, judge, user, optimizer, scheduler, logger, start, care):
     rank, n_ranks = acc.process_index, acc.num_processes
-    for step in tqdm(range(start, args.steps + 1), desc="train", initial=start - 1, total=args.steps,
-                     disable=not args.progress):
+    for step in tqdm(
+        range(start, args.steps + 1), desc="train", initial=start - 1, total=args.steps, disable=not args.progress
+    ):
         t0, before = time.time(), common.api_counts(judge, user)
-        step_seed = args.seed * 100_003 + step          # every step's randomness depends on (seed, step)
-        torch.manual_seed(step_seed * n_ranks + rank)   # (and on the process: each samples its own)
+        step_seed = args.seed * 100_003 + step  # every step's randomness depends on (seed, step)
+        torch.manual_seed(step_seed * n_ranks + rank)  # (and on the process: each samples its own)
         if isinstance(user, offline.ScriptedUser):
             user.seed = step_seed
         batch = random.Random(step_seed).sample(scenarios, min(args.scenarios_per_step, len(scenarios)))
-        batch = batch[rank::n_ranks]                    # data-parallel: this process's share of the scenarios
+        batch = batch[rank::n_ranks]  # data-parallel: this process's share of the scenarios
         # 1. rollout: K dialogues per scenario, every live dialogue batched each turn
         trajs = env.rollout(model, tokenizer, batch, judge, user, args, desc=f"step {step} rollout")
         t_roll = time.time() - t0
         # 2. rewards: the --reward components per turn (cut-off penalty, failed turns filled), by scenario
         rubric_invalid = 0
-        if "care" in args.reward_weights:       # CARE: each turn's rubric, then the judge per criterion
+        if "care" in args.reward_weights:  # CARE: each turn's rubric, then the judge per criterion
             rubrics, rubric_invalid = turn_rubrics(care[0], care[1], trajs, args)
             for tr, rb, r_care in zip(trajs, rubrics, care_turn_rewards(care[2], trajs, rubrics)):
                 tr.extra["rubrics"], tr.extra["care"] = rb, r_care
-        if "kardia" in args.reward_weights:     # Kardia-R1: the fixed rubric (+ the format term)
+        if "kardia" in args.reward_weights:  # Kardia-R1: the fixed rubric (+ the format term)
             for tr, r_k in zip(trajs, kardia_turn_rewards(care[2], trajs, args.kardia_format)):
                 tr.extra["kardia"] = r_k
         groups = [[tr for tr in trajs if tr.scenario is s] for s in batch]
@@ -480,11 +518,11 @@ def train_loop(args, acc, run_dir, scenarios, model, tokenizer, judge, user, opt
             advs = [mica_advantages(r, args.alpha, args.gamma) for r in rewards]
         elif args.advantage == "grpo":
             advs = [grpo_advantages(r) for r in rewards]
-        else:   # whitened over the whole batch: every process's rewards, gathered, then this process's part
+        else:  # whitened over the whole batch: every process's rewards, gathered, then this process's part
             everyone = gather_object([rewards])
             mine = sum(len(part) for part in everyone[:rank])
             advs = reinforce_pp_advantages([g for part in everyone for g in part], args.gamma)
-            advs = advs[mine:mine + len(rewards)]
+            advs = advs[mine : mine + len(rewards)]
         # a group whose rewards are all equal (or that has one dialogue) has zero advantage and teaches
         # nothing (counted); a non-finite advantage is set to 0 (counted): its tokens add no policy gradient
         degenerate = sum(all(abs(a) < 1e-9 for A in group for a in A) for group in advs)
@@ -495,25 +533,46 @@ def train_loop(args, acc, run_dir, scenarios, model, tokenizer, judge, user, opt
         # 4. update: the clipped surrogate on the reply tokens of every turn no judge failed on
         t1, lr = time.time(), optimizer.param_groups[0]["lr"]
         log_kl = args.kl_coef == 0 and args.log_kl_every > 0 and step % args.log_kl_every == 0
-        upd = ppo_update(model, tokenizer, optimizer, scheduler, as_samples(flat_trajs, flat_advs, failed), args,
-                         acc, log_kl)
+        upd = ppo_update(
+            model, tokenizer, optimizer, scheduler, as_samples(flat_trajs, flat_advs, failed), args, acc, log_kl
+        )
         # 5. log, keep the rollouts (with MICA's two terms, for the credit picture), checkpoint (data-
         # parallel: process 0 gathers every process's and writes)
-        terms = ([t for r in rewards for t in zip(turn_level_advantages(r, args.gamma), group_level_advantages(r))]
-                 if args.advantage == "mica" else None)
-        counts = {"degenerate_groups": degenerate, "nonfinite_advantages": nonfinite,
-                  **({"rubric_invalid": rubric_invalid} if "care" in args.reward_weights else {}),
-                  **({"format_ok": sum(sum(tr.formatted) for tr in flat_trajs)} if args.kardia_format else {}),
-                  **{k: v - before.get(k, 0) for k, v in common.api_counts(judge, user).items()}}
-        records = [dialogue_record(args, step, tr, r, A, F, terms[i] if terms else None) for i, (tr, r, A, F) in
-                   enumerate(zip(flat_trajs, [r for g in rewards for r in g], flat_advs, failed))]
-        log_step(acc, run_dir, logger, step, records, [x for g in rewards for r in g for x in r], counts, upd, lr, t0,
-                 t_roll, time.time() - t1)
+        terms = (
+            [t for r in rewards for t in zip(turn_level_advantages(r, args.gamma), group_level_advantages(r))]
+            if args.advantage == "mica"
+            else None
+        )
+        counts = {
+            "degenerate_groups": degenerate,
+            "nonfinite_advantages": nonfinite,
+            **({"rubric_invalid": rubric_invalid} if "care" in args.reward_weights else {}),
+            **({"format_ok": sum(sum(tr.formatted) for tr in flat_trajs)} if args.kardia_format else {}),
+            **{k: v - before.get(k, 0) for k, v in common.api_counts(judge, user).items()},
+        }
+        records = [
+            dialogue_record(args, step, tr, r, A, F, terms[i] if terms else None)
+            for i, (tr, r, A, F) in enumerate(zip(flat_trajs, [r for g in rewards for r in g], flat_advs, failed))
+        ]
+        log_step(
+            acc,
+            run_dir,
+            logger,
+            step,
+            records,
+            [x for g in rewards for r in g for x in r],
+            counts,
+            upd,
+            lr,
+            t0,
+            t_roll,
+            time.time() - t1,
+        )
         if acc.is_main_process and (step % args.save_every == 0 or step == args.steps):
             common.save_checkpoint(run_dir, step, model, optimizer, scheduler)
             plots.curves(run_dir, plots.MICA_CURVES)
         if acc.is_main_process and step in (args.credit_steps or (start, args.steps)) and args.advantage == "mica":
-            plots.credit(run_dir, step)             # how MICA assigned credit (default: the first and last step)
+            plots.credit(run_dir, step)  # how MICA assigned credit (default: the first and last step)
 
 
 def main(argv=None):
@@ -525,34 +584,43 @@ def main(argv=None):
     # one process, or each of `accelerate launch --num_processes N`'s: NCCL on GPUs, gloo on CPUs (cpu=True)
     acc = Accelerator(cpu=not torch.cuda.is_available())
     n_ranks = acc.num_processes
-    common.check(min(args.scenarios_per_step, len(scenarios)) >= n_ranks,
-                 f"--scenarios-per-step must be >= the number of processes ({n_ranks}): each takes its own")
-    common.check(args.minibatch_size % (args.k * n_ranks) == 0, f"--minibatch-size must be a multiple of --k x the "
-                 f"number of processes ({args.k} x {n_ranks}): each process's share holds whole scenarios")
-    args.progress = args.progress and acc.is_main_process     # one progress bar, one log: process 0's
-    model, tokenizer = common.load_policy(args, trainable=True)     # every model loads before the run folder
+    common.check(
+        min(args.scenarios_per_step, len(scenarios)) >= n_ranks,
+        f"--scenarios-per-step must be >= the number of processes ({n_ranks}): each takes its own",
+    )
+    common.check(
+        args.minibatch_size % (args.k * n_ranks) == 0,
+        f"--minibatch-size must be a multiple of --k x the "
+        f"number of processes ({args.k} x {n_ranks}): each process's share holds whole scenarios",
+    )
+    args.progress = args.progress and acc.is_main_process  # one progress bar, one log: process 0's
+    model, tokenizer = common.load_policy(args, trainable=True)  # every model loads before the run folder
     judge, user = env.make_judge(args, (model, tokenizer)), env.make_user(args, (model, tokenizer))
     care = load_care(args, (model, tokenizer))
     box = [str(common.open_run(args, ("metrics.jsonl", "rollouts.jsonl"))) if acc.is_main_process else None]
-    run_dir = Path(broadcast_object_list(box)[0])   # process 0 made (or checked) the run folder; all write there
+    run_dir = Path(broadcast_object_list(box)[0])  # process 0 made (or checked) the run folder; all write there
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer, scheduler = common.make_optimizer(params, args.lr, WEIGHT_DECAY, args.steps)
     state = common.load_checkpoint(run_dir, model, optimizer, scheduler) if args.resume else None
-    start = state["step"] + 1 if state else 1       # every process loads the same checkpoint
-    for p in params:                                # every process starts from process 0's adapter
+    start = state["step"] + 1 if state else 1  # every process loads the same checkpoint
+    for p in params:  # every process starts from process 0's adapter
         broadcast(p.data)
     logger = common.MetricsLogger(run_dir) if acc.is_main_process else None
     if acc.is_main_process:
-        print(f"run folder {run_dir} | trainable parameters {sum(p.numel() for p in params):,} | device "
-              f"{common.pick_device()}" + (f" | data-parallel over {n_ranks} processes" if n_ranks > 1 else "")
-              + (f" | resumed from {run_dir / 'checkpoint.pt'} at step {start}" if state else ""))
+        print(
+            f"run folder {run_dir} | trainable parameters {sum(p.numel() for p in params):,} | device "
+            f"{common.pick_device()}"
+            + (f" | data-parallel over {n_ranks} processes" if n_ranks > 1 else "")
+            + (f" | resumed from {run_dir / 'checkpoint.pt'} at step {start}" if state else "")
+        )
     try:
-        train_loop(args, acc, run_dir, scenarios, model, tokenizer, judge, user, optimizer, scheduler, logger, start,
-                   care)
-    except common.UserError:    # the judge's endpoint went down, say: keep what was learned, then stop
+        train_loop(
+            args, acc, run_dir, scenarios, model, tokenizer, judge, user, optimizer, scheduler, logger, start, care
+        )
+    except common.UserError:  # the judge's endpoint went down, say: keep what was learned, then stop
         common.checkpoint_on_error(run_dir, model, optimizer, scheduler, logger, start)
         raise
-    if n_ranks > 1:   # the processes must hold the same adapter: checked, and each one's weight sum written down
+    if n_ranks > 1:  # the processes must hold the same adapter: checked, and each one's weight sum written down
         sums = gather_object([sum(float(p.detach().double().sum()) for p in params)])
         if acc.is_main_process:
             (run_dir / "data_parallel.json").write_text(json.dumps({"world_size": n_ranks, "adapter_sums": sums}))
@@ -560,8 +628,10 @@ def main(argv=None):
     if acc.is_main_process:
         model.save_pretrained(run_dir / "adapter", safe_serialization=True)
         tokenizer.save_pretrained(run_dir / "adapter")
-        print(f"final adapter: {run_dir / 'adapter'} (05_eval.py --adapters takes it); curves: "
-              f"{plots.curves(run_dir, plots.MICA_CURVES)}")
+        print(
+            f"final adapter: {run_dir / 'adapter'} (05_eval.py --adapters takes it); curves: "
+            f"{plots.curves(run_dir, plots.MICA_CURVES)}"
+        )
     acc.end_training()
 
 
@@ -580,7 +650,7 @@ def as_samples(trajs, advs=None, failed=None) -> list[Sample]:
 def micro_batches(samples: list[Sample], mb: list[int], size: int) -> list[list[int]]:
     """A minibatch's micro-batches, its dialogues sorted by length (less padding; the step is the same)."""
     mb = sorted(mb, key=lambda i: len(samples[i].ids))
-    return [mb[j:j + size] for j in range(0, len(mb), size)]
+    return [mb[j : j + size] for j in range(0, len(mb), size)]
 
 
 def collate(samples: list[Sample], pad_id, device):
@@ -594,8 +664,12 @@ def dialogue_record(args, step, tr, r, A, failed, terms) -> dict:
     rec = env.trajectory_record(tr, args, rewards=[round(x, 4) for x in r], step=step)
     parts, G = reward_parts(tr, args), discounted_returns(r, args.gamma)
     for t, turn in enumerate(rec["turns"]):
-        turn.update(G=round(G[t], 4), advantage=round(A[t], 4), judge_failed=failed[t],
-                    reward_parts={k: round(v[t], 4) if math.isfinite(v[t]) else None for k, v in parts.items()})
+        turn.update(
+            G=round(G[t], 4),
+            advantage=round(A[t], 4),
+            judge_failed=failed[t],
+            reward_parts={k: round(v[t], 4) if math.isfinite(v[t]) else None for k, v in parts.items()},
+        )
         if terms:
             turn.update(A_turn=round(terms[0][t], 4), A_group=round(terms[1][t], 4))
         if "rubrics" in tr.extra:
@@ -605,36 +679,50 @@ def dialogue_record(args, step, tr, r, A, failed, terms) -> dict:
 
 def log_step(acc, run_dir, logger, step, records, rewards, counts, upd, lr, t0, t_roll, t_upd):
     """rollouts.jsonl and one metrics line; data-parallel: process 0 gathers every process's share, writes."""
-    parts = gather_object([{"records": records, "rewards": rewards, "counts": counts, "t_roll": t_roll,
-                            "t_upd": t_upd, "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}])
+    parts = gather_object(
+        [
+            {
+                "records": records,
+                "rewards": rewards,
+                "counts": counts,
+                "t_roll": t_roll,
+                "t_upd": t_upd,
+                "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+            }
+        ]
+    )
     if not acc.is_main_process:
-        return                                            # the other processes go on to the next step
+        return  # the other processes go on to the next step
     records = [rec for part in parts for rec in part["records"]]
     rewards = [x for part in parts for x in part["rewards"]]
     turns, n = [turn for rec in records for turn in rec["turns"]], len(records)
     common.append_jsonl(run_dir / "rollouts.jsonl", records)
-    logger.log(step, {
-        "reward_mean": sum(rewards) / len(rewards),
-        "return_mean": sum(rec["return"] for rec in records) / n,          # sum_t r_t, not discounted
-        "success_rate": sum(rec["outcome"] == "success" for rec in records) / n,
-        "final_distance": sum(rec["final_distance"] for rec in records) / n,
-        "final_emotion": sum(rec["final_emotion"] for rec in records) / n,
-        # the pure IDR of a dialogue telescopes to d(P0) - d(P_T): 05's held-out measure
-        "distance_drop": sum(rec["initial_distance"] - rec["final_distance"] for rec in records) / n,
-        "trajectories": n,
-        "turns_mean": len(turns) / n,
-        "truncated_frac": sum(turn["truncated"] for turn in turns) / max(1, len(turns)),
-        "judge_failures": sum(turn["judge_failed"] for turn in turns),
-        "user_failures": sum(rec["outcome"] == "user_failed" for rec in records),
-        **{k: sum(part["counts"][k] for part in parts) for k in parts[0]["counts"]},
-        **upd,
-        "lr": lr,
-        # the processes run side by side: all their tokens over the slowest one's time
-        "gen_tokens_per_s": sum(turn["reply_tokens"] for turn in turns) / max(max(x["t_roll"] for x in parts), 1e-9),
-        "train_tokens_per_s": upd["train_tokens"] / max(max(x["t_upd"] for x in parts), 1e-9),
-        "step_seconds": time.time() - t0,
-        "peak_rss_gb": max(x["rss"] for x in parts),     # of the largest process
-    })
+    logger.log(
+        step,
+        {
+            "reward_mean": sum(rewards) / len(rewards),
+            "return_mean": sum(rec["return"] for rec in records) / n,  # sum_t r_t, not discounted
+            "success_rate": sum(rec["outcome"] == "success" for rec in records) / n,
+            "final_distance": sum(rec["final_distance"] for rec in records) / n,
+            "final_emotion": sum(rec["final_emotion"] for rec in records) / n,
+            # the pure IDR of a dialogue telescopes to d(P0) - d(P_T): 05's held-out measure
+            "distance_drop": sum(rec["initial_distance"] - rec["final_distance"] for rec in records) / n,
+            "trajectories": n,
+            "turns_mean": len(turns) / n,
+            "truncated_frac": sum(turn["truncated"] for turn in turns) / max(1, len(turns)),
+            "judge_failures": sum(turn["judge_failed"] for turn in turns),
+            "user_failures": sum(rec["outcome"] == "user_failed" for rec in records),
+            **{k: sum(part["counts"][k] for part in parts) for k in parts[0]["counts"]},
+            **upd,
+            "lr": lr,
+            # the processes run side by side: all their tokens over the slowest one's time
+            "gen_tokens_per_s": sum(turn["reply_tokens"] for turn in turns)
+            / max(max(x["t_roll"] for x in parts), 1e-9),
+            "train_tokens_per_s": upd["train_tokens"] / max(max(x["t_upd"] for x in parts), 1e-9),
+            "step_seconds": time.time() - t0,
+            "peak_rss_gb": max(x["rss"] for x in parts),  # of the largest process
+        },
+    )
 
 
 def load_care(args, policy):
@@ -643,8 +731,11 @@ def load_care(args, policy):
     if not {"care", "kardia"} & set(args.reward_weights):
         return None
     gen_args = argparse.Namespace(**{**vars(args), "adapter": args.rubric_model, "gradient_checkpointing": False})
-    rubric_model, rubric_tok = (common.load_policy(gen_args, trainable=False)
-                                if args.rubric_model and "care" in args.reward_weights else (None, None))
+    rubric_model, rubric_tok = (
+        common.load_policy(gen_args, trainable=False)
+        if args.rubric_model and "care" in args.reward_weights
+        else (None, None)
+    )
     return rubric_model, rubric_tok, sft.CriteriaJudge(args, policy)
 
 
@@ -655,7 +746,7 @@ def turn_rubrics(rubric_model, rubric_tok, trajs, args) -> tuple[list[list[dict]
     does not parse is replaced by the fixed one, and counted."""
     contexts, where, fixed = [], [], sft.UNIFORM_RUBRIC
     for i, tr in enumerate(trajs):
-        hist = [m for m in env.seen_history(tr) if m["role"] != "system"]    # what the criteria judge sees too
+        hist = [m for m in env.seen_history(tr) if m["role"] != "system"]  # what the criteria judge sees too
         for t in range(tr.T):
             contexts.append(hist[: 2 * t + 1])
             where.append((i, t))
@@ -667,8 +758,10 @@ def turn_rubrics(rubric_model, rubric_tok, trajs, args) -> tuple[list[list[dict]
     out = [[fixed] * tr.T for tr in trajs]
     for (i, t), g in zip(where, generated):
         g = g or fixed
-        out[i][t] = {"weights": (g if args.rubric in ("adaptive", "weights-only") else fixed)["weights"],
-                     "criteria": (g if args.rubric in ("adaptive", "criteria-only") else fixed)["criteria"]}
+        out[i][t] = {
+            "weights": (g if args.rubric in ("adaptive", "weights-only") else fixed)["weights"],
+            "criteria": (g if args.rubric in ("adaptive", "criteria-only") else fixed)["criteria"],
+        }
     return out, sum(g is None for g in generated)
 
 
@@ -680,14 +773,15 @@ def kardia_criteria(scenario: dict, user_message: str) -> tuple[list[str], str]:
     prof = scenario.get("profile") if isinstance(scenario.get("profile"), dict) else {}
     who = "; ".join(f"{k}: {v}" for k, v in prof.items()) or scenario.get("persona", "")
     feels = scenario.get("emotion") or prof.get("emotion")
-    texts = env.PROMPTS["kardia_criteria"]           # data/prompts.json
-    emotion = (texts["emotion_given"].format(feels=feels) if feels else
-               texts["emotion_shown"].format(message=user_message))
+    texts = env.PROMPTS["kardia_criteria"]  # data/prompts.json
+    emotion = (
+        texts["emotion_given"].format(feels=feels) if feels else texts["emotion_shown"].format(message=user_message)
+    )
     return [c.format(who=who) for c in texts["reply"]], emotion
 
 
 REWARDS = ("idr", "rlver", "care", "kardia")  # the per-turn reward components --reward can combine
-MAX_GRAD_NORM, WEIGHT_DECAY = 1.0, 0.1     # gradient clipping; AdamW's weight decay (no warmup under 30 steps)
+MAX_GRAD_NORM, WEIGHT_DECAY = 1.0, 0.1  # gradient clipping; AdamW's weight decay (no warmup under 30 steps)
 # The budget a run starts from (--preset); a flag given on the command line wins over it.
 #   cpu   the reference defaults below (4 scenarios x K=4, 3 turns of <= 48 tokens, lr 1e-3)
 #   demo  `make demo`: the reference step for 4 steps (8 optimizer steps), the KL logged every 2 steps
@@ -697,62 +791,130 @@ MAX_GRAD_NORM, WEIGHT_DECAY = 1.0, 0.1     # gradient clipping; AdamW's weight d
 PRESETS = {
     "cpu": {},
     "demo": dict(steps=4, log_kl_every=2, save_every=4),
-    "gpu": dict(scenarios_per_step=16, k=4, minibatch_size=32, min_turns=8, max_turns=15, collapse_window=5,
-                max_new_tokens=256, max_context=4096, lr=1e-5, gradient_checkpointing=True, judge="self", user="self"),
+    "gpu": dict(
+        scenarios_per_step=16,
+        k=4,
+        minibatch_size=32,
+        min_turns=8,
+        max_turns=15,
+        collapse_window=5,
+        max_new_tokens=256,
+        max_context=4096,
+        lr=1e-5,
+        gradient_checkpointing=True,
+        judge="self",
+        user="self",
+    ),
 }
 
 
 def parse_args(argv=None):
-    count = common.number(int, low=1)          # argparse types: a bad value exits 2 with one line naming the flag
-    p = common.ArgumentParser(description=__doc__.split("\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    count = common.number(int, low=1)  # argparse types: a bad value exits 2 with one line naming the flag
+    p = common.ArgumentParser(
+        description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     common.add_model_args(p)
     env.add_env_args(p, scenarios_default=str(HERE / "data" / "scenarios_train.jsonl"))
     g = p.add_argument_group("algorithm")
-    g.add_argument("--advantage", choices=["mica", "grpo", "reinforce_pp"], default="mica",
-                   help="credit assignment: MICA mixed turn/group, GRPO outcome, REINFORCE++ batch-whitened")
-    g.add_argument("--alpha", type=common.number(low=0, high=1), default=0.4,
-                   help="MICA's weight of the turn-level advantage")
+    g.add_argument(
+        "--advantage",
+        choices=["mica", "grpo", "reinforce_pp"],
+        default="mica",
+        help="credit assignment: MICA mixed turn/group, GRPO outcome, REINFORCE++ batch-whitened",
+    )
+    g.add_argument(
+        "--alpha", type=common.number(low=0, high=1), default=0.4, help="MICA's weight of the turn-level advantage"
+    )
     g.add_argument("--gamma", type=common.number(low=0, high=1), default=0.85, help="discount of the per-turn returns")
-    g.add_argument("--reward", default="idr", help="per-turn reward: idr (MICA's incremental distance), rlver "
-                   "(the simulated user's emotion change / 100; dialogues end by RLVER's emotion rule), care (CARE's "
-                   "adaptive rubric, judged per criterion), kardia (Kardia-R1's fixed rubric, + its format term "
-                   "with --kardia-format), or a weighted sum such as idr+0.5*care")
+    g.add_argument(
+        "--reward",
+        default="idr",
+        help="per-turn reward: idr (MICA's incremental distance), rlver "
+        "(the simulated user's emotion change / 100; dialogues end by RLVER's emotion rule), care (CARE's "
+        "adaptive rubric, judged per criterion), kardia (Kardia-R1's fixed rubric, + its format term "
+        "with --kardia-format), or a weighted sum such as idr+0.5*care",
+    )
     g.add_argument("--rubric-model", default=None, help="--reward care: the frozen rubric generator (02's adapter)")
-    g.add_argument("--rubric", choices=["adaptive", "uniform", "weights-only", "criteria-only"], default="adaptive",
-                   help="CARE's Table-3 ablations: the generator's weights and criteria, or w = 1/3 and fixed "
-                        "generic criteria, or one of the two from the generator")
+    g.add_argument(
+        "--rubric",
+        choices=["adaptive", "uniform", "weights-only", "criteria-only"],
+        default="adaptive",
+        help="CARE's Table-3 ablations: the generator's weights and criteria, or w = 1/3 and fixed "
+        "generic criteria, or one of the two from the generator",
+    )
     g.add_argument("--rubric-max-new-tokens", type=int, default=256, help="token cap of a generated rubric")
-    g.add_argument("--care-distance", choices=["weighted", "plain"], default="weighted",
-                   help="with idr+care: weight turn t's distance by 3 w_t of its rubric (this project's design; "
-                        "the rewards then do not telescope), or plain MICA IDR")
-    g.add_argument("--idr-weights", nargs=3, type=common.number(low=0), default=(1.0, 1.0, 1.0),
-                   metavar=("W_C", "W_A", "W_P"), help="w = (w_C, w_A, w_P) of the hinge distance")
-    g.add_argument("--truncation-penalty", type=float, default=0.5, help="a reply cut off at --max-new-tokens "
-                   "loses this share of one turn's nominal reward range (IDR sqrt(3), RLVER 0.1, CARE and Kardia 1)")
+    g.add_argument(
+        "--care-distance",
+        choices=["weighted", "plain"],
+        default="weighted",
+        help="with idr+care: weight turn t's distance by 3 w_t of its rubric (this project's design; "
+        "the rewards then do not telescope), or plain MICA IDR",
+    )
+    g.add_argument(
+        "--idr-weights",
+        nargs=3,
+        type=common.number(low=0),
+        default=(1.0, 1.0, 1.0),
+        metavar=("W_C", "W_A", "W_P"),
+        help="w = (w_C, w_A, w_P) of the hinge distance",
+    )
+    g.add_argument(
+        "--truncation-penalty",
+        type=float,
+        default=0.5,
+        help="a reply cut off at --max-new-tokens "
+        "loses this share of one turn's nominal reward range (IDR sqrt(3), RLVER 0.1, CARE and Kardia 1)",
+    )
     g.add_argument("--clip-low", type=common.number(low=0), default=0.2, help="ratio clip below: 1 - clip_low")
     g.add_argument("--clip-high", type=common.number(low=0), default=0.28, help="ratio clip above: 1 + clip_high")
-    g.add_argument("--kl-coef", type=common.number(low=0), default=0.0,
-                   help="beta of the k3 KL to the base model (0 = off)")
-    g.add_argument("--log-kl-every", type=int, default=5,
-                   help="with --kl-coef 0, measure the KL to the base every N steps (one forward, no gradient)")
-    g.add_argument("--credit-steps", nargs="+", type=count, default=[],
-                   help="MICA: the steps whose credit picture credit_step<N>.png is drawn (default: this run's "
-                   "first and last)")
+    g.add_argument(
+        "--kl-coef", type=common.number(low=0), default=0.0, help="beta of the k3 KL to the base model (0 = off)"
+    )
+    g.add_argument(
+        "--log-kl-every",
+        type=int,
+        default=5,
+        help="with --kl-coef 0, measure the KL to the base every N steps (one forward, no gradient)",
+    )
+    g.add_argument(
+        "--credit-steps",
+        nargs="+",
+        type=count,
+        default=[],
+        help="MICA: the steps whose credit picture credit_step<N>.png is drawn (default: this run's first and last)",
+    )
     g = p.add_argument_group("optimisation")
     g.add_argument("--steps", type=count, default=20, help="training steps (rollout + update)")
-    g.add_argument("--scenarios-per-step", type=count, default=4,
-                   help="scenarios per step, each rolled out K times (data-parallel: in all, shared out)")
-    g.add_argument("--lr", type=common.number(above=0), default=1e-3,
-                   help="peak learning rate (AdamW; LoRA on SmolLM2)")
+    g.add_argument(
+        "--scenarios-per-step",
+        type=count,
+        default=4,
+        help="scenarios per step, each rolled out K times (data-parallel: in all, shared out)",
+    )
+    g.add_argument(
+        "--lr", type=common.number(above=0), default=1e-3, help="peak learning rate (AdamW; LoRA on SmolLM2)"
+    )
     g.add_argument("--ppo-epochs", type=count, default=1, help="passes over each rollout batch")
-    g.add_argument("--minibatch-size", type=count, default=8, help="dialogues per optimizer step (data-parallel: "
-                   "in all); 8 of the default 16 gives 2 optimizer steps per rollout, MICA's proportion")
-    g.add_argument("--micro-batch-size", type=count, default=2, help="dialogues per forward/backward, per process "
-                   "(the gradient accumulates up to a minibatch)")
-    g.add_argument("--preset", default="auto", choices=["auto", *PRESETS],
-                   help="the defaults to start from: cpu (the reference CPU budget), demo (make demo), gpu (one "
-                        "GPU, MICA's proportions, --judge self --user self); auto = gpu with CUDA, else cpu")
+    g.add_argument(
+        "--minibatch-size",
+        type=count,
+        default=8,
+        help="dialogues per optimizer step (data-parallel: "
+        "in all); 8 of the default 16 gives 2 optimizer steps per rollout, MICA's proportion",
+    )
+    g.add_argument(
+        "--micro-batch-size",
+        type=count,
+        default=2,
+        help="dialogues per forward/backward, per process (the gradient accumulates up to a minibatch)",
+    )
+    g.add_argument(
+        "--preset",
+        default="auto",
+        choices=["auto", *PRESETS],
+        help="the defaults to start from: cpu (the reference CPU budget), demo (make demo), gpu (one "
+        "GPU, MICA's proportions, --judge self --user self); auto = gpu with CUDA, else cpu",
+    )
     common.add_run_args(p, "mica", resume="a run folder: continue from its last checkpoint", save_every=10)
     # --preset: its values become the defaults (auto: gpu with CUDA); a flag given wins
     name = p.parse_known_args(argv)[0].preset
@@ -760,10 +922,15 @@ def parse_args(argv=None):
     name = name if name != "auto" else "gpu" if common.pick_device().type == "cuda" else "cpu"
     p.set_defaults(**PRESETS[name])
     args = p.parse_args(argv)
-    given = [f"--{k.replace('_', '-')} {v}" + ("" if getattr(args, k) == v else f" (given: {getattr(args, k)})")
-             for k, v in PRESETS[name].items()]
-    args.preset_note = (f"defaults: preset {name} ({why}): " + (", ".join(given) or "the reference CPU defaults")
-                        + "; flags given win (--preset cpu | demo | gpu to choose)")
+    given = [
+        f"--{k.replace('_', '-')} {v}" + ("" if getattr(args, k) == v else f" (given: {getattr(args, k)})")
+        for k, v in PRESETS[name].items()
+    ]
+    args.preset_note = (
+        f"defaults: preset {name} ({why}): "
+        + (", ".join(given) or "the reference CPU defaults")
+        + "; flags given win (--preset cpu | demo | gpu to choose)"
+    )
     return check_args(args)
 
 
@@ -772,8 +939,10 @@ def parse_reward_spec(spec: str) -> dict[str, float]:
     out = {}
     for term in spec.replace(" ", "").split("+"):
         weight, _, name = term.rpartition("*")
-        common.check(name in REWARDS, f"--reward: unknown component '{name}' in '{spec}'; choose from "
-                                      f"{', '.join(REWARDS)} (e.g. idr+0.5*rlver)")
+        common.check(
+            name in REWARDS,
+            f"--reward: unknown component '{name}' in '{spec}'; choose from {', '.join(REWARDS)} (e.g. idr+0.5*rlver)",
+        )
         try:
             out[name] = out.get(name, 0.0) + (float(weight) if weight else 1.0)
         except ValueError:
@@ -785,12 +954,16 @@ def check_args(args):
     """What argparse's types cannot see (one message naming the flag, exit 2), and the reward spec parsed."""
     env.check_env_args(args)
     c = common.check
-    c(args.k >= 2 or args.advantage == "reinforce_pp",
-      f"--k must be >= 2 for --advantage {args.advantage} (it normalises within the K), got {args.k}")
+    c(
+        args.k >= 2 or args.advantage == "reinforce_pp",
+        f"--k must be >= 2 for --advantage {args.advantage} (it normalises within the K), got {args.k}",
+    )
     c(all(x <= args.steps for x in args.credit_steps), f"--credit-steps must lie in 1..--steps {args.steps}")
     args.reward_weights = parse_reward_spec(args.reward)
-    c("care" not in args.reward_weights or args.rubric == "uniform" or args.rubric_model,
-      f"--reward {args.reward} with --rubric {args.rubric} needs --rubric-model (a 02_rubric_pref_rl.py adapter)")
+    c(
+        "care" not in args.reward_weights or args.rubric == "uniform" or args.rubric_model,
+        f"--reward {args.reward} with --rubric {args.rubric} needs --rubric-model (a 02_rubric_pref_rl.py adapter)",
+    )
     args.emotion_ends = args.emotion_ends or "rlver" in args.reward_weights
     return args
 

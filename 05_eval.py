@@ -61,6 +61,7 @@ GPU:  python 05_eval.py --model Qwen2.5-7B-Instruct --adapters runs/mica-A/adapt
           --judge api:Qwen2.5-72B-Instruct --user api:Qwen2.5-72B-Instruct --api-base http://localhost:8000/v1 \\
           --eqbench3-dir path/to/eqbench3 --emobench-dir path/to/EmoBench --max-new-tokens 512 --max-context 32768
 """
+
 from __future__ import annotations
 
 import argparse
@@ -83,15 +84,34 @@ import common
 import plots
 from benchmarks import emobench, eqbench3, sage
 
-env = importlib.import_module("03_rollout")   # the environment: scenarios, judges, users, the rollout
+env = importlib.import_module("03_rollout")  # the environment: scenarios, judges, users, the rollout
 HERE = Path(__file__).resolve().parent
 SUITES = ("empa", "eqbench3", "sage", "emobench")
 RHO_MAX, ALPHA_S, BETA = math.sqrt(12), 1.5, 1.2
-EPM_KEYS = ("EPM", "Outcome", "Efficiency", "Stability", "RDI_idx", "E_total_idx", "S_net_idx", "rho_idx", "S_proj_idx",
-            "tau_idx", "R_pos_idx", "Align_idx", "R_pen_idx", "turns", "final_distance")    # summarised per case
+EPM_KEYS = (
+    "EPM",
+    "Outcome",
+    "Efficiency",
+    "Stability",
+    "RDI_idx",
+    "E_total_idx",
+    "S_net_idx",
+    "rho_idx",
+    "S_proj_idx",
+    "tau_idx",
+    "R_pos_idx",
+    "Align_idx",
+    "R_pen_idx",
+    "turns",
+    "final_distance",
+)  # summarised per case
 # the base-versus-adapter measures of the EMPA suite: (key, label, is higher better)
-PAIRED = (("idr_return", "IDR return", True), ("collapse", "collapse share", False),
-          ("cut_off", "cut-off share", False), ("naturalness", "naturalness", True))
+PAIRED = (
+    ("idr_return", "IDR return", True),
+    ("collapse", "collapse share", False),
+    ("cut_off", "cut-off share", False),
+    ("naturalness", "naturalness", True),
+)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -110,8 +130,14 @@ def epm_outcome(P0, vs) -> dict:
     E_total = sum(sum(v[i] * v_star[i] for i in range(3)) for v in vs)
     # S_net = sum_t sum_axis v_t,axis     -> max(0, S_net)/(alpha_s r0) * 100
     S_net = sum(sum(v) for v in vs)
-    return {"RDI": RDI, "E_total": E_total, "S_net": S_net, "RDI_idx": (RDI + 1) / 2 * 100,
-            "E_total_idx": max(0.0, E_total) / (BETA * r0) * 100, "S_net_idx": max(0.0, S_net) / (ALPHA_S * r0) * 100}
+    return {
+        "RDI": RDI,
+        "E_total": E_total,
+        "S_net": S_net,
+        "RDI_idx": (RDI + 1) / 2 * 100,
+        "E_total_idx": max(0.0, E_total) / (BETA * r0) * 100,
+        "S_net_idx": max(0.0, S_net) / (ALPHA_S * r0) * 100,
+    }
 
 
 def epm_efficiency(P0, vs, s_proj="goal") -> dict:
@@ -129,8 +155,14 @@ def epm_efficiency(P0, vs, s_proj="goal") -> dict:
     # tau = sum_t ||v_t|| / ||P0 - P_T||  -> (3 - tau)/2 * 100; undefined when P_T = P0: index 0
     net = env.norm([P_prev[i] - P0[i] for i in range(3)])
     tau = sum(env.norm(v) for v in vs) / net if net > 1e-12 else None
-    return {"rho": rho, "S_proj": S / T, "tau": tau, "rho_idx": max(0.0, rho) / RHO_MAX * 100,
-            "S_proj_idx": max(0.0, S / T) / RHO_MAX * 100, "tau_idx": (3 - tau) / 2 * 100 if tau is not None else 0.0}
+    return {
+        "rho": rho,
+        "S_proj": S / T,
+        "tau": tau,
+        "rho_idx": max(0.0, rho) / RHO_MAX * 100,
+        "S_proj_idx": max(0.0, S / T) / RHO_MAX * 100,
+        "tau_idx": (3 - tau) / 2 * 100 if tau is not None else 0.0,
+    }
 
 
 def epm_stability(P0, vs, levels, r_pen="levels") -> dict:
@@ -145,8 +177,14 @@ def epm_stability(P0, vs, levels, r_pen="levels") -> dict:
         align += dE / env.norm(v) if env.norm(v) > 0 else 0.0
         # R_pen = (1/T) sum_t sum_axis |negative level|     -> (3 - R_pen)/3 * 100  (or its points)
         pen += sum(lv[a][1] if r_pen == "levels" else -env.NEGATIVE_POINTS[a][lv[a][1]] for a in env.AXES)
-    return {"R_pos": pos / T, "Align": align / T, "R_pen": pen / T, "R_pos_idx": pos / T * 100,
-            "Align_idx": (align / T + 1) / 2 * 100, "R_pen_idx": (3 - pen / T) / 3 * 100}
+    return {
+        "R_pos": pos / T,
+        "Align": align / T,
+        "R_pen": pen / T,
+        "R_pos_idx": pos / T * 100,
+        "Align_idx": (align / T + 1) / 2 * 100,
+        "R_pen_idx": (3 - pen / T) / 3 * 100,
+    }
 
 
 def epm_index(P0, vs, levels, r_pen="levels", s_proj="goal") -> dict:
@@ -162,8 +200,24 @@ def epm_index(P0, vs, levels, r_pen="levels", s_proj="goal") -> dict:
 
 # Student's t: the 0.975 quantile by degrees of freedom (a 95% two-sided interval); between rows the smaller
 # df is used (a little wide, never narrow)
-T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
-        12: 2.179, 15: 2.131, 20: 2.086, 30: 2.042, 60: 2.000, 120: 1.980}
+T975 = {
+    1: 12.706,
+    2: 4.303,
+    3: 3.182,
+    4: 2.776,
+    5: 2.571,
+    6: 2.447,
+    7: 2.365,
+    8: 2.306,
+    9: 2.262,
+    10: 2.228,
+    12: 2.179,
+    15: 2.131,
+    20: 2.086,
+    30: 2.042,
+    60: 2.000,
+    120: 1.980,
+}
 
 
 @torch.no_grad()
@@ -175,9 +229,10 @@ def naturalness(model, tok, trajs, batch_size: int) -> list[list[float | None]]:
     base_only = model.disable_adapter() if hasattr(model, "disable_adapter") else contextlib.nullcontext()
     with base_only:
         for j in range(0, len(trajs), batch_size):
-            part = trajs[j:j + batch_size]
-            ids, attn, mask = common.right_pad([tr.ids for tr in part], tok.pad_token_id, [tr.spans for tr in part],
-                                               next(model.parameters()).device)
+            part = trajs[j : j + batch_size]
+            ids, attn, mask = common.right_pad(
+                [tr.ids for tr in part], tok.pad_token_id, [tr.spans for tr in part], next(model.parameters()).device
+            )
             sizes = [end - start for tr in part for start, end in tr.spans]
             logp = iter(common.token_logprobs(model, ids, attn, mask).split(sizes))
             for tr in part:
@@ -208,7 +263,7 @@ def main(argv=None):
     common.check_model_args(args)
     # 2. the base model, loaded once, then the judge and the user (self: that base)
     model, tok = common.load_policy(args, trainable=False)
-    judged = set(args.suites) - ({"sage"} if args.sage_dir else set())     # official SAGE: --user is its simulator
+    judged = set(args.suites) - ({"sage"} if args.sage_dir else set())  # official SAGE: --user is its simulator
     judge = env.make_judge(args, (model, tok)) if {"empa", "eqbench3", "sage"} & judged else None
     user = env.make_user(args, (model, tok)) if {"empa", "sage"} & set(args.suites) else None
     # 3. the run folder (new, or the one to resume: its finished batches are skipped)
@@ -227,11 +282,18 @@ def main(argv=None):
                 # resumed run reruns such a batch whole: the same batches, seeds and batch-mates as a run
                 # never stopped
                 units = data[suite]
-                batches = [units[j:j + args.batch_size] for j in range(0, len(units), args.batch_size)]
-                todo = [batch for batch in batches
-                        if not all((label, suite, c) in done for u in batch for c in case_ids(suite, u, args.k))]
-                bar = tqdm(total=len(units), initial=len(units) - sum(map(len, todo)), desc=f"{label} {suite}",
-                           disable=not args.progress)
+                batches = [units[j : j + args.batch_size] for j in range(0, len(units), args.batch_size)]
+                todo = [
+                    batch
+                    for batch in batches
+                    if not all((label, suite, c) in done for u in batch for c in case_ids(suite, u, args.k))
+                ]
+                bar = tqdm(
+                    total=len(units),
+                    initial=len(units) - sum(map(len, todo)),
+                    desc=f"{label} {suite}",
+                    disable=not args.progress,
+                )
                 for batch in todo:
                     # the same seed per batch for every model: paired comparisons
                     torch.manual_seed(zlib.crc32(f"{args.seed}|{suite}|{case_ids(suite, batch[0], 1)[0]}".encode()))
@@ -259,32 +321,48 @@ def compare_with_base(records: list[dict], adapters: list[str]) -> tuple[list[st
         if len(paired) < 2:
             lines.append(f"held out: {a} vs base: {len(paired)} dialogue(s) paired, fewer than 2: no comparison")
             continue
-        lines.append(f"held out: {a} vs base on {len({c.split('#')[0] for c in paired})} scenarios, {len(paired)} "
-                     f"dialogues paired by scenario, k and seed")
+        lines.append(
+            f"held out: {a} vs base on {len({c.split('#')[0] for c in paired})} scenarios, {len(paired)} "
+            f"dialogues paired by scenario, k and seed"
+        )
         for key, label, higher in PAIRED:
             both = [c for c in paired if by["base", c].get(key) is not None and by[a, c].get(key) is not None]
             scenarios = sorted({c.split("#")[0] for c in both})
-            if not both:                      # a measure the records lack (a run from before it existed)
+            if not both:  # a measure the records lack (a run from before it existed)
                 continue
             b, t = [by["base", c][key] for c in both], [by[a, c][key] for c in both]
 
-            def over_scenarios(value):     # a scenario's K dialogues averaged first: the scenarios are the units
+            def over_scenarios(value):  # a scenario's K dialogues averaged first: the scenarios are the units
                 return t_interval([statistics.mean(value(c) for c in both if c.split("#")[0] == s) for s in scenarios])
 
-            diff, half = over_scenarios(lambda c: by[a, c][key] - by["base", c][key])      # the paired difference
+            diff, half = over_scenarios(lambda c: by[a, c][key] - by["base", c][key])  # the paired difference
             lo, hi = (diff - half, diff + half) if half is not None else (diff, diff)
-            few = len(scenarios) < 3 or not half      # a verdict needs a spread: 3+ scenarios, not all equal
-            verdict = (f"too few scenarios to tell ({len(scenarios)}, spread {half or 0:.3f})" if few else
-                       "ahead beyond the spread" if (lo > 0 if higher else hi < 0) else
-                       "behind beyond the spread" if (hi < 0 if higher else lo > 0) else "not separated")
-            lines.append(f"  {label:14s} base {statistics.mean(b):+.3f}, adapter {statistics.mean(t):+.3f} "
-                         f"(means over {len(both)} dialogues); adapter - base {diff:+.3f}, 95% t CI over "
-                         f"{len(scenarios)} scenarios [{lo:+.3f}, {hi:+.3f}]: {verdict}")
+            few = len(scenarios) < 3 or not half  # a verdict needs a spread: 3+ scenarios, not all equal
+            verdict = (
+                f"too few scenarios to tell ({len(scenarios)}, spread {half or 0:.3f})"
+                if few
+                else "ahead beyond the spread"
+                if (lo > 0 if higher else hi < 0)
+                else "behind beyond the spread"
+                if (hi < 0 if higher else lo > 0)
+                else "not separated"
+            )
+            lines.append(
+                f"  {label:14s} base {statistics.mean(b):+.3f}, adapter {statistics.mean(t):+.3f} "
+                f"(means over {len(both)} dialogues); adapter - base {diff:+.3f}, 95% t CI over "
+                f"{len(scenarios)} scenarios [{lo:+.3f}, {hi:+.3f}]: {verdict}"
+            )
             out.setdefault(a, {})[key] = {
-                "base": statistics.mean(b), "adapter": statistics.mean(t), "diff": diff, "ci": [lo, hi],
+                "base": statistics.mean(b),
+                "adapter": statistics.mean(t),
+                "diff": diff,
+                "ci": [lo, hi],
                 "base_ci": over_scenarios(lambda c: by["base", c][key]),
                 "adapter_ci": over_scenarios(lambda c: by[a, c][key]),
-                "scenarios": len(scenarios), "dialogues": len(both), "verdict": verdict}
+                "scenarios": len(scenarios),
+                "dialogues": len(both),
+                "verdict": verdict,
+            }
     return lines, out
 
 
@@ -318,20 +396,27 @@ def empa_cases(model, tok, scenarios, judge, user, args) -> tuple[list[dict], li
             turn["naturalness"] = x
         scored = [x for x in nat if x is not None]
         judged = [(v, lv) for v, lv in zip(tr.vs, tr.levels) if v is not None]
-        case = {"case": f"{tr.scenario['id']}#{tr.k}", "outcome": tr.outcome, "turns": tr.T,
-                "judged_turns": len(judged), "final_distance": rec["final_distance"],
-                "distances": [rec["initial_distance"]] + [t["distance"] for t in rec["turns"]],
-                # the paired measures: the pure IDR's sum d(P0) - d(P_T), a collapse, the share of cut-off replies
-                "idr_return": rec["initial_distance"] - rec["final_distance"],
-                "collapse": float(tr.outcome == "failure"),
-                "cut_off": sum(tr.truncated) / max(1, tr.T),
-                # and the replies' mean naturalness (their per-token log-likelihood under the base)
-                "naturalness": statistics.mean(scored) if scored else None,
-                "failed": ("judge failed on every turn" if not judged else
-                           "user failed" if tr.outcome == "user_failed" else None)}
+        case = {
+            "case": f"{tr.scenario['id']}#{tr.k}",
+            "outcome": tr.outcome,
+            "turns": tr.T,
+            "judged_turns": len(judged),
+            "final_distance": rec["final_distance"],
+            "distances": [rec["initial_distance"]] + [t["distance"] for t in rec["turns"]],
+            # the paired measures: the pure IDR's sum d(P0) - d(P_T), a collapse, the share of cut-off replies
+            "idr_return": rec["initial_distance"] - rec["final_distance"],
+            "collapse": float(tr.outcome == "failure"),
+            "cut_off": sum(tr.truncated) / max(1, tr.T),
+            # and the replies' mean naturalness (their per-token log-likelihood under the base)
+            "naturalness": statistics.mean(scored) if scored else None,
+            "failed": (
+                "judge failed on every turn" if not judged else "user failed" if tr.outcome == "user_failed" else None
+            ),
+        }
         if judged:
-            case.update(epm_index(tr.scenario["p0"], [v for v, _ in judged], [lv for _, lv in judged],
-                                  args.r_pen, args.s_proj))
+            case.update(
+                epm_index(tr.scenario["p0"], [v for v, _ in judged], [lv for _, lv in judged], args.r_pen, args.s_proj)
+            )
         cases.append(case)
         transcripts.append({"case": case["case"], **rec})
     return cases, transcripts
@@ -348,8 +433,10 @@ def switch_adapter(model, path, name: str):
         else:
             model = PeftModel.from_pretrained(model, path, adapter_name=name, is_trainable=False)
     except (RuntimeError, ValueError, KeyError, OSError) as e:
-        raise common.UserError(f"--adapters {path}: cannot be loaded onto {model.__class__.__name__} "
-                               f"({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
+        raise common.UserError(
+            f"--adapters {path}: cannot be loaded onto {model.__class__.__name__} "
+            f"({type(e).__name__}: {str(e).splitlines()[0][:200]})"
+        ) from None
     model.set_adapter(name)
     return model.eval()
 
@@ -370,11 +457,11 @@ def summarize(cases: list[dict], suite: str) -> dict:
     """Means and 95% t intervals over the suite's independent units (EMPA: per scenario first)."""
     ok = [c for c in cases if not c.get("failed")]
     s = {"n": len(ok), "failed": len(cases) - len(ok)}
-    if suite == "eqbench3":                                # its label holds even when every case failed
+    if suite == "eqbench3":  # its label holds even when every case failed
         return {**s, **eqbench3.summary(cases, t_interval)}
     if not ok:
         return s
-    if suite == "empa":                                    # a scenario's K dialogues are one unit
+    if suite == "empa":  # a scenario's K dialogues are one unit
         scenarios = {}
         for c in ok:
             scenarios.setdefault(c["case"].split("#")[0], []).append(c)
@@ -386,24 +473,30 @@ def summarize(cases: list[dict], suite: str) -> dict:
         s["success"] = over_scenarios(lambda c: float(c["outcome"] == "success"))
         s["outcomes"] = {o: sum(c["outcome"] == o for c in ok) for o in sorted({c["outcome"] for c in ok})}
     elif suite == "sage":
-        s.update(sage.summary(ok), sentient=t_interval([c["final_emotion"] for c in ok]))   # official: ok = all
+        s.update(sage.summary(ok), sentient=t_interval([c["final_emotion"] for c in ok]))  # official: ok = all
     else:
         s.update(emobench.summarize(ok, t_interval))
     return s
 
 
 def fmt(mean_half, n=None) -> str:
-    return (f"{mean_half[0]:.2f}" + (f" ± {mean_half[1]:.2f}" if mean_half[1] is not None else "")
-            + (f" (n={n})" if n is not None else ""))
+    return (
+        f"{mean_half[0]:.2f}"
+        + (f" ± {mean_half[1]:.2f}" if mean_half[1] is not None else "")
+        + (f" (n={n})" if n is not None else "")
+    )
 
 
 def results_table(summary: dict, suites, args=None) -> str:
     """The results.md table; args: the run's flags (an official protocol's column says so before any case ends)."""
     official = {b: getattr(args, f"{b}_dir", None) for b in ("eqbench3", "sage")}
-    emo = emobench.group_order(g for by in summary.values() for g in by.get("emobench", {}))   # "EU en", ...
-    cols = {"empa": ["EMPA EPM-Index", "EMPA success %"], "eqbench3": [eqbench3.column(summary, official["eqbench3"])],
-            "sage": [sage.column(summary, official["sage"]), "SAGE success / failure"],
-            "emobench": [f"EmoBench {g} %" for g in emo]}
+    emo = emobench.group_order(g for by in summary.values() for g in by.get("emobench", {}))  # "EU en", ...
+    cols = {
+        "empa": ["EMPA EPM-Index", "EMPA success %"],
+        "eqbench3": [eqbench3.column(summary, official["eqbench3"])],
+        "sage": [sage.column(summary, official["sage"]), "SAGE success / failure"],
+        "emobench": [f"EmoBench {g} %" for g in emo],
+    }
     head = [c for s in suites for c in cols[s]]
     lines = ["| model | " + " | ".join(head) + " |", "|---" * (len(head) + 1) + "|"]
     for model, by_suite in summary.items():
@@ -412,7 +505,7 @@ def results_table(summary: dict, suites, args=None) -> str:
             s = by_suite.get(suite, {"n": 0, "failed": 0})
             failed, miss = f"; {s['failed']} failed" if s["failed"] else "", ["-"] * len(cols[suite])
             if suite == "empa":
-                units = f" ({s['units']} scenarios, {s['n']} dialogues)"        # the interval is over scenarios
+                units = f" ({s['units']} scenarios, {s['n']} dialogues)"  # the interval is over scenarios
                 cells += [fmt(s["EPM"]) + units + failed, f"{100 * s['success'][0]:.2f}"] if s["n"] else miss
             elif suite == "eqbench3":
                 cells += [eqbench3.cell(s, fmt)]
@@ -422,41 +515,61 @@ def results_table(summary: dict, suites, args=None) -> str:
                 cells += emobench.cells(s, emo, fmt)
         lines.append(f"| {model} | " + " | ".join(cells) + " |")
     protocols = sorted({by["emobench"]["protocol"] for by in summary.values() if "protocol" in by.get("emobench", {})})
-    lines += ["", *[f"EmoBench: {p}" for p in protocols]] if protocols else []      # which protocol scored it
+    lines += ["", *[f"EmoBench: {p}" for p in protocols]] if protocols else []  # which protocol scored it
     return "\n".join(lines)
 
 
 def write_results(run_dir: Path, args) -> str:
     records = list(last_records(run_dir).values())
     models = ["base"] + list(args.adapters) + sorted({r["model"] for r in records} - {"base", *args.adapters})
-    summary = {m: {s: summarize([r for r in records if r["model"] == m and r["suite"] == s], s) for s in args.suites}
-               for m in models if any(r["model"] == m for r in records)}
+    summary = {
+        m: {s: summarize([r for r in records if r["model"] == m and r["suite"] == s], s) for s in args.suites}
+        for m in models
+        if any(r["model"] == m for r in records)
+    }
     table = results_table(summary, args.suites, args)
     compared, comparison = compare_with_base(records, args.adapters)
     weights = "4-bit NF4" if common.use_4bit(args) else "bf16" if common.pick_device().type == "cuda" else "fp32"
-    md = ["# Evaluation", "", f"command: `python 05_eval.py {' '.join(sys.argv[1:])}`", "",
-          f"base weights: {weights} (--load-in-4bit {args.load_in_4bit})", "", table, "",
-          "mean ± 95% t interval over independent units (EMPA: scenarios, their K dialogues averaged first; "
-          "EQ-Bench 3: tasks; SAGE: profiles; EmoBench: items); n = cases kept (for EMPA, its scenarios and their "
-          "dialogues); failed cases are excluded and counted."]
+    md = [
+        "# Evaluation",
+        "",
+        f"command: `python 05_eval.py {' '.join(sys.argv[1:])}`",
+        "",
+        f"base weights: {weights} (--load-in-4bit {args.load_in_4bit})",
+        "",
+        table,
+        "",
+        "mean ± 95% t interval over independent units (EMPA: scenarios, their K dialogues averaged first; "
+        "EQ-Bench 3: tasks; SAGE: profiles; EmoBench: items); n = cases kept (for EMPA, its scenarios and their "
+        "dialogues); failed cases are excluded and counted.",
+    ]
     md += ["", *eqbench3.notes(summary, args.eqbench3_dir)] if "eqbench3" in args.suites else []
     rows = [(m, by["empa"]) for m, by in summary.items() if by.get("empa", {}).get("n")]
     if rows:
-        md += ["", "EMPA details (means over scenarios; the indices are scaled to 0-100, and RDI, tau and R_pen "
-                   "can fall below 0, E_total rise above 100)", "",
-               "| model | outcomes | " + " | ".join(k.replace("_idx", "") for k in EPM_KEYS[1:]) + " |",
-               "|---" * (len(EPM_KEYS) + 1) + "|"]
-        md += [f"| {m} | {json.dumps(e['outcomes'])} | " + " | ".join(f"{e[k][0]:.2f}" for k in EPM_KEYS[1:]) + " |"
-               for m, e in rows]
-        md += ["", f"EMPA-style, not the EMPA benchmark: MICA's public end rules ({args.max_turns} turns, none "
-                   f"before turn {args.min_turns}, collapse window {args.collapse_window}, the regression sum over all "
-                   f"8 dE, values rounded to 2 decimals first); this project's scenarios "
-                   f"({Path(args.scenarios).name}), judge prompt (judge {args.judge}) and K = {args.k} dialogues per "
-                   f"scenario (the benchmark plays one: --k 1). R_pen counts negative {args.r_pen} per turn; tau's "
-                   "index is 0 where P_T = P0."]
+        md += [
+            "",
+            "EMPA details (means over scenarios; the indices are scaled to 0-100, and RDI, tau and R_pen "
+            "can fall below 0, E_total rise above 100)",
+            "",
+            "| model | outcomes | " + " | ".join(k.replace("_idx", "") for k in EPM_KEYS[1:]) + " |",
+            "|---" * (len(EPM_KEYS) + 1) + "|",
+        ]
+        md += [
+            f"| {m} | {json.dumps(e['outcomes'])} | " + " | ".join(f"{e[k][0]:.2f}" for k in EPM_KEYS[1:]) + " |"
+            for m, e in rows
+        ]
+        md += [
+            "",
+            f"EMPA-style, not the EMPA benchmark: MICA's public end rules ({args.max_turns} turns, none "
+            f"before turn {args.min_turns}, collapse window {args.collapse_window}, the regression sum over all "
+            f"8 dE, values rounded to 2 decimals first); this project's scenarios "
+            f"({Path(args.scenarios).name}), judge prompt (judge {args.judge}) and K = {args.k} dialogues per "
+            f"scenario (the benchmark plays one: --k 1). R_pen counts negative {args.r_pen} per turn; tau's "
+            "index is 0 where P_T = P0.",
+        ]
     md += ["", "```", *compared, "```"] if compared else []
 
-    def line(d, p):               # {name: value} as "name value, ..." at p decimals
+    def line(d, p):  # {name: value} as "name value, ..." at p decimals
         return ", ".join(f"{k} {v:.{p}f}" for k, v in d.items())
 
     for m, by in summary.items():
@@ -464,11 +577,25 @@ def write_results(run_dir: Path, args) -> str:
         md += ["", f"{m}, EQ-Bench 3 by task kind: {line(q['by_kind'], 2)}"] if q.get("by_kind") else []
         md += [x for r in emobench.report_lines(m, by.get("emobench", {})) for x in ("", r)]
     common.atomic_write(run_dir / "results.md", "\n".join(md) + "\n")
-    common.atomic_write(run_dir / "results.json", json.dumps(
-        {"args": common.public_args(args), "columns": table.split("\n")[0].strip("| ").split(" | "),
-         "summary": summary, "comparison": comparison, "cases": records}, indent=1, ensure_ascii=False, default=str))
-    for suite, key, ylabel, name in (("empa", "distances", "hinge distance d(P_t)", "distance_per_turn.png"),
-                                     ("sage", "emotions", "user emotion e_t", "emotion_per_turn.png")):
+    common.atomic_write(
+        run_dir / "results.json",
+        json.dumps(
+            {
+                "args": common.public_args(args),
+                "columns": table.split("\n")[0].strip("| ").split(" | "),
+                "summary": summary,
+                "comparison": comparison,
+                "cases": records,
+            },
+            indent=1,
+            ensure_ascii=False,
+            default=str,
+        ),
+    )
+    for suite, key, ylabel, name in (
+        ("empa", "distances", "hinge distance d(P_t)", "distance_per_turn.png"),
+        ("sage", "emotions", "user emotion e_t", "emotion_per_turn.png"),
+    ):
         series = {}
         for m in models:
             runs = [r[key] for r in records if r["model"] == m and r["suite"] == suite and not r.get("failed")]
@@ -476,15 +603,19 @@ def write_results(run_dir: Path, args) -> str:
                 series[m] = runs
         if series:
             plots.series(series, ylabel, run_dir / name)
-    if comparison:                 # the comparison as a picture, and one held-out case of each model
+    if comparison:  # the comparison as a picture, and one held-out case of each model
         plots.comparison(comparison, PAIRED, run_dir / "comparison.png")
-        dialogues = {(t["model"], t["case"]): t for t in read_lines(run_dir / "transcripts.jsonl")
-                     if t["suite"] == "empa"}
+        dialogues = {
+            (t["model"], t["case"]): t for t in read_lines(run_dir / "transcripts.jsonl") if t["suite"] == "empa"
+        }
         case = next(c for m, c in dialogues if m == "base" and all((a, c) in dialogues for a in comparison))
-        plots.trajectories({m: dialogues[m, case] for m in ["base", *comparison]}, env.AXES,
-                           run_dir / "trajectories.png")
-        compared += ["", f"one held-out dialogue, {case} (the same scenario, k and seed), "
-                         "the distance after each turn:"]
+        plots.trajectories(
+            {m: dialogues[m, case] for m in ["base", *comparison]}, env.AXES, run_dir / "trajectories.png"
+        )
+        compared += [
+            "",
+            f"one held-out dialogue, {case} (the same scenario, k and seed), the distance after each turn:",
+        ]
         compared += side_by_side(dialogues["base", case], dialogues[next(iter(comparison)), case])
     return table + ("\n\n" + "\n".join(compared) if compared else "")
 
@@ -512,39 +643,69 @@ def side_by_side(left: dict, right: dict, width=58) -> list[str]:
 
 
 def parse_args(argv=None):
-    p = common.ArgumentParser(description=__doc__.split("\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = common.ArgumentParser(
+        description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     common.add_model_args(p)
     env.add_env_args(p, scenarios_default=str(HERE / "data" / "scenarios_test.jsonl"), k_default=1)
     # EMPA's benchmark rules; room for 45 turns (capped at the model's window)
     p.set_defaults(max_turns=45, min_turns=12, collapse_window=5, max_context=8192)
-    p.set_defaults(load_in_4bit="off")      # evaluation: the base in bf16 on CUDA (fp32 on a CPU) unless asked
+    p.set_defaults(load_in_4bit="off")  # evaluation: the base in bf16 on CUDA (fp32 on a CPU) unless asked
     g = p.add_argument_group("evaluation")
     g.add_argument("--suite", default=",".join(SUITES), help="comma-separated suites: " + ", ".join(SUITES))
     g.add_argument("--adapters", nargs="*", default=[], help="peft adapter folders, evaluated after the base model")
-    g.add_argument("--max-cases", type=common.number(int, low=0), default=0,
-                   help="at most this many cases per suite and file, sampled by --seed and stratified by language "
-                   "and category (EMPA, EQ-Bench: by kind; EMPA: scenarios, K dialogues each); 0 = all")
-    g.add_argument("--batch-size", type=common.number(int, low=1), default=8,
-                   help="cases generated together (EmoBench log-likelihood: options scored "
-                   "together after their shared prompt); saved after each batch")
-    g.add_argument("--r-pen", choices=["levels", "points"], default="levels", help="EPM R_pen counts negative "
-                   "levels or points")
-    g.add_argument("--s-proj", choices=["goal", "step"], default="goal",
-                   help="EPM S_proj direction u_t: goal v* = -P0/||P0||, or step -P_{t-1}/||P_{t-1}||")
-    for flag, name, what in (("--eqbench3", "eqbench3_sample.txt", "EQ-Bench 3 scenario_prompts.txt (the default: a "
-                              "4-scenario sample written for this project)"),
-                             ("--sage-profiles", "sage_profiles.jsonl", "SAGE profiles JSONL"),
-                             ("--emobench-eu", "emobench_eu.jsonl", f"EmoBench EU JSONL, {emobench.LOGLIK}"),
-                             ("--emobench-ea", "emobench_ea.jsonl", f"EmoBench EA JSONL, {emobench.LOGLIK}")):
+    g.add_argument(
+        "--max-cases",
+        type=common.number(int, low=0),
+        default=0,
+        help="at most this many cases per suite and file, sampled by --seed and stratified by language "
+        "and category (EMPA, EQ-Bench: by kind; EMPA: scenarios, K dialogues each); 0 = all",
+    )
+    g.add_argument(
+        "--batch-size",
+        type=common.number(int, low=1),
+        default=8,
+        help="cases generated together (EmoBench log-likelihood: options scored "
+        "together after their shared prompt); saved after each batch",
+    )
+    g.add_argument(
+        "--r-pen", choices=["levels", "points"], default="levels", help="EPM R_pen counts negative levels or points"
+    )
+    g.add_argument(
+        "--s-proj",
+        choices=["goal", "step"],
+        default="goal",
+        help="EPM S_proj direction u_t: goal v* = -P0/||P0||, or step -P_{t-1}/||P_{t-1}||",
+    )
+    for flag, name, what in (
+        (
+            "--eqbench3",
+            "eqbench3_sample.txt",
+            "EQ-Bench 3 scenario_prompts.txt (the default: a 4-scenario sample written for this project)",
+        ),
+        ("--sage-profiles", "sage_profiles.jsonl", "SAGE profiles JSONL"),
+        ("--emobench-eu", "emobench_eu.jsonl", f"EmoBench EU JSONL, {emobench.LOGLIK}"),
+        ("--emobench-ea", "emobench_ea.jsonl", f"EmoBench EA JSONL, {emobench.LOGLIK}"),
+    ):
         g.add_argument(flag, default=str(HERE / "data" / "eval" / name), help=what)
     eqbench3.add_args(g)
-    g.add_argument("--emobench-dir", help="a checkout of github.com/Sahandfer/EmoBench: EmoBench by its official "
-                   "protocol, its texts and data/EU.jsonl, EA.jsonl read from there (without it: --emobench-eu/-ea)")
-    g.add_argument("--sage-dir", default=None, help="SAGE by its official protocol: a checkout of Tencent/digitalhuman "
-                   "or of its SAGE folder, prompts read from it, --user the simulator (unset: this project's variant)")
-    g.add_argument("--sage-turns", type=common.number(int, low=1), default=10,
-                   help="SAGE: turns (with --sage-dir: replies; the last is never scored)")
+    g.add_argument(
+        "--emobench-dir",
+        help="a checkout of github.com/Sahandfer/EmoBench: EmoBench by its official "
+        "protocol, its texts and data/EU.jsonl, EA.jsonl read from there (without it: --emobench-eu/-ea)",
+    )
+    g.add_argument(
+        "--sage-dir",
+        default=None,
+        help="SAGE by its official protocol: a checkout of Tencent/digitalhuman "
+        "or of its SAGE folder, prompts read from it, --user the simulator (unset: this project's variant)",
+    )
+    g.add_argument(
+        "--sage-turns",
+        type=common.number(int, low=1),
+        default=10,
+        help="SAGE: turns (with --sage-dir: replies; the last is never scored)",
+    )
     common.add_run_args(p, "eval", resume="a run folder of this script: finish its unfinished cases")
     args = p.parse_args(argv)
     env.check_env_args(args)
@@ -552,14 +713,19 @@ def parse_args(argv=None):
     args.suites = [s.strip() for s in args.suite.split(",") if s.strip()]
     bad = [s for s in args.suites if s not in SUITES]
     c(args.suites and not bad, f"--suite: unknown suite(s) {bad or args.suite!r}; choose from {', '.join(SUITES)}")
-    c(args.adapter is None,
-      "--adapter is for training; 05_eval.py takes --adapters A B ... (the base is always evaluated)")
+    c(
+        args.adapter is None,
+        "--adapter is for training; 05_eval.py takes --adapters A B ... (the base is always evaluated)",
+    )
     for a in args.adapters:
         c(os.path.exists(os.path.join(a, "adapter_config.json")), f"--adapters {a}: no adapter_config.json there")
     c(len(set(args.adapters)) == len(args.adapters) and "base" not in args.adapters, "--adapters: each folder once")
     eqbench3.check_args(args, p.get_default("eqbench3"))
-    c(not args.emobench_dir or all(getattr(args, f) == p.get_default(f) for f in ("emobench_eu", "emobench_ea")),
-      "--emobench-eu / --emobench-ea are the log-likelihood mode's: --emobench-dir reads PATH/data/EU.jsonl, EA.jsonl")
+    c(
+        not args.emobench_dir or all(getattr(args, f) == p.get_default(f) for f in ("emobench_eu", "emobench_ea")),
+        "--emobench-eu / --emobench-ea are the log-likelihood mode's: "
+        "--emobench-dir reads PATH/data/EU.jsonl, EA.jsonl",
+    )
     return args
 
 
@@ -575,10 +741,18 @@ def load_suite_data(args) -> dict:
     if "sage" in args.suites:
         data["sage"] = sample_cases(sage.load(args), args, "sage", lambda p: (p["language"],))
     if "emobench" in args.suites:
-        data["emobench"] = [it for kind in ("EU", "EA") for it in sample_cases(
-            emobench.load_official(args.emobench_dir, kind, args.model) if args.emobench_dir else
-            emobench.load(getattr(args, f"emobench_{kind.lower()}"), kind), args, f"emobench {kind}",
-            lambda it: (it["language"], it.get("coarse_category", it.get("category"))))]
+        data["emobench"] = [
+            it
+            for kind in ("EU", "EA")
+            for it in sample_cases(
+                emobench.load_official(args.emobench_dir, kind, args.model)
+                if args.emobench_dir
+                else emobench.load(getattr(args, f"emobench_{kind.lower()}"), kind),
+                args,
+                f"emobench {kind}",
+                lambda it: (it["language"], it.get("coarse_category", it.get("category"))),
+            )
+        ]
     return data
 
 
@@ -604,12 +778,15 @@ def sample_cases(units: list, args, name: str, strata) -> list:
         return [i for g, m in groups.items() for i in take(m, share[g], level + 1)]
 
     picked = [units[i] for i in sorted(take(list(range(len(units))), n, 0))]
-    def label(u):                 # the stratum's name, e.g. "en/Sadness"
+
+    def label(u):  # the stratum's name, e.g. "en/Sadness"
         return "/".join(map(str, strata(u)))
 
-    have, taken = Counter(map(label, units)), Counter(map(label, picked))      # units per stratum
-    print(f"{name}: --max-cases {n} of {len(units)}, stratified (seed {args.seed}): "
-          + ", ".join(f"{k} {taken[k]}/{have[k]}" for k in have))
+    have, taken = Counter(map(label, units)), Counter(map(label, picked))  # units per stratum
+    print(
+        f"{name}: --max-cases {n} of {len(units)}, stratified (seed {args.seed}): "
+        + ", ".join(f"{k} {taken[k]}/{have[k]}" for k in have)
+    )
     return picked
 
 

@@ -33,7 +33,10 @@ demo: install
 pipeline: install
 	HF_HUB_OFFLINE=1 $(PY) scripts/pipeline.py
 
+# the layout is ruff's (pyproject.toml): checked before the tests
 test: install
+	$(VENV)/bin/ruff format --check --quiet .
+	$(VENV)/bin/ruff check --quiet .
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q tests
 
 learning: install

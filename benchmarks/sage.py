@@ -50,6 +50,7 @@ This project's variant (no --sage-dir; "this project's variant, not the official
     never with the scene.
 A support module: it imports common.py, never a stage; 05 hands it 03's environment (env).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -64,7 +65,7 @@ from dataclasses import dataclass, field
 from decimal import ROUND_HALF_UP, Decimal
 from pathlib import Path
 
-if __package__ in (None, ""):      # run as `python benchmarks/sage.py`: the repository root on the path
+if __package__ in (None, ""):  # run as `python benchmarks/sage.py`: the repository root on the path
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common  # noqa: E402
 
@@ -72,20 +73,24 @@ HERE = Path(__file__).resolve().parents[1]
 TEXTS = json.loads((HERE / "data" / "prompts.json").read_text(encoding="utf-8"))
 TEXTS.update({k: "\n".join(TEXTS[k]) for k in ("sage_judge", "sage_first_message")})
 SAMPLE_PROFILES = HERE / "data" / "eval" / "sage_profiles.jsonl"
-START = 40                   # the user's emotion before the first reply (SAGE's simulator starts at 40)
-AXES = ("C", "A", "P")       # 03's axes: SAGE's simulator gives no levels on them (v_t = 0)
+START = 40  # the user's emotion before the first reply (SAGE's simulator starts at 40)
+AXES = ("C", "A", "P")  # 03's axes: SAGE's simulator gives no levels on them (v_t = 0)
 VARIANT = "this project's variant, not the official protocol"
-PROMPT_FILES = ("simulator_response.py", "npc_response.py")     # what the official protocol reads
+PROMPT_FILES = ("simulator_response.py", "npc_response.py")  # what the official protocol reads
 # the official protocol's facts (test_npc.py, simulator_response.py)
-CHANGE_MAX, SUCCESS_AT, FAILURE_BELOW = 10, 100, 10      # |change| <= 10; e >= 100 success, e < 10 failure
-GOODBYES = ("再见", "拜拜")                               # in the simulator's answer: the dialogue ends
-REASKS = 5                   # re-asks of an unparsable simulator answer (the official loop has no bound)
-REPLY_TOKENS = 2048          # the tested model's reply budget (the official call sets none)
-SIM_TOKENS = 2048            # the simulator's answer budget (four or five sections)
-TEMPERATURE, TOP_P = 1.0, 1.0                # an endpoint's defaults: the official calls set no sampling
+CHANGE_MAX, SUCCESS_AT, FAILURE_BELOW = 10, 100, 10  # |change| <= 10; e >= 100 success, e < 10 failure
+GOODBYES = ("再见", "拜拜")  # in the simulator's answer: the dialogue ends
+REASKS = 5  # re-asks of an unparsable simulator answer (the official loop has no bound)
+REPLY_TOKENS = 2048  # the tested model's reply budget (the official call sets none)
+SIM_TOKENS = 2048  # the simulator's answer budget (four or five sections)
+TEMPERATURE, TOP_P = 1.0, 1.0  # an endpoint's defaults: the official calls set no sampling
 # the output sections the official parse reads (planning_reply; player_reply's "Response:")
-SECTIONS = {"content": ("Content:", "TargetCompletion:\n"), "TargetCompletion": ("TargetCompletion:", "Activity:\n"),
-            "activity": ("Activity:", "Analyse:\n"), "analyse": ("Analyse:", "Change:\n")}
+SECTIONS = {
+    "content": ("Content:", "TargetCompletion:\n"),
+    "TargetCompletion": ("TargetCompletion:", "Activity:\n"),
+    "activity": ("Activity:", "Analyse:\n"),
+    "analyse": ("Analyse:", "Change:\n"),
+}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -105,8 +110,10 @@ def summary(cases: list[dict]) -> dict:
     """05's SAGE summary of the cases it keeps (the official protocol keeps every profile): the score, the
     counts, the unanswered cases listed, and the protocol that produced them."""
     s = sentient_score([c["final_emotion"] for c in cases])
-    s.update(unanswered=[c["case"] for c in cases if c.get("unanswered")],
-             protocol=" / ".join(sorted({c.get("protocol", VARIANT) for c in cases})))
+    s.update(
+        unanswered=[c["case"] for c in cases if c.get("unanswered")],
+        protocol=" / ".join(sorted({c.get("protocol", VARIANT) for c in cases})),
+    )
     return s
 
 
@@ -130,17 +137,17 @@ def column(summaries: dict, official_dir=None) -> str:
 # ---------------------------------------------------------------------------------------------
 @dataclass
 class Protocol:
-    folder: Path               # the SAGE folder
-    commit: str                # the checkout's commit, or why there is none
-    analysis: str              # planning_reply's template: the emotion analysis
-    reply: str                 # player_reply's template: the simulator's answer
-    target: str                # target_prompt: the talk goal
-    bands: dict                # emo_count: band -> lowest emotion, highest first
-    roles: dict                # planning_reply's and player_reply's `mapping`: user / assistant -> JSON role
-    feeling: list              # player_reply's {{planning}}: ("text", s) and ("field", key) parts, in order
-    open_feeling: str          # player_reply's {{planning}} with no analysis (the opening)
-    open_history: str          # player_reply's {{dialog_history}} with no history (the opening)
-    system: str                # npc_response.py's role_system: the tested model's system prompt
+    folder: Path  # the SAGE folder
+    commit: str  # the checkout's commit, or why there is none
+    analysis: str  # planning_reply's template: the emotion analysis
+    reply: str  # player_reply's template: the simulator's answer
+    target: str  # target_prompt: the talk goal
+    bands: dict  # emo_count: band -> lowest emotion, highest first
+    roles: dict  # planning_reply's and player_reply's `mapping`: user / assistant -> JSON role
+    feeling: list  # player_reply's {{planning}}: ("text", s) and ("field", key) parts, in order
+    open_feeling: str  # player_reply's {{planning}} with no analysis (the opening)
+    open_history: str  # player_reply's {{dialog_history}} with no history (the opening)
+    system: str  # npc_response.py's role_system: the tested model's system prompt
 
     def label(self, simulator: str) -> str:
         return f"official protocol, {self.commit}, simulator {simulator}"
@@ -151,11 +158,13 @@ def sage_folder(path) -> Path:
     for folder in (Path(path), Path(path) / "SAGE"):
         if (folder / "simulator_response.py").is_file():
             return folder
-    raise common.UserError(f"--sage-dir {path}: no simulator_response.py there or in its SAGE folder (expected a "
-                           "checkout of github.com/Tencent/digitalhuman or of its SAGE folder)")
+    raise common.UserError(
+        f"--sage-dir {path}: no simulator_response.py there or in its SAGE folder (expected a "
+        "checkout of github.com/Tencent/digitalhuman or of its SAGE folder)"
+    )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def protocol(path: str) -> Protocol:
     """The official prompts and constants of --sage-dir, each found by `ast` where the official code uses it;
     one UserError naming the file when one is missing or does not ask for the sections the parse reads."""
@@ -164,19 +173,44 @@ def protocol(path: str) -> Protocol:
     common.check(npc.is_file(), f"{npc}: no such file (SAGE's tested-model prompt)")
     tree, npc_tree = parse_file(sim), parse_file(npc)
     plan, play = function(tree, "planning_reply", sim), function(tree, "player_reply", sim)
-    p = Protocol(folder=folder, commit=git_commit(folder), analysis=constant(plan, "template", str, sim),
-                 reply=constant(play, "template", str, sim), target=constant(tree, "target_prompt", str, sim),
-                 bands=constant(tree, "emo_count", dict, sim), roles=constant(plan, "mapping", dict, sim),
-                 feeling=feeling_parts(play, sim), open_feeling=opening_constant(play, "planning", sim),
-                 open_history=opening_constant(play, "{{dialog_history}}", sim),
-                 system=constant(function(npc_tree, "call_npc", npc), "role_system", str, npc))
-    common.check(constant(play, "mapping", dict, sim) == p.roles, f"{sim}: planning_reply and player_reply map the "
-                 "history's roles differently")
-    for name, text, needs in (("planning_reply", p.analysis, ["{{target}}", "{{simulator_role}}", "{{simulator_scene}}",
-                                                              "{{emotion}}", "{{dialog_history}}", "Change:"]),
-                              ("player_reply", p.reply, ["{{target}}", "{{emotion}}", "{{player_type}}",
-                                                         "{{player_topic}}", "{{dialog_history}}", "{{new_history}}",
-                                                         "{{planning}}", "Response:"])):
+    p = Protocol(
+        folder=folder,
+        commit=git_commit(folder),
+        analysis=constant(plan, "template", str, sim),
+        reply=constant(play, "template", str, sim),
+        target=constant(tree, "target_prompt", str, sim),
+        bands=constant(tree, "emo_count", dict, sim),
+        roles=constant(plan, "mapping", dict, sim),
+        feeling=feeling_parts(play, sim),
+        open_feeling=opening_constant(play, "planning", sim),
+        open_history=opening_constant(play, "{{dialog_history}}", sim),
+        system=constant(function(npc_tree, "call_npc", npc), "role_system", str, npc),
+    )
+    common.check(
+        constant(play, "mapping", dict, sim) == p.roles,
+        f"{sim}: planning_reply and player_reply map the history's roles differently",
+    )
+    for name, text, needs in (
+        (
+            "planning_reply",
+            p.analysis,
+            ["{{target}}", "{{simulator_role}}", "{{simulator_scene}}", "{{emotion}}", "{{dialog_history}}", "Change:"],
+        ),
+        (
+            "player_reply",
+            p.reply,
+            [
+                "{{target}}",
+                "{{emotion}}",
+                "{{player_type}}",
+                "{{player_topic}}",
+                "{{dialog_history}}",
+                "{{new_history}}",
+                "{{planning}}",
+                "Response:",
+            ],
+        ),
+    ):
         missing = [x for x in needs if x not in text]
         common.check(not missing, f"{sim}: {name}'s template has no {', '.join(missing)}")
     common.check(set(p.roles) == {"user", "assistant"} and p.bands, f"{sim}: mapping or emo_count not as expected")
@@ -212,12 +246,20 @@ def constant(node, name: str, kind: type, path: Path):
 
 def replace_calls(node, placeholder: str) -> list[ast.expr]:
     """The second arguments of every `.replace(placeholder, x)` inside node."""
-    return [n.args[1] for n in ast.walk(node) if isinstance(n, ast.Call) and getattr(n.func, "attr", "") == "replace"
-            and len(n.args) == 2 and isinstance(n.args[0], ast.Constant) and n.args[0].value == placeholder]
+    return [
+        n.args[1]
+        for n in ast.walk(node)
+        if isinstance(n, ast.Call)
+        and getattr(n.func, "attr", "") == "replace"
+        and len(n.args) == 2
+        and isinstance(n.args[0], ast.Constant)
+        and n.args[0].value == placeholder
+    ]
 
 
 def feeling_parts(play, path: Path) -> list[tuple[str, str]]:
     """player_reply's {{planning}} text after an analysis: the sum of string constants and planning[...] fields."""
+
     def parts(e):
         if isinstance(e, ast.BinOp) and isinstance(e.op, ast.Add):
             return parts(e.left) + parts(e.right)
@@ -225,14 +267,17 @@ def feeling_parts(play, path: Path) -> list[tuple[str, str]]:
             return [("text", e.value)]
         if isinstance(e, ast.Subscript) and isinstance(e.slice, ast.Constant):
             return [("field", e.slice.value)]
-        raise common.UserError(f"{path}:{e.lineno}: player_reply's {{{{planning}}}} text is not strings and "
-                               "planning[...] fields")
+        raise common.UserError(
+            f"{path}:{e.lineno}: player_reply's {{{{planning}}}} text is not strings and planning[...] fields"
+        )
 
     sums = [e for e in replace_calls(play, "{{planning}}") if isinstance(e, ast.BinOp)]
     common.check(sums, f"{path}: player_reply never fills {{{{planning}}}} from the analysis")
     found = parts(sums[0])
-    common.check({k for kind, k in found if kind == "field"} <= set(SECTIONS), f"{path}: player_reply's "
-                 f"{{{{planning}}}} reads fields other than {', '.join(SECTIONS)}")
+    common.check(
+        {k for kind, k in found if kind == "field"} <= set(SECTIONS),
+        f"{path}: player_reply's {{{{planning}}}} reads fields other than {', '.join(SECTIONS)}",
+    )
     return found
 
 
@@ -242,8 +287,12 @@ def opening_constant(play, what: str, path: Path) -> str:
     if what == "planning":
         for n in ast.walk(play):
             target = n.targets[0] if isinstance(n, ast.Assign) else None
-            if (isinstance(target, ast.Subscript) and getattr(target.value, "id", "") == "planning"
-                    and isinstance(n.value, ast.Constant) and isinstance(n.value.value, str)):
+            if (
+                isinstance(target, ast.Subscript)
+                and getattr(target.value, "id", "") == "planning"
+                and isinstance(n.value, ast.Constant)
+                and isinstance(n.value.value, str)
+            ):
                 return n.value.value
     texts = [e.value for e in replace_calls(play, what) if isinstance(e, ast.Constant) and isinstance(e.value, str)]
     common.check(texts, f"{path}: player_reply has no opening text for {what} (a reply with no history)")
@@ -254,6 +303,7 @@ def git_commit(folder: Path) -> str:
     """The checkout's commit (12 characters; "+ local changes" when the two prompt files differ from it). The
     official files sit in a SAGE folder of a larger repository, so the folder need not be its top; but the
     repository must track them: a copy dropped into some other git project is "not a git checkout"."""
+
     def git(*cmd):
         try:
             return subprocess.run(["git", "-C", str(folder), *cmd], capture_output=True, text=True, timeout=30)
@@ -283,8 +333,9 @@ def band(emotion: int, bands: dict) -> str:
 
 def history_json(messages: list[dict], roles: dict) -> str:
     """The dialogue as the simulator reads it: JSON, roles renamed (user / assistant -> 你 / NPC), indent 2."""
-    return json.dumps([{"role": roles[m["role"]], "content": m["content"]} for m in messages],
-                      ensure_ascii=False, indent=2)
+    return json.dumps(
+        [{"role": roles[m["role"]], "content": m["content"]} for m in messages], ensure_ascii=False, indent=2
+    )
 
 
 def analysis_prompt(P: Protocol, d: Dialogue) -> str:
@@ -303,7 +354,8 @@ def reply_prompt(P: Protocol, d: Dialogue, analysis: dict | None) -> str:
     if not d.history:
         return prompt.replace("{{dialog_history}}", P.open_history).replace("{{new_history}}", "")
     return prompt.replace("{{dialog_history}}", history_json(d.history[:-2], P.roles)).replace(
-        "{{new_history}}", history_json(d.history[-2:], P.roles))
+        "{{new_history}}", history_json(d.history[-2:], P.roles)
+    )
 
 
 def section(text: str, start: str, end: str) -> str:
@@ -332,8 +384,10 @@ def read_reply(text: str | None) -> dict | None:
     if text is None:
         return None
     thinking = text.split("Response:")[0].split("Thinking:\n")[-1].strip("\n").strip("[").strip("]")
-    return {"thinking": thinking, "content": text.split("Response:")[-1].strip("\n").strip("[").strip("]").strip(
-        "“").strip("”")}
+    return {
+        "thinking": thinking,
+        "content": text.split("Response:")[-1].strip("\n").strip("[").strip("]").strip("“").strip("”"),
+    }
 
 
 def ask(backend, prompts: list[str], read) -> tuple[list, list[int]]:
@@ -343,8 +397,9 @@ def ask(backend, prompts: list[str], read) -> tuple[list, list[int]]:
     answers, reasks, todo = [None] * len(prompts), [0] * len(prompts), list(range(len(prompts)))
     failed_before = getattr(backend, "failures", 0)
     for attempt in range(REASKS + 1):
-        texts = backend.chat([[{"role": "user", "content": prompts[i]}] for i in todo], max_tokens=SIM_TOKENS,
-                             temperature=TEMPERATURE)
+        texts = backend.chat(
+            [[{"role": "user", "content": prompts[i]}] for i in todo], max_tokens=SIM_TOKENS, temperature=TEMPERATURE
+        )
         for i, text in zip(todo, texts):
             answers[i] = read(text)
         todo = [i for i in todo if answers[i] is None]
@@ -353,8 +408,10 @@ def ask(backend, prompts: list[str], read) -> tuple[list, list[int]]:
         for i in todo:
             reasks[i] += 1
     if prompts and all(a is None for a in answers) and getattr(backend, "failures", 0) > failed_before:
-        raise common.UserError(f"sage simulator {backend.spec}: no usable answer for any of {len(prompts)} "
-                               "dialogues; the endpoint failed after its retries (is it up?)")
+        raise common.UserError(
+            f"sage simulator {backend.spec}: no usable answer for any of {len(prompts)} "
+            "dialogues; the endpoint failed after its retries (is it up?)"
+        )
     return answers, reasks
 
 
@@ -363,7 +420,7 @@ class Dialogue:
     profile: dict
     emotion: int = START
     state: str = ""
-    history: list = field(default_factory=list)     # the official record: user turns carry emotion-point, planning
+    history: list = field(default_factory=list)  # the official record: user turns carry emotion-point, planning
     emotions: list = field(default_factory=lambda: [START])
     changes: list = field(default_factory=list)
     reasks: int = 0
@@ -418,16 +475,39 @@ def official_cases(model, tok, profiles: list[dict], user, args) -> tuple[list[d
     cases, transcripts = [], []
     for d in dialogues:
         replies = sum(m["role"] == "assistant" for m in d.history)
-        cases.append({"case": d.profile["id"], "protocol": label, "opening": "first_talk" if d.profile.get(
-            "first_talk", "").strip() else "simulator", "ended": d.ended or f"{replies} replies", "replies": replies,
-            "updates": len(d.changes), "final_emotion": d.emotion, "emotions": d.emotions, "changes": d.changes,
-            "reasks": d.reasks, "unlabelled_changes": d.unlabelled, "cut_off": d.cut_off,
-            "unanswered": d.unanswered, "failed": None})
+        cases.append(
+            {
+                "case": d.profile["id"],
+                "protocol": label,
+                "opening": "first_talk" if d.profile.get("first_talk", "").strip() else "simulator",
+                "ended": d.ended or f"{replies} replies",
+                "replies": replies,
+                "updates": len(d.changes),
+                "final_emotion": d.emotion,
+                "emotions": d.emotions,
+                "changes": d.changes,
+                "reasks": d.reasks,
+                "unlabelled_changes": d.unlabelled,
+                "cut_off": d.cut_off,
+                "unanswered": d.unanswered,
+                "failed": None,
+            }
+        )
         topic = {"topic": d.profile["topic"]} if "topic" in d.profile else {}
-        transcripts.append({"case": d.profile["id"], "id": d.profile["id"], "emo_point": d.emotion,
-                            "emo_state": d.state, "player": d.profile["player"], "scene": d.profile["scene"],
-                            "character": d.profile["main_cha"], **topic, "task": d.profile["task"],
-                            "history": d.history})
+        transcripts.append(
+            {
+                "case": d.profile["id"],
+                "id": d.profile["id"],
+                "emo_point": d.emotion,
+                "emo_state": d.state,
+                "player": d.profile["player"],
+                "scene": d.profile["scene"],
+                "character": d.profile["main_cha"],
+                **topic,
+                "task": d.profile["task"],
+                "history": d.history,
+            }
+        )
     return cases, transcripts
 
 
@@ -435,24 +515,40 @@ def speak(P: Protocol, backend, dialogues: list[Dialogue], analyses: list[dict] 
     """The simulator's answer (prompt 2) appended to each dialogue, with its thinking, emotion and analysis."""
     if not dialogues:
         return
-    answers, reasks = ask(backend, [reply_prompt(P, d, a) for d, a in zip(dialogues, analyses or [None] * len(
-        dialogues))], read_reply)
+    answers, reasks = ask(
+        backend, [reply_prompt(P, d, a) for d, a in zip(dialogues, analyses or [None] * len(dialogues))], read_reply
+    )
     for i, (d, answer) in enumerate(zip(dialogues, answers)):
         d.reasks += reasks[i]
         if answer is None:
             d.stop(f"simulator never answered ({'opening' if analyses is None else 'answer'})", unanswered=True)
             continue
-        planning = {"analyse": P.open_feeling} if analyses is None else {k: v for k, v in analyses[i].items()
-                                                                          if k != "labelled"}
-        d.history.append({"role": "user", "content": answer["content"], "thinking": answer["thinking"],
-                          "emotion-point": d.emotion, "planning": planning})
+        planning = (
+            {"analyse": P.open_feeling}
+            if analyses is None
+            else {k: v for k, v in analyses[i].items() if k != "labelled"}
+        )
+        d.history.append(
+            {
+                "role": "user",
+                "content": answer["content"],
+                "thinking": answer["thinking"],
+                "emotion-point": d.emotion,
+                "planning": planning,
+            }
+        )
 
 
 def npc_replies(model, tok, dialogues: list[Dialogue], system: str, max_context: int):
     """The tested model's reply to each dialogue: the official system prompt, then the dialogue; REPLY_TOKENS
     new tokens, or the room left under max_context (none left: the dialogue ends), sampled at TEMPERATURE."""
-    contexts = [common.render_ids(tok, [{"role": "system", "content": system}] + [
-        {"role": m["role"], "content": m["content"]} for m in d.history]) for d in dialogues]
+    contexts = [
+        common.render_ids(
+            tok,
+            [{"role": "system", "content": system}] + [{"role": m["role"], "content": m["content"]} for m in d.history],
+        )
+        for d in dialogues
+    ]
     budgets = [min(REPLY_TOKENS, max_context - len(ids)) for ids in contexts]
     for budget in sorted(set(budgets)):
         rows = [i for i, b in enumerate(budgets) if b == budget]
@@ -477,11 +573,15 @@ def load(args) -> list[dict]:
     if not args.sage_dir:
         return load_profiles(args.sage_profiles)
     P = protocol(args.sage_dir)
-    common.check(args.user != "scripted", "--sage-dir: SAGE's simulator is an LLM: pass --user api:<model>, "
-                 "hf:<model> or self (it plays the simulator; --judge is not used by this suite)")
+    common.check(
+        args.user != "scripted",
+        "--sage-dir: SAGE's simulator is an LLM: pass --user api:<model>, "
+        "hf:<model> or self (it plays the simulator; --judge is not used by this suite)",
+    )
     default = Path(args.sage_profiles).resolve() == SAMPLE_PROFILES.resolve()
-    return load_profiles(P.folder / "profile" / "simulator_profile_withfirsttalk.jsonl" if default
-                         else args.sage_profiles)
+    return load_profiles(
+        P.folder / "profile" / "simulator_profile_withfirsttalk.jsonl" if default else args.sage_profiles
+    )
 
 
 def cases(model, tok, profiles, judge, user, args, env) -> tuple[list[dict], list[dict]]:
@@ -491,22 +591,37 @@ def cases(model, tok, profiles, judge, user, args, env) -> tuple[list[dict], lis
     levels: change_t = clip(2.5 * sum_axis v_t,axis, -10, 10) (03's emotion_change)."""
     if args.sage_dir:
         return official_cases(model, tok, profiles, user, args)
-    sage_args = argparse.Namespace(**{**vars(args), "k": 1, "max_turns": args.sage_turns,
-                                      "emotion_start": float(START), "emotion_ends": True})
-    if getattr(judge, "backend", None) is not None:     # an LLM judge: SAGE's simulator states the change
+    sage_args = argparse.Namespace(
+        **{**vars(args), "k": 1, "max_turns": args.sage_turns, "emotion_start": float(START), "emotion_ends": True}
+    )
+    if getattr(judge, "backend", None) is not None:  # an LLM judge: SAGE's simulator states the change
         judge = SageJudge(judge.backend, args.judge_retries)
     elif any(p["language"] == "zh" for p in profiles):
-        common.warn("sage: Chinese profiles with the offline judge, whose cues are English: their emotion changes "
-                    "mean little (an LLM judge reads both)")
+        common.warn(
+            "sage: Chinese profiles with the offline judge, whose cues are English: their emotion changes "
+            "mean little (an LLM judge reads both)"
+        )
     written = openings(profiles, user, args)
     out, transcripts = [], []
-    for tr in env.rollout(model, tok, [scenario(p, written.get(p["id"])) for p in profiles], judge, user,
-                          sage_args, desc="sage turns"):
+    for tr in env.rollout(
+        model, tok, [scenario(p, written.get(p["id"])) for p in profiles], judge, user, sage_args, desc="sage turns"
+    ):
         changes = [e1 - e0 for e0, e1, v in zip(tr.emotions, tr.emotions[1:], tr.vs) if v is not None]
         failed = "user failed" if tr.outcome == "user_failed" else "judge failed on every turn" if not changes else None
-        out.append({"case": tr.scenario["id"], "protocol": VARIANT, "opening": tr.scenario["opening_from"],
-                    "outcome": tr.outcome, "turns": tr.T, "judged_turns": len(changes),
-                    "final_emotion": tr.emotions[-1], "emotions": tr.emotions, "changes": changes, "failed": failed})
+        out.append(
+            {
+                "case": tr.scenario["id"],
+                "protocol": VARIANT,
+                "opening": tr.scenario["opening_from"],
+                "outcome": tr.outcome,
+                "turns": tr.T,
+                "judged_turns": len(changes),
+                "final_emotion": tr.emotions[-1],
+                "emotions": tr.emotions,
+                "changes": changes,
+                "failed": failed,
+            }
+        )
         transcripts.append({"case": tr.scenario["id"], **env.trajectory_record(tr, sage_args)})
     return out, transcripts
 
@@ -516,11 +631,23 @@ def scenario(p: dict, written: str | None = None) -> dict:
     opens with first_talk, else what an LLM user wrote (openings), else a short fixed line: never with the
     scene, the simulator's private background."""
     offline = TEXTS["sage_offline_opening"][p["language"]]
-    opening, source = ((p["first_talk"], "first_talk") if (p.get("first_talk") or "").strip() else
-                       (written, "user model") if written else (offline, "offline line"))
-    return {"id": p["id"], "persona": p["player"], "situation": f"{p['scene']} {p['task']}", "profile": p,
-            "opening": opening, "opening_from": source, "p0": [0.0, 0.0, 0.0],
-            "user_lines": TEXTS["sage_zh_lines"] if p["language"] == "zh" else TEXTS["scripted_user_lines"]}
+    opening, source = (
+        (p["first_talk"], "first_talk")
+        if (p.get("first_talk") or "").strip()
+        else (written, "user model")
+        if written
+        else (offline, "offline line")
+    )
+    return {
+        "id": p["id"],
+        "persona": p["player"],
+        "situation": f"{p['scene']} {p['task']}",
+        "profile": p,
+        "opening": opening,
+        "opening_from": source,
+        "p0": [0.0, 0.0, 0.0],
+        "user_lines": TEXTS["sage_zh_lines"] if p["language"] == "zh" else TEXTS["scripted_user_lines"],
+    }
 
 
 def openings(profiles, user, args) -> dict:
@@ -530,13 +657,32 @@ def openings(profiles, user, args) -> dict:
     backend, need = getattr(user, "backend", None), [p for p in profiles if not (p.get("first_talk") or "").strip()]
     if backend is None or not need:
         return {}
-    prompts = [[{"role": "user", "content": TEXTS["sage_first_message"].format(
-        type=p["main_cha"], traits=p["cha_group"] if isinstance(p["cha_group"], str) else ", ".join(p["cha_group"]),
-        player=p["player"], scene=p["scene"], task=p["task"])}] for p in need]
-    scenes = [p["scene"].strip()[:120] for p in need]         # an answer that recites the scene is not usable
-    written = common.ask_json(backend, prompts, lambda i, t: t.strip() if t and t.strip() and not (
-        scenes[i] and scenes[i] in t) else None, args.judge_retries, who="sage user", noun="openings",
-        max_tokens=120, temperature=0.7)
+    prompts = [
+        [
+            {
+                "role": "user",
+                "content": TEXTS["sage_first_message"].format(
+                    type=p["main_cha"],
+                    traits=p["cha_group"] if isinstance(p["cha_group"], str) else ", ".join(p["cha_group"]),
+                    player=p["player"],
+                    scene=p["scene"],
+                    task=p["task"],
+                ),
+            }
+        ]
+        for p in need
+    ]
+    scenes = [p["scene"].strip()[:120] for p in need]  # an answer that recites the scene is not usable
+    written = common.ask_json(
+        backend,
+        prompts,
+        lambda i, t: t.strip() if t and t.strip() and not (scenes[i] and scenes[i] in t) else None,
+        args.judge_retries,
+        who="sage user",
+        noun="openings",
+        max_tokens=120,
+        temperature=0.7,
+    )
     if None in written:
         common.warn(f"sage: {written.count(None)} of {len(need)} first messages unusable: the offline line instead")
     return {p["id"]: w for p, w in zip(need, written) if w}
@@ -550,21 +696,40 @@ class SageJudge:
         self.backend, self.retries = backend, retries
 
     def judge(self, cases: list[dict]) -> list[dict | None]:
-        prompts = [[{"role": "user", "content": TEXTS["sage_judge"].format(
-            player=c["scenario"]["persona"], scene=c["scenario"]["profile"]["scene"],
-            task=c["scenario"]["profile"]["task"], emotion=c["emotion"],
-            history="\n".join(common.transcript_lines(c["history"], user="You") + [f"Supporter: {c['reply']}"]))}]
-            for c in cases]
-        changes = common.ask_json(self.backend, prompts, lambda i, text: parse_change(text), self.retries,
-                                  who="sage judge", noun="cases")
-        return [None if ch is None else {"levels": {a: (0, 0) for a in AXES}, "features": {}, "change": ch}
-                for ch in changes]
+        prompts = [
+            [
+                {
+                    "role": "user",
+                    "content": TEXTS["sage_judge"].format(
+                        player=c["scenario"]["persona"],
+                        scene=c["scenario"]["profile"]["scene"],
+                        task=c["scenario"]["profile"]["task"],
+                        emotion=c["emotion"],
+                        history="\n".join(
+                            common.transcript_lines(c["history"], user="You") + [f"Supporter: {c['reply']}"]
+                        ),
+                    ),
+                }
+            ]
+            for c in cases
+        ]
+        changes = common.ask_json(
+            self.backend, prompts, lambda i, text: parse_change(text), self.retries, who="sage judge", noun="cases"
+        )
+        return [
+            None if ch is None else {"levels": {a: (0, 0) for a in AXES}, "features": {}, "change": ch}
+            for ch in changes
+        ]
 
 
 def load_profiles(path) -> list[dict]:
-    recs = common.read_jsonl(path, {"id": (str, int), "player": str, "scene": str, "main_cha": str,
-                                    "cha_group": (str, list), "task": str}, {"first_talk": str}, unique=("id",))
-    for r in recs:       # the language, from the text (the profiles do not state it)
+    recs = common.read_jsonl(
+        path,
+        {"id": (str, int), "player": str, "scene": str, "main_cha": str, "cha_group": (str, list), "task": str},
+        {"first_talk": str},
+        unique=("id",),
+    )
+    for r in recs:  # the language, from the text (the profiles do not state it)
         r["id"], r["language"] = str(r["id"]), "zh" if re.search(r"[\u4e00-\u9fff]", r["player"] + r["scene"]) else "en"
     return recs
 
@@ -582,16 +747,20 @@ def parse_change(text) -> float | None:
 
 
 def main(argv=None):
-    p = common.ArgumentParser(description="The Sentient score of SAGE's result files (*_result.jsonl: one dialogue "
-                              "a line, its final emotion in emo_point): the mean over all lines, the successes "
-                              "(>= 100) and the failures (< 10), as 05 scores its SAGE cases.")
+    p = common.ArgumentParser(
+        description="The Sentient score of SAGE's result files (*_result.jsonl: one dialogue "
+        "a line, its final emotion in emo_point): the mean over all lines, the successes "
+        "(>= 100) and the failures (< 10), as 05 scores its SAGE cases."
+    )
     p.add_argument("--score", nargs="+", required=True, metavar="FILE", help="official *_result.jsonl files")
     for path in p.parse_args(argv).score:
         recs = common.read_jsonl(path, {"emo_point": (int, float)})
         s = sentient_score([r["emo_point"] for r in recs])
-        tenth = Decimal(repr(s["score"])).quantize(Decimal("0.1"), ROUND_HALF_UP)      # the README's: halves up
-        print(f"{path}: score {s['score']:.2f} (README rounding: {tenth}) over {s['profiles']} profiles, "
-              f"success {s['successes']}, failure {s['failures']}")
+        tenth = Decimal(repr(s["score"])).quantize(Decimal("0.1"), ROUND_HALF_UP)  # the README's: halves up
+        print(
+            f"{path}: score {s['score']:.2f} (README rounding: {tenth}) over {s['profiles']} profiles, "
+            f"success {s['successes']}, failure {s['failures']}"
+        )
 
 
 if __name__ == "__main__":

@@ -142,7 +142,7 @@ def check_sft(data_dir):
             if [t for t, *_ in lines] != list(range(1, len(lines) + 1)):
                 err(f"{name}:{dia}", f"turns {[t for t, *_ in lines]} are not 1..n")
             for (_, _, prev, _), (_, where, cur, _) in zip(lines, lines[1:]):
-                if cur["messages"][:len(prev["messages"])] != prev["messages"]:
+                if cur["messages"][: len(prev["messages"])] != prev["messages"]:
                     err(where, "messages do not extend the dialogue's previous turn")
             if len({r["topic"] for _, _, r, _ in lines}) > 1:
                 err(f"{name}:{dia}", "topic changes within a dialogue")
@@ -178,7 +178,9 @@ def check_pref(data_dir, sft_openings):
                 err(where, f"prompt has {n_user} user turns, expected 1-3")
             for k in ("chosen", "rejected"):
                 m = r[k]
-                if not (isinstance(m, list) and len(m) == 1 and isinstance(m[0], dict) and m[0].get("role") == "assistant"):
+                if not (
+                    isinstance(m, list) and len(m) == 1 and isinstance(m[0], dict) and m[0].get("role") == "assistant"
+                ):
                     err(where, f"{k} must be a list with one assistant message")
                     continue
                 check_messages(where, m, first="assistant", last="assistant")
@@ -190,10 +192,14 @@ def check_pref(data_dir, sft_openings):
             if r["chosen"] == r["rejected"]:
                 err(where, "chosen equals rejected")
         by_split[split] = rows
-    ctx = {s: {r["id"].rpartition("-")[0] for _, r in rows if isinstance(r, dict) and isinstance(r.get("id"), str)}
-           for s, rows in by_split.items()}
-    first = {s: {r["prompt"][0]["content"] for _, r in rows if isinstance(r, dict) and r.get("prompt")}
-             for s, rows in by_split.items()}
+    ctx = {
+        s: {r["id"].rpartition("-")[0] for _, r in rows if isinstance(r, dict) and isinstance(r.get("id"), str)}
+        for s, rows in by_split.items()
+    }
+    first = {
+        s: {r["prompt"][0]["content"] for _, r in rows if isinstance(r, dict) and r.get("prompt")}
+        for s, rows in by_split.items()
+    }
     if ctx["train"] & ctx["test"]:
         err("rubric_pref", f"contexts in both train and test: {sorted(ctx['train'] & ctx['test'])}")
     if first["train"] & first["test"]:
@@ -209,14 +215,21 @@ def share_line(counter, keys, total):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--data_dir", default=os.path.dirname(os.path.abspath(__file__)),
-                   help="folder holding the rubric_sft_* and rubric_pref_* files")
+    p.add_argument(
+        "--data_dir",
+        default=os.path.dirname(os.path.abspath(__file__)),
+        help="folder holding the rubric_sft_* and rubric_pref_* files",
+    )
     args = p.parse_args()
 
     sft, openings = check_sft(args.data_dir)
     pref = check_pref(args.data_dir, openings)
-    all_ids = [r.get("id") for rows in [s[0] for s in sft.values()] + list(pref.values())
-               for _, r in rows if isinstance(r, dict)]
+    all_ids = [
+        r.get("id")
+        for rows in [s[0] for s in sft.values()] + list(pref.values())
+        for _, r in rows
+        if isinstance(r, dict)
+    ]
     dup = [i for i, n in collections.Counter(all_ids).items() if n > 1]
     if dup:
         err("all files", f"duplicate ids: {dup[:10]}")
@@ -230,7 +243,10 @@ def main():
                 dom[dominant(r["rubric"]["weights"])] += 1
             except (AttributeError, KeyError, TypeError, ValueError):
                 dom["invalid"] += 1
-        print(f"{split:5s}  lines {len(recs):3d}  dialogues {len(dialogs):2d}  topics {len({r.get('topic') for r in recs})}")
+        print(
+            f"{split:5s}  lines {len(recs):3d}  dialogues {len(dialogs):2d}  "
+            f"topics {len({r.get('topic') for r in recs})}"
+        )
         print(f"       dominant  {share_line(dom, DIMS + ('tie',), len(recs))}")
     print("dominant dimension by user-turn index (train + val)")
     by_turn = collections.defaultdict(collections.Counter)
@@ -242,8 +258,12 @@ def main():
                 pass
     print("  turn  " + "  ".join(f"{d:>9s}" for d in DIMS) + "   mean w (C/A/P)")
     for t in sorted(by_turn):
-        ws = [r["rubric"]["weights"] for rows, _ in sft.values() for _, r in rows
-              if isinstance(r, dict) and r.get("turn") == t and isinstance(r.get("rubric"), dict)]
+        ws = [
+            r["rubric"]["weights"]
+            for rows, _ in sft.values()
+            for _, r in rows
+            if isinstance(r, dict) and r.get("turn") == t and isinstance(r.get("rubric"), dict)
+        ]
         mean = "/".join(f"{sum(w[d] for w in ws) / len(ws):.2f}" for d in DIMS) if ws else "-"
         print(f"  {t:4d}  " + "  ".join(f"{by_turn[t][d]:9d}" for d in DIMS) + f"   {mean}")
 
@@ -255,7 +275,10 @@ def main():
         print(f"       need      {share_line(need, DIMS, len(recs))}")
         pairs = collections.Counter((r.get("need"), r.get("rejected_need")) for r in recs if "rejected_need" in r)
         if pairs:
-            print("       need > rejected serves: " + ", ".join(f"{a[0]}>{b[0]} {n}" for (a, b), n in sorted(pairs.items())))
+            print(
+                "       need > rejected serves: "
+                + ", ".join(f"{a[0]}>{b[0]} {n}" for (a, b), n in sorted(pairs.items()))
+            )
         turns = collections.Counter(sum(m.get("role") == "user" for m in r.get("prompt", [])) for r in recs)
         print("       prompt user turns: " + ", ".join(f"{k}: {turns[k]}" for k in sorted(turns)))
 

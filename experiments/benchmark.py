@@ -31,6 +31,7 @@ Only the memory estimate (nothing loaded):  python experiments/benchmark.py --es
 The base weights are loaded unquantised on both sides (--load-in-4bit off), so that TRL and 04 run
 the same model.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -54,69 +55,117 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
 
-trainer = importlib.import_module("04_mica_train")   # the update, advantages and rewards
-env = trainer.env                                      # 03_rollout: scenarios, judge, user, rollout
+trainer = importlib.import_module("04_mica_train")  # the update, advantages and rewards
+env = trainer.env  # 03_rollout: scenarios, judge, user, rollout
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model", default=common.PACKAGED_SMOLLM2,
-                   help="policy model (hub id, folder, alias or the packaged SmolLM2), as in 04_mica_train.py")
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    p.add_argument(
+        "--model",
+        default=common.PACKAGED_SMOLLM2,
+        help="policy model (hub id, folder, alias or the packaged SmolLM2), as in 04_mica_train.py",
+    )
     p.add_argument("--scenarios", type=int, default=4, help="scenarios of the rollout and update figures")
     p.add_argument("--k", type=int, default=4, help="dialogues per scenario (live dialogues = scenarios x k)")
     p.add_argument("--max-turns", type=int, default=3, help="assistant turns per dialogue (every dialogue runs all)")
     p.add_argument("--max-new-tokens", type=int, default=48, help="tokens of every reply (forced, both sides)")
     p.add_argument("--peer-prompts", type=int, default=4, help="prompts of the single-turn GRPO step")
     p.add_argument("--peer-k", type=int, default=4, help="GRPO group size (TRL's num_generations)")
-    p.add_argument("--repeats", type=int, default=3,
-                   help="timed repeats of the update (alternating with the reference) and peer steps after "
-                        "the warm-up (the median counts)")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="timed repeats of the update (alternating with the reference) and peer steps after "
+        "the warm-up (the median counts)",
+    )
     p.add_argument("--memory-steps", type=int, default=2, help="steps of the demo run measured for peak RSS")
     p.add_argument("--no-trl", action="store_true", help="skip the TRL comparison (figure 3)")
     p.add_argument("--no-memory", action="store_true", help="skip the demo run (figure 4's peak RSS)")
-    p.add_argument("--quick", action="store_true",
-                   help="smoke run: 2 scenarios x 2, 2 turns of 8 tokens, 1 repeat, a 1-step demo run")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke run: 2 scenarios x 2, 2 turns of 8 tokens, 1 repeat, a 1-step demo run",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the scenario choice and of sampling")
     p.add_argument("--out-dir", default=str(ROOT / "runs" / "benchmark"), help="benchmark.md and .json go here")
-    p.add_argument("--figures", default="1,2,3,4",
-                   help="which figures to run, e.g. 2 (the update: its rollout then runs untimed)")
+    p.add_argument(
+        "--figures", default="1,2,3,4", help="which figures to run, e.g. 2 (the update: its rollout then runs untimed)"
+    )
     # Memory estimate: from the shapes, nothing loaded (figure 4's tables; docs/scale.md)
     g = p.add_argument_group("memory estimate (the one-GPU budget by default)")
     g.add_argument("--estimate", action="store_true", help="print only the memory estimate and exit")
-    g.add_argument("--estimate-models", default=",".join(SHAPES),
-                   help=f"comma-separated: {', '.join(SHAPES)}, or folders with a config.json")
+    g.add_argument(
+        "--estimate-models",
+        default=",".join(SHAPES),
+        help=f"comma-separated: {', '.join(SHAPES)}, or folders with a config.json",
+    )
     g.add_argument("--est-live", type=int, default=64, help="live dialogues of the rollout (scenarios x K)")
     g.add_argument("--est-context", type=int, default=4096, help="tokens of a dialogue at its longest")
     g.add_argument("--est-turns", type=int, default=15, help="assistant turns of a dialogue")
     g.add_argument("--est-reply", type=int, default=256, help="tokens of a reply")
     g.add_argument("--est-micro", type=int, default=2, help="dialogues per micro-batch of the update")
-    g.add_argument("--est-judge-rows", type=int, default=None,
-                   help="prompts per generate call of --judge self (default: all live dialogues in one call)")
-    g.add_argument("--measured-gb", type=float, default=None,
-                   help="a measured peak (torch.cuda.max_memory_allocated, GB) to print against each estimate")
+    g.add_argument(
+        "--est-judge-rows",
+        type=int,
+        default=None,
+        help="prompts per generate call of --judge self (default: all live dialogues in one call)",
+    )
+    g.add_argument(
+        "--measured-gb",
+        type=float,
+        default=None,
+        help="a measured peak (torch.cuda.max_memory_allocated, GB) to print against each estimate",
+    )
     a = p.parse_args(argv)
     if a.quick:
         a.scenarios, a.k, a.max_turns, a.max_new_tokens = 2, 2, 2, 8
         a.peer_prompts, a.peer_k, a.repeats, a.memory_steps = 2, 2, 1, 1
-    common.check(a.scenarios >= 1 and a.k >= 2 and a.peer_prompts >= 1 and a.peer_k >= 2,
-                 "--scenarios and --peer-prompts must be >= 1, --k and --peer-k >= 2")
-    common.check(a.repeats >= 1 and a.max_turns >= 1 and a.max_new_tokens >= 1, "--repeats, --max-turns, "
-                 "--max-new-tokens must be >= 1")
+    common.check(
+        a.scenarios >= 1 and a.k >= 2 and a.peer_prompts >= 1 and a.peer_k >= 2,
+        "--scenarios and --peer-prompts must be >= 1, --k and --peer-k >= 2",
+    )
+    common.check(
+        a.repeats >= 1 and a.max_turns >= 1 and a.max_new_tokens >= 1,
+        "--repeats, --max-turns, --max-new-tokens must be >= 1",
+    )
     return a
 
 
 def policy_args(a, k, max_turns, extra=()):
     """04's own flags (its defaults for everything not named here), parsed as the script parses them."""
-    flags = ["--model", a.model, "--k", k, "--max-turns", max_turns, "--min-turns", max_turns,
-             "--max-new-tokens", a.max_new_tokens, "--seed", a.seed, "--load-in-4bit", "off", "--no-progress",
-             "--judge", "embed", "--user", "scripted", "--preset", "cpu", *extra]   # the same work on any device
+    flags = [
+        "--model",
+        a.model,
+        "--k",
+        k,
+        "--max-turns",
+        max_turns,
+        "--min-turns",
+        max_turns,
+        "--max-new-tokens",
+        a.max_new_tokens,
+        "--seed",
+        a.seed,
+        "--load-in-4bit",
+        "off",
+        "--no-progress",
+        "--judge",
+        "embed",
+        "--user",
+        "scripted",
+        "--preset",
+        "cpu",
+        *extra,
+    ]  # the same work on any device
     return trainer.parse_args([str(x) for x in flags])
 
 
 def clock() -> float:
     if torch.cuda.is_available():
-        torch.cuda.synchronize()            # GPU work queued so far counts in the timing
+        torch.cuda.synchronize()  # GPU work queued so far counts in the timing
     return time.perf_counter()
 
 
@@ -170,12 +219,12 @@ def rollout_one_at_a_time(model, tok, scenarios, judge, user, args):
 
 
 def bench_rollout(a, model, tok, scenarios, judge, user, args):
-    def work(trajs):            # (turns, reply tokens)
+    def work(trajs):  # (turns, reply tokens)
         return sum(tr.T for tr in trajs), sum(e - s for tr in trajs for s, e in tr.spans)
 
     warm = copy.copy(args)
     warm.max_turns, warm.min_turns, warm.k = 1, 1, 2
-    env.rollout(model, tok, scenarios[:1], judge, user, warm)                      # warm-up, both loops
+    env.rollout(model, tok, scenarios[:1], judge, user, warm)  # warm-up, both loops
     rollout_one_at_a_time(model, tok, scenarios[:1], judge, user, warm)
     torch.manual_seed(a.seed)
     t0 = clock()
@@ -187,12 +236,16 @@ def bench_rollout(a, model, tok, scenarios, judge, user, args):
     t_alone = clock() - t0
     (turns, tokens), (turns_ref, tokens_ref) = work(batched), work(alone)
     ours, ref = turns / t_batched, turns_ref / t_alone
-    row = {"figure": f"1. rollout: assistant turns/s, {len(scenarios) * args.k} live dialogues",
-           "ours": f"{ours:.3g} turns/s (batched, {t_batched:.1f} s)",
-           "reference": f"{ref:.3g} turns/s (one at a time, {t_alone:.1f} s)",
-           "ratio": ours / ref, "goal": ">= 4x", "met": ours / ref >= 4,
-           "note": f"{turns} turns / {tokens} reply tokens vs {turns_ref} / {tokens_ref}"
-                   + ("" if (turns, tokens) == (turns_ref, tokens_ref) else " (NOT equal work)")}
+    row = {
+        "figure": f"1. rollout: assistant turns/s, {len(scenarios) * args.k} live dialogues",
+        "ours": f"{ours:.3g} turns/s (batched, {t_batched:.1f} s)",
+        "reference": f"{ref:.3g} turns/s (one at a time, {t_alone:.1f} s)",
+        "ratio": ours / ref,
+        "goal": ">= 4x",
+        "met": ours / ref >= 4,
+        "note": f"{turns} turns / {tokens} reply tokens vs {turns_ref} / {tokens_ref}"
+        + ("" if (turns, tokens) == (turns_ref, tokens_ref) else " (NOT equal work)"),
+    }
     return row, batched
 
 
@@ -224,23 +277,32 @@ def bench_update(a, model, tok, trajs, args):
     for tr in trajs:
         groups.setdefault(tr.scenario["id"], []).append(tr)
     flat = [tr for g in groups.values() for tr in g]
-    advs = [A for g in groups.values()
-            for A in trainer.mica_advantages([trainer.turn_rewards(tr, args) for tr in g], args.alpha, args.gamma)]
+    advs = [
+        A
+        for g in groups.values()
+        for A in trainer.mica_advantages([trainer.turn_rewards(tr, args) for tr in g], args.alpha, args.gamma)
+    ]
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=trainer.WEIGHT_DECAY)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     t_ours, t_ref = timed_pair(
         lambda: trainer.ppo_update(model, tok, opt, sched, trainer.as_samples(flat, advs), args, Accelerator()),
-        lambda: bare_forward_backward(model, tok, flat, args), a.repeats)
-    cells = [(len(m) * max(len(tr.ids) for tr in m), sum(len(tr.ids) for tr in m))
-             for m in micro_batches(flat, args)]
+        lambda: bare_forward_backward(model, tok, flat, args),
+        a.repeats,
+    )
+    cells = [(len(m) * max(len(tr.ids) for tr in m), sum(len(tr.ids) for tr in m)) for m in micro_batches(flat, args)]
     padding = 1 - sum(real for _, real in cells) / sum(all_ for all_, _ in cells)
     scored = sum(s.n_tokens() for s in trainer.as_samples(flat))
-    return {"figure": f"2. update: one 04 step vs bare forward + backward ({len(flat)} trajectories)",
-            "ours": f"{t_ours:.3g} s", "reference": f"{t_ref:.3g} s", "ratio": t_ours / t_ref,
-            "goal": "<= 1.3x", "met": t_ours / t_ref <= 1.3,
-            "note": f"{scored} scored tokens, micro-batch {args.micro_batch_size}, padding {padding:.1%} "
-                    f"of the micro-batch cells (length-sorted within a minibatch)"}
+    return {
+        "figure": f"2. update: one 04 step vs bare forward + backward ({len(flat)} trajectories)",
+        "ours": f"{t_ours:.3g} s",
+        "reference": f"{t_ref:.3g} s",
+        "ratio": t_ours / t_ref,
+        "goal": "<= 1.3x",
+        "met": t_ours / t_ref <= 1.3,
+        "note": f"{scored} scored tokens, micro-batch {args.micro_batch_size}, padding {padding:.1%} "
+        f"of the micro-batch cells (length-sorted within a minibatch)",
+    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -252,8 +314,9 @@ def ours_grpo_step(model, tok, prompts, judge, user, args, opt, sched):
     groups = [[tr for tr in trajs if tr.scenario is s] for s in prompts]
     rewards = [[trainer.turn_rewards(tr, args) for tr in g] for g in groups]
     advs = [A for r in rewards for A in trainer.grpo_advantages(r)]
-    return trainer.ppo_update(model, tok, opt, sched, trainer.as_samples([tr for g in groups for tr in g], advs),
-                              args, Accelerator())
+    return trainer.ppo_update(
+        model, tok, opt, sched, trainer.as_samples([tr for g in groups for tr in g], advs), args, Accelerator()
+    )
 
 
 def trl_grpo_seconds(a, prompts, judge, args, out_dir) -> tuple[float | None, str]:
@@ -266,7 +329,7 @@ def trl_grpo_seconds(a, prompts, judge, args, out_dir) -> tuple[float | None, st
     except ImportError as e:
         return None, f"not installed (no module {e.name}): pip install trl==1.16.0"
 
-    class StepTimer(TrainerCallback):       # on_step_begin .. on_step_end spans generation + update
+    class StepTimer(TrainerCallback):  # on_step_begin .. on_step_end spans generation + update
         times = []
 
         def on_step_begin(self, *args, **kw):
@@ -279,8 +342,10 @@ def trl_grpo_seconds(a, prompts, judge, args, out_dir) -> tuple[float | None, st
 
     def judge_reward(prompts, completions, scenario_id, **_):
         # the same judge and reward as 04's single turn: IDR r = d(P0) - d(P0 + v)
-        cases = [{"scenario": by_id[i], "history": p, "reply": c[0]["content"].strip()}
-                 for p, c, i in zip(prompts, completions, scenario_id)]
+        cases = [
+            {"scenario": by_id[i], "history": p, "reply": c[0]["content"].strip()}
+            for p, c, i in zip(prompts, completions, scenario_id)
+        ]
         rewards = []
         for case, verdict in zip(cases, judge.judge(cases)):
             P0 = case["scenario"]["p0"]
@@ -292,29 +357,72 @@ def trl_grpo_seconds(a, prompts, judge, args, out_dir) -> tuple[float | None, st
     path = common.resolve_model(a.model)
     cuda = torch.cuda.is_available()
     model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.bfloat16 if cuda else torch.float32,
-        attn_implementation="sdpa")                                # as common.load_policy picks
-    data = Dataset.from_list([{"prompt": [{"role": "system", "content": trainer.env.PROMPTS["policy_system"]},
-                                          {"role": "user", "content": s["opening"]}], "scenario_id": s["id"]}
-                              for s in prompts])
+        path, dtype=torch.bfloat16 if cuda else torch.float32, attn_implementation="sdpa"
+    )  # as common.load_policy picks
+    data = Dataset.from_list(
+        [
+            {
+                "prompt": [
+                    {"role": "system", "content": trainer.env.PROMPTS["policy_system"]},
+                    {"role": "user", "content": s["opening"]},
+                ],
+                "scenario_id": s["id"],
+            }
+            for s in prompts
+        ]
+    )
     n = len(prompts) * args.k
     config = GRPOConfig(
-        output_dir=str(out_dir / "trl"), per_device_train_batch_size=args.micro_batch_size,
-        gradient_accumulation_steps=n // args.micro_batch_size, num_generations=args.k,
-        max_completion_length=args.max_new_tokens, generation_kwargs={"min_new_tokens": args.max_new_tokens},
-        temperature=args.temperature, top_p=args.top_p, max_steps=1 + a.repeats, learning_rate=args.lr,
-        weight_decay=trainer.WEIGHT_DECAY, lr_scheduler_type="constant", warmup_steps=0,
-        max_grad_norm=trainer.MAX_GRAD_NORM, beta=0.0, epsilon=args.clip_low, epsilon_high=args.clip_high,
-        num_iterations=1, loss_type="dapo", scale_rewards="group", gradient_checkpointing=args.gradient_checkpointing,
-        bf16=cuda, use_cpu=not cuda, shuffle_dataset=False, seed=a.seed, report_to="none", logging_steps=10_000,
-        save_strategy="no", disable_tqdm=True, dataloader_num_workers=0)
-    lora = LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=0.0,     # as common.load_policy
-                      target_modules=args.lora_targets.split(","), task_type="CAUSAL_LM")
+        output_dir=str(out_dir / "trl"),
+        per_device_train_batch_size=args.micro_batch_size,
+        gradient_accumulation_steps=n // args.micro_batch_size,
+        num_generations=args.k,
+        max_completion_length=args.max_new_tokens,
+        generation_kwargs={"min_new_tokens": args.max_new_tokens},
+        temperature=args.temperature,
+        top_p=args.top_p,
+        max_steps=1 + a.repeats,
+        learning_rate=args.lr,
+        weight_decay=trainer.WEIGHT_DECAY,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        max_grad_norm=trainer.MAX_GRAD_NORM,
+        beta=0.0,
+        epsilon=args.clip_low,
+        epsilon_high=args.clip_high,
+        num_iterations=1,
+        loss_type="dapo",
+        scale_rewards="group",
+        gradient_checkpointing=args.gradient_checkpointing,
+        bf16=cuda,
+        use_cpu=not cuda,
+        shuffle_dataset=False,
+        seed=a.seed,
+        report_to="none",
+        logging_steps=10_000,
+        save_strategy="no",
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+    )
+    lora = LoraConfig(
+        r=args.lora_r,
+        lora_alpha=args.lora_alpha,
+        lora_dropout=0.0,  # as common.load_policy
+        target_modules=args.lora_targets.split(","),
+        task_type="CAUSAL_LM",
+    )
     timer = StepTimer()
-    trl_trainer = GRPOTrainer(model=model, reward_funcs=judge_reward, args=config, train_dataset=data,
-                              processing_class=common.load_tokenizer(path), peft_config=lora, callbacks=[timer])
+    trl_trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=judge_reward,
+        args=config,
+        train_dataset=data,
+        processing_class=common.load_tokenizer(path),
+        peft_config=lora,
+        callbacks=[timer],
+    )
     trl_trainer.train()
-    times = timer.times[1:]                                      # step 1 is the warm-up
+    times = timer.times[1:]  # step 1 is the warm-up
     return statistics.median(times), f"GRPOTrainer, trl {importlib.import_module('trl').__version__}"
 
 
@@ -322,27 +430,48 @@ def bench_peer(a, model, tok, scenarios, judge, user, out_dir):
     args = policy_args(a, a.peer_k, 1, ["--advantage", "grpo"])
     prompts = scenarios[: a.peer_prompts]
     if len(prompts) * args.k % args.micro_batch_size:
-        args.micro_batch_size = 1            # TRL needs the completions to split into equal micro-batches
+        args.micro_batch_size = 1  # TRL needs the completions to split into equal micro-batches
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=trainer.WEIGHT_DECAY)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     torch.manual_seed(a.seed)
     t_ours, _ = timed(lambda: ours_grpo_step(model, tok, prompts, judge, user, args, opt, sched), a.repeats)
-    row = {"figure": f"3. peer: single-turn GRPO step, {len(prompts)} prompts x {args.k}, {args.max_new_tokens} tokens",
-           "ours": f"{t_ours:.3g} s", "goal": "<= 1.0x"}
+    row = {
+        "figure": f"3. peer: single-turn GRPO step, {len(prompts)} prompts x {args.k}, {args.max_new_tokens} tokens",
+        "ours": f"{t_ours:.3g} s",
+        "goal": "<= 1.0x",
+    }
     t_trl, what = (None, "skipped (--no-trl)") if a.no_trl else trl_grpo_seconds(a, prompts, judge, args, out_dir)
     if t_trl is None:
         return {**row, "reference": f"n/a: {what}", "ratio": None, "met": None, "note": what}
-    return {**row, "reference": f"{t_trl:.3g} s", "ratio": t_ours / t_trl, "met": t_ours / t_trl <= 1.0,
-            "note": f"{what}; micro-batch {args.micro_batch_size}, beta 0, one epoch, dapo token-mean loss"}
+    return {
+        **row,
+        "reference": f"{t_trl:.3g} s",
+        "ratio": t_ours / t_trl,
+        "met": t_ours / t_trl <= 1.0,
+        "note": f"{what}; micro-batch {args.micro_batch_size}, beta 0, one epoch, dapo token-mean loss",
+    }
 
 
 # ---------------------------------------------------------------------------------------------
 # 4. Memory: peak RSS of the demo run, and the QLoRA estimate for Qwen2.5-7B-Instruct
 # ---------------------------------------------------------------------------------------------
 def bench_memory(a, out_dir):
-    cmd = [sys.executable, str(ROOT / "04_mica_train.py"), "--model", a.model, "--steps", str(a.memory_steps),
-           "--out-dir", str(out_dir / "demo"), "--run-name", "demo", "--no-progress", "--save-every", "1000"]
+    cmd = [
+        sys.executable,
+        str(ROOT / "04_mica_train.py"),
+        "--model",
+        a.model,
+        "--steps",
+        str(a.memory_steps),
+        "--out-dir",
+        str(out_dir / "demo"),
+        "--run-name",
+        "demo",
+        "--no-progress",
+        "--save-every",
+        "1000",
+    ]
     if a.quick:
         cmd += ["--scenarios-per-step", "2", "--k", "2", "--max-turns", "2", "--max-new-tokens", "8"]
     t0 = time.time()
@@ -350,23 +479,52 @@ def bench_memory(a, out_dir):
     common.check(p.returncode == 0, f"the demo run failed: {' '.join(cmd)}\n{p.stderr[-2000:]}")
     run = max((out_dir / "demo").glob("demo-*"), key=lambda d: d.stat().st_mtime)
     peak = max(json.loads(x)["peak_rss_gb"] for x in (run / "metrics.jsonl").read_text().splitlines())
-    return {"figure": f"4. memory: peak RSS of the demo run (first {a.memory_steps} steps of `make demo`)",
-            "ours": f"{peak:.2f} GB", "reference": "-", "ratio": None, "goal": "report", "met": None,
-            "note": f"{' '.join(cmd[1:])} ({time.time() - t0:.0f} s)"}
+    return {
+        "figure": f"4. memory: peak RSS of the demo run (first {a.memory_steps} steps of `make demo`)",
+        "ours": f"{peak:.2f} GB",
+        "reference": "-",
+        "ratio": None,
+        "goal": "report",
+        "met": None,
+        "note": f"{' '.join(cmd[1:])} ({time.time() - t0:.0f} s)",
+    }
 
 
 # Shapes from each model's config.json (the hub ids Qwen/Qwen2.5-7B-Instruct and Qwen/Qwen3-8B; SmolLM2: the
 # packaged one, common.resolve_model('SmolLM2-135M-Instruct')/config.json). Any other model: --estimate-models PATH.
 SHAPES = {
-    "SmolLM2-135M-Instruct": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-                                  num_key_value_heads=3, head_dim=64, vocab_size=49152, tie_word_embeddings=True),
-    "Qwen2.5-7B-Instruct": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
-                                num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False),
-    "Qwen3-8B": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
-                     num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=False),
+    "SmolLM2-135M-Instruct": dict(
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        head_dim=64,
+        vocab_size=49152,
+        tie_word_embeddings=True,
+    ),
+    "Qwen2.5-7B-Instruct": dict(
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        vocab_size=152064,
+        tie_word_embeddings=False,
+    ),
+    "Qwen3-8B": dict(
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=151936,
+        tie_word_embeddings=False,
+    ),
 }
-JUDGE_PROMPT_TOKENS = 400   # what 03's JUDGE_PROMPT adds around the dialogue (instructions, persona, situation)
-USER_MESSAGE_TOKENS = 128   # 03's LLM user answers in at most 120 tokens: what a later turn prefills per dialogue
+JUDGE_PROMPT_TOKENS = 400  # what 03's JUDGE_PROMPT adds around the dialogue (instructions, persona, situation)
+USER_MESSAGE_TOKENS = 128  # 03's LLM user answers in at most 120 tokens: what a later turn prefills per dialogue
 
 
 def model_shapes(cfg: dict) -> dict:
@@ -374,24 +532,42 @@ def model_shapes(cfg: dict) -> dict:
     query heads nh of dim hd (q = nh x hd), KV width kv = KV heads x hd, vocabulary V, tied head or not."""
     h, nh = cfg["hidden_size"], cfg["num_attention_heads"]
     hd = cfg.get("head_dim") or h // nh
-    return dict(h=h, i=cfg["intermediate_size"], L=cfg["num_hidden_layers"], nh=nh, hd=hd, q=nh * hd,
-                kv=cfg.get("num_key_value_heads", nh) * hd, V=cfg["vocab_size"],
-                tied=bool(cfg.get("tie_word_embeddings", False)))
+    return dict(
+        h=h,
+        i=cfg["intermediate_size"],
+        L=cfg["num_hidden_layers"],
+        nh=nh,
+        hd=hd,
+        q=nh * hd,
+        kv=cfg.get("num_key_value_heads", nh) * hd,
+        V=cfg["vocab_size"],
+        tied=bool(cfg.get("tie_word_embeddings", False)),
+    )
 
 
 def linear_shapes(s: dict) -> dict:
     """(in, out) of the 7 linear layers of one decoder layer: what NF4 quantises and LoRA adapts."""
     h, i, q, kv = s["h"], s["i"], s["q"], s["kv"]
-    return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
-            "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+    return {
+        "q_proj": (h, q),
+        "k_proj": (h, kv),
+        "v_proj": (h, kv),
+        "o_proj": (q, h),
+        "gate_proj": (h, i),
+        "up_proj": (h, i),
+        "down_proj": (i, h),
+    }
 
 
 def param_counts(s: dict, r: int) -> tuple[int, int, int]:
     """Parameters of the linear layers (quantised), of LoRA r on all of them (A: r x in, B: out x r),
     and of the embeddings plus an untied LM head (norms and biases, under 0.1%, are left out)."""
     linear = linear_shapes(s).values()
-    return (s["L"] * sum(fi * fo for fi, fo in linear), s["L"] * sum(r * (fi + fo) for fi, fo in linear),
-            (1 if s["tied"] else 2) * s["V"] * s["h"])
+    return (
+        s["L"] * sum(fi * fo for fi, fo in linear),
+        s["L"] * sum(r * (fi + fo) for fi, fo in linear),
+        (1 if s["tied"] else 2) * s["V"] * s["h"],
+    )
 
 
 def layer_saved_bytes(s: dict, r: int, act: int = 2, bnb: bool = True, repeat_kv: bool = True) -> int:
@@ -417,8 +593,17 @@ def layer_saved_bytes(s: dict, r: int, act: int = 2, bnb: bool = True, repeat_kv
     return norms + lora + 7 * 4 * r + attention + mlp + base_inputs
 
 
-def memory_estimate(s: dict, r: int = 16, act: int = 2, live: int = 64, context: int = 4096, turns: int = 15,
-                    reply: int = 256, micro: int = 2, judge_rows: int | None = None) -> list[tuple]:
+def memory_estimate(
+    s: dict,
+    r: int = 16,
+    act: int = 2,
+    live: int = 64,
+    context: int = 4096,
+    turns: int = 15,
+    reply: int = 256,
+    micro: int = 2,
+    judge_rows: int | None = None,
+) -> list[tuple]:
     """QLoRA training on one GPU, per component: (component, formula, bytes, phase). act: bytes of an
     activation, 2 now (bf16: common.cast_for_kbit_training), 4 before it (prepare_model_for_kbit_training
     left embeddings, head and norms in fp32, so the residual stream, activations and KV cache were fp32).
@@ -429,52 +614,102 @@ def memory_estimate(s: dict, r: int = 16, act: int = 2, live: int = 64, context:
     phase: always, update, rollout, self (the self judge's call)."""
     h, i, L, kv, V = s["h"], s["i"], s["L"], s["kv"], s["V"]
     n_linear, n_lora, n_emb = param_counts(s, r)
-    nf4 = 0.5 + 1 / 64 + 4 / (64 * 256)       # 4 bits + 8-bit absmax per 64 + fp32 per 256 absmax
+    nf4 = 0.5 + 1 / 64 + 4 / (64 * 256)  # 4 bits + 8-bit absmax per 64 + fp32 per 256 absmax
     tokens, scored = micro * context, micro * min(turns * reply, context)
-    chunk = min(scored, common.LOGIT_CHUNK // V)     # common.token_logprobs runs the LM head in chunks of rows
-    per_kv = 2 * L * kv * act                         # K and V of every layer, per token
+    chunk = min(scored, common.LOGIT_CHUNK // V)  # common.token_logprobs runs the LM head in chunks of rows
+    per_kv = 2 * L * kv * act  # K and V of every layer, per token
     prefill = live * USER_MESSAGE_TOKENS
     rows = judge_rows or live
     judge_tokens = rows * (context + JUDGE_PROMPT_TOKENS)
     a = "bf16" if act == 2 else "fp32"
     return [
         ("base weights, NF4 linear layers", f"{n_linear / 1e9:.3g}e9 x {nf4:.4f} bytes", n_linear * nf4, "always"),
-        (f"base weights, embeddings{'' if s['tied'] else ' + LM head'} ({a})",
-         f"{n_emb / 1e6:.4g}e6 x {act} bytes", n_emb * act, "always"),
+        (
+            f"base weights, embeddings{'' if s['tied'] else ' + LM head'} ({a})",
+            f"{n_emb / 1e6:.4g}e6 x {act} bytes",
+            n_emb * act,
+            "always",
+        ),
         ("LoRA weights + gradients (fp32)", f"{n_lora / 1e6:.3g}e6 x (4 + 4) bytes", n_lora * 8, "always"),
-        ("AdamW moments m, v (fp32; the fp32 LoRA weights are their own master copy)",
-         f"{n_lora / 1e6:.3g}e6 x 8 bytes", n_lora * 8, "always"),
-        (f"update: one {a} hidden state per layer boundary (gradient checkpointing)",
-         f"{tokens} tokens x L x h x {act}", tokens * L * h * act, "update"),
-        ("update: the layer recomputed in backward (layer_saved_bytes)",
-         f"{tokens} tokens x {layer_saved_bytes(s, r, act)} bytes", tokens * layer_saved_bytes(s, r, act), "update"),
-        (f"update: one chunk of logits, {a} + fp32 + its fp32 gradient (all {scored} scored at once: "
-         f"{scored * V * (act + 8) / 1e9:.2g} GB)", f"{chunk} rows x V x ({act} + 4 + 4)", chunk * V * (act + 8),
-         "update"),
-        (f"rollout: KV cache ({a}), {live} dialogues", f"{live} x {context} tokens x {per_kv / 1e3:.4g} KB",
-         live * context * per_kv, "rollout"),
-        ("rollout: one layer's MLP intermediates (gate, up, product) for a turn's prefill",
-         f"{prefill} tokens x 3i x {act}", prefill * 3 * i * act, "rollout"),
-        ("--judge self: the policy's KV cache, held while the base judges", "as the rollout's",
-         live * context * per_kv, "self"),
-        (f"--judge self: KV cache of one judge call, {rows} prompts", f"{judge_tokens} tokens x {per_kv / 1e3:.4g} KB",
-         judge_tokens * per_kv, "self"),
-        ("--judge self: one layer's MLP intermediates for that call's prefill", f"{judge_tokens} tokens x 3i x {act}",
-         judge_tokens * 3 * i * act, "self"),
+        (
+            "AdamW moments m, v (fp32; the fp32 LoRA weights are their own master copy)",
+            f"{n_lora / 1e6:.3g}e6 x 8 bytes",
+            n_lora * 8,
+            "always",
+        ),
+        (
+            f"update: one {a} hidden state per layer boundary (gradient checkpointing)",
+            f"{tokens} tokens x L x h x {act}",
+            tokens * L * h * act,
+            "update",
+        ),
+        (
+            "update: the layer recomputed in backward (layer_saved_bytes)",
+            f"{tokens} tokens x {layer_saved_bytes(s, r, act)} bytes",
+            tokens * layer_saved_bytes(s, r, act),
+            "update",
+        ),
+        (
+            f"update: one chunk of logits, {a} + fp32 + its fp32 gradient (all {scored} scored at once: "
+            f"{scored * V * (act + 8) / 1e9:.2g} GB)",
+            f"{chunk} rows x V x ({act} + 4 + 4)",
+            chunk * V * (act + 8),
+            "update",
+        ),
+        (
+            f"rollout: KV cache ({a}), {live} dialogues",
+            f"{live} x {context} tokens x {per_kv / 1e3:.4g} KB",
+            live * context * per_kv,
+            "rollout",
+        ),
+        (
+            "rollout: one layer's MLP intermediates (gate, up, product) for a turn's prefill",
+            f"{prefill} tokens x 3i x {act}",
+            prefill * 3 * i * act,
+            "rollout",
+        ),
+        (
+            "--judge self: the policy's KV cache, held while the base judges",
+            "as the rollout's",
+            live * context * per_kv,
+            "self",
+        ),
+        (
+            f"--judge self: KV cache of one judge call, {rows} prompts",
+            f"{judge_tokens} tokens x {per_kv / 1e3:.4g} KB",
+            judge_tokens * per_kv,
+            "self",
+        ),
+        (
+            "--judge self: one layer's MLP intermediates for that call's prefill",
+            f"{judge_tokens} tokens x 3i x {act}",
+            judge_tokens * 3 * i * act,
+            "self",
+        ),
     ]
 
 
 def estimate_peaks(rows) -> dict:
     """GB per phase, and the peaks: a served judge (api:) and --judge self (the base judges in the rollout)."""
     gb = {w: sum(b for _, _, b, when in rows if when == w) / 1e9 for w in ("always", "update", "rollout", "self")}
-    return {**gb, "peak_api": gb["always"] + max(gb["update"], gb["rollout"]),
-            "peak_self": gb["always"] + max(gb["update"], gb["rollout"], gb["self"])}
+    return {
+        **gb,
+        "peak_api": gb["always"] + max(gb["update"], gb["rollout"]),
+        "peak_self": gb["always"] + max(gb["update"], gb["rollout"], gb["self"]),
+    }
 
 
 def budget(a) -> dict:
     """memory_estimate's run settings from the --est-* flags."""
-    return dict(r=16, live=a.est_live, context=a.est_context, turns=a.est_turns, reply=a.est_reply,
-                micro=a.est_micro, judge_rows=a.est_judge_rows)
+    return dict(
+        r=16,
+        live=a.est_live,
+        context=a.est_context,
+        turns=a.est_turns,
+        reply=a.est_reply,
+        micro=a.est_micro,
+        judge_rows=a.est_judge_rows,
+    )
 
 
 def estimate_table(name: str, cfg: dict, a) -> str:
@@ -482,19 +717,26 @@ def estimate_table(name: str, cfg: dict, a) -> str:
     s = model_shapes(cfg)
     now, before = memory_estimate(s, act=2, **budget(a)), memory_estimate(s, act=4, **budget(a))
     n_lora = param_counts(s, 16)[1]
-    lines = [f"### {name}: h {s['h']}, i {s['i']}, L {s['L']}, {s['nh']} query / {s['kv'] // s['hd']} KV heads of "
-             f"{s['hd']}, V {s['V']}{', tied head' if s['tied'] else ''}; LoRA r=16 on all 7 linear layers "
-             f"({n_lora / 1e6:.1f} M parameters); {a.est_live} live dialogues of {a.est_context} tokens, "
-             f"{a.est_turns} turns x {a.est_reply} tokens, micro-batch {a.est_micro}",
-             "", "| component | formula (bf16) | GB, bf16 (now) | GB, fp32 (before) | held |", "|---|---|---|---|---|"]
-    lines += [f"| {c} | {f} | {b / 1e9:.2f} | {b0 / 1e9:.2f} | {w} |"
-              for (c, f, b, w), (_, _, b0, _) in zip(now, before)]
+    lines = [
+        f"### {name}: h {s['h']}, i {s['i']}, L {s['L']}, {s['nh']} query / {s['kv'] // s['hd']} KV heads of "
+        f"{s['hd']}, V {s['V']}{', tied head' if s['tied'] else ''}; LoRA r=16 on all 7 linear layers "
+        f"({n_lora / 1e6:.1f} M parameters); {a.est_live} live dialogues of {a.est_context} tokens, "
+        f"{a.est_turns} turns x {a.est_reply} tokens, micro-batch {a.est_micro}",
+        "",
+        "| component | formula (bf16) | GB, bf16 (now) | GB, fp32 (before) | held |",
+        "|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {c} | {f} | {b / 1e9:.2f} | {b0 / 1e9:.2f} | {w} |" for (c, f, b, w), (_, _, b0, _) in zip(now, before)
+    ]
     p, p0 = estimate_peaks(now), estimate_peaks(before)
-    lines += [f"| **peak, served judge (api:)**: always + max(update, rollout) | {p['always']:.1f} + "
-              f"max({p['update']:.1f}, {p['rollout']:.1f}) | **{p['peak_api']:.1f}** | {p0['peak_api']:.1f} | |",
-              f"| **peak, --judge self**: always + max(update, rollout, self) | {p['always']:.1f} + "
-              f"max({p['update']:.1f}, {p['rollout']:.1f}, {p['self']:.1f}) | **{p['peak_self']:.1f}** | "
-              f"{p0['peak_self']:.1f} | |"]
+    lines += [
+        f"| **peak, served judge (api:)**: always + max(update, rollout) | {p['always']:.1f} + "
+        f"max({p['update']:.1f}, {p['rollout']:.1f}) | **{p['peak_api']:.1f}** | {p0['peak_api']:.1f} | |",
+        f"| **peak, --judge self**: always + max(update, rollout, self) | {p['always']:.1f} + "
+        f"max({p['update']:.1f}, {p['rollout']:.1f}, {p['self']:.1f}) | **{p['peak_self']:.1f}** | "
+        f"{p0['peak_self']:.1f} | |",
+    ]
     return "\n".join(lines)
 
 
@@ -504,15 +746,19 @@ def estimate_report(a) -> str:
     out = []
     for name in [m.strip() for m in a.estimate_models.split(",") if m.strip()]:
         path = Path(name) / "config.json"
-        common.check(name in SHAPES or path.exists(), f"--estimate-models: {name} is neither one of "
-                     f"{', '.join(SHAPES)} nor a folder with a config.json")
+        common.check(
+            name in SHAPES or path.exists(),
+            f"--estimate-models: {name} is neither one of {', '.join(SHAPES)} nor a folder with a config.json",
+        )
         cfg = SHAPES[name] if name in SHAPES else json.loads(path.read_text())
         out.append(estimate_table(name, cfg, a))
         if a.measured_gb is not None:
             p = estimate_peaks(memory_estimate(model_shapes(cfg), **budget(a)))
-            out.append(f"measured peak {a.measured_gb:.2f} GB (torch.cuda.max_memory_allocated) vs the estimate "
-                       f"{p['peak_self']:.2f} GB with --judge self ({a.measured_gb / p['peak_self']:.2f}x), "
-                       f"{p['peak_api']:.2f} GB with a served judge")
+            out.append(
+                f"measured peak {a.measured_gb:.2f} GB (torch.cuda.max_memory_allocated) vs the estimate "
+                f"{p['peak_self']:.2f} GB with --judge self ({a.measured_gb / p['peak_self']:.2f}x), "
+                f"{p['peak_api']:.2f} GB with a served judge"
+            )
     return "\n\n".join(out)
 
 
@@ -527,8 +773,10 @@ def table(rows) -> str:
         return "n/a" if m is None else ("yes" if m else "no")
 
     lines = ["| figure | ours | reference | ratio | goal | met? |", "|---|---|---|---|---|---|"]
-    lines += [f"| {r['figure']} | {r['ours']} | {r['reference']} | {fmt(r['ratio'])} | {r['goal']} | {met(r['met'])} |"
-              for r in rows]
+    lines += [
+        f"| {r['figure']} | {r['ours']} | {r['reference']} | {fmt(r['ratio'])} | {r['goal']} | {met(r['met'])} |"
+        for r in rows
+    ]
     return "\n".join(lines)
 
 
@@ -538,28 +786,40 @@ def machine() -> str:
         versions["trl"] = importlib.import_module("trl").__version__
     except ImportError:
         versions["trl"] = "not installed"
-    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else \
-        f"CPU, {os.cpu_count()} cores ({platform.processor() or platform.machine()}), " \
+    device = (
+        torch.cuda.get_device_name(0)
+        if torch.cuda.is_available()
+        else f"CPU, {os.cpu_count()} cores ({platform.processor() or platform.machine()}), "
         f"{torch.get_num_threads()} torch threads"
-    return (f"{datetime.datetime.now():%Y-%m-%d %H:%M} | {device} | Python {platform.python_version()} | "
-            + " | ".join(f"{k} {v}" for k, v in versions.items()))
+    )
+    return f"{datetime.datetime.now():%Y-%m-%d %H:%M} | {device} | Python {platform.python_version()} | " + " | ".join(
+        f"{k} {v}" for k, v in versions.items()
+    )
 
 
 def main(argv=None):
     a = parse_args(argv)
-    if a.estimate:                                   # the shapes only: no model loaded
+    if a.estimate:  # the shapes only: no model loaded
         print(estimate_report(a))
         return
     out_dir = Path(a.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    command = "python " + " ".join([str(Path(sys.argv[0]).relative_to(ROOT) if Path(sys.argv[0]).is_absolute()
-                                        and ROOT in Path(sys.argv[0]).parents else sys.argv[0])] + sys.argv[1:])
+    command = "python " + " ".join(
+        [
+            str(
+                Path(sys.argv[0]).relative_to(ROOT)
+                if Path(sys.argv[0]).is_absolute() and ROOT in Path(sys.argv[0]).parents
+                else sys.argv[0]
+            )
+        ]
+        + sys.argv[1:]
+    )
     t_start = time.time()
     figures = {f.strip() for f in a.figures.split(",")}
     args = policy_args(a, a.k, a.max_turns, ["--scenarios-per-step", a.scenarios])
     common.set_seed(a.seed)
     model, tok = common.load_policy(args, trainable=True)
-    model.get_base_model().generation_config.min_new_tokens = a.max_new_tokens   # equal work, see 1.
+    model.get_base_model().generation_config.min_new_tokens = a.max_new_tokens  # equal work, see 1.
     judge, user = env.make_judge(args), env.make_user(args)
     scenarios = random.Random(a.seed).sample(env.load_scenarios(args.scenarios), max(a.scenarios, a.peer_prompts))
     rows = []
@@ -568,7 +828,7 @@ def main(argv=None):
         row, trajs = bench_rollout(a, model, tok, scenarios[: a.scenarios], judge, user, args)
         rows.append(row)
     elif "2" in figures:
-        trajs = env.rollout(model, tok, scenarios[: a.scenarios], judge, user, args)   # figure 2's input, untimed
+        trajs = env.rollout(model, tok, scenarios[: a.scenarios], judge, user, args)  # figure 2's input, untimed
     if "2" in figures:
         print("2. update ...", flush=True)
         rows.append(bench_update(a, model, tok, trajs, args))
@@ -579,16 +839,31 @@ def main(argv=None):
         print("4. memory ...", flush=True)
         del model
         rows.append(bench_memory(a, out_dir))
-    text = (f"# Benchmark\n\n{machine()}\n\nCommand: `{command}` ({time.time() - t_start:.0f} s); model "
-            f"{a.model}\n\n{table(rows)}\n\n" + "\n".join(f"- {r['figure'].split(':')[0]}: {r['note']}" for r in rows)
-            + "\n\n## QLoRA estimate from the shapes, one GPU (experiments/benchmark.py --estimate)\n\n"
-            + estimate_report(a) + "\n")
+    text = (
+        f"# Benchmark\n\n{machine()}\n\nCommand: `{command}` ({time.time() - t_start:.0f} s); model "
+        f"{a.model}\n\n{table(rows)}\n\n"
+        + "\n".join(f"- {r['figure'].split(':')[0]}: {r['note']}" for r in rows)
+        + "\n\n## QLoRA estimate from the shapes, one GPU (experiments/benchmark.py --estimate)\n\n"
+        + estimate_report(a)
+        + "\n"
+    )
     print("\n" + text)
     (out_dir / "benchmark.md").write_text(text)
-    (out_dir / "benchmark.json").write_text(json.dumps(
-        {"machine": machine(), "command": command, "model": a.model, "rows": rows,
-         "qlora_estimate_gb": {name: estimate_peaks(memory_estimate(model_shapes(SHAPES[name]), **budget(a)))
-                               for name in SHAPES}}, indent=2, default=str))
+    (out_dir / "benchmark.json").write_text(
+        json.dumps(
+            {
+                "machine": machine(),
+                "command": command,
+                "model": a.model,
+                "rows": rows,
+                "qlora_estimate_gb": {
+                    name: estimate_peaks(memory_estimate(model_shapes(SHAPES[name]), **budget(a))) for name in SHAPES
+                },
+            },
+            indent=2,
+            default=str,
+        )
+    )
     print(f"written: {out_dir / 'benchmark.md'}, {out_dir / 'benchmark.json'}")
 
 

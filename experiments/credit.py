@@ -46,6 +46,7 @@ and the myopic greedy row were added).
 CPU (about 7 minutes on one core of 2):  python experiments/credit.py
 Quick look (under a minute):        python experiments/credit.py --quick
 """
+
 import argparse
 import importlib
 import json
@@ -61,11 +62,11 @@ sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
 import plots  # noqa: E402
 
-env = importlib.import_module("03_rollout")        # the EMPA state, IDR, episode rules, scenarios
+env = importlib.import_module("03_rollout")  # the EMPA state, IDR, episode rules, scenarios
 trainer = importlib.import_module("04_mica_train")  # the advantage estimators
-evaluation = importlib.import_module("05_eval")     # the t interval over independent units
+evaluation = importlib.import_module("05_eval")  # the t interval over independent units
 
-AXES = env.AXES                                       # ("C", "A", "P")
+AXES = env.AXES  # ("C", "A", "P")
 MOVES = ("validate", "clarify", "reflect", "suggest", "affirm", "lecture", "change_subject")
 
 
@@ -75,9 +76,10 @@ MOVES = ("validate", "clarify", "reflect", "suggest", "affirm", "lecture", "chan
 @dataclass
 class Memory:
     """What the simulated user remembers of the dialogue, beyond its state P."""
-    validated: int = 0                                    # validations so far
-    last: list = field(default_factory=list)              # the moves so far
-    debt: dict = field(default_factory=dict)              # negative levels the last move left for this turn
+
+    validated: int = 0  # validations so far
+    last: list = field(default_factory=list)  # the moves so far
+    debt: dict = field(default_factory=dict)  # negative levels the last move left for this turn
 
 
 def remaining(P_a: float, eps: float = 1.0) -> float:
@@ -140,8 +142,8 @@ def judge_move(move: str, mem: Memory, P, P0) -> tuple[dict, dict]:
         raise ValueError(f"unknown move {move!r}; moves: {MOVES}")
     for i, a in enumerate(AXES):
         if P[i] >= 0:
-            progress[a] = 0                                          # nothing left to fix on this axis
-        negative[a] = max(negative[a], mem.debt.get(a, 0))           # last turn's move costs now
+            progress[a] = 0  # nothing left to fix on this axis
+        negative[a] = max(negative[a], mem.debt.get(a, 0))  # last turn's move costs now
     return {a: (progress[a], negative[a]) for a in AXES}, debt
 
 
@@ -163,8 +165,7 @@ N_OBS = 36
 # One dialogue on 03's dynamics
 # ---------------------------------------------------------------------------------------------
 def new_episode(scenario: dict):
-    tr = env.Trajectory(scenario=scenario, k=0, ids=[], messages=[], states=[list(scenario["p0"])],
-                        emotions=[30.0])
+    tr = env.Trajectory(scenario=scenario, k=0, ids=[], messages=[], states=[list(scenario["p0"])], emotions=[30.0])
     tr.extra["moves"], tr.extra["obs"] = [], []
     return tr, Memory()
 
@@ -206,7 +207,7 @@ def rollout(theta, scenario: dict, rng: random.Random, args):
             if u < cum:
                 break
         step(tr, mem, MOVES[a], args, o)
-    tr.extra["rewards"] = env.incremental_distance_rewards(tr.states)    # r_t = d(P_{t-1}) - d(P_t)
+    tr.extra["rewards"] = env.incremental_distance_rewards(tr.states)  # r_t = d(P_{t-1}) - d(P_t)
     return tr
 
 
@@ -241,14 +242,16 @@ def pg_update(theta, groups, advs, lr: float) -> None:
 
 def evaluate(theta, test: list[dict], rng: random.Random, args) -> dict:
     trajs = [rollout(theta, s, rng, args) for s in test for _ in range(args.eval_k)]
-    return {"return": sum(sum(tr.extra["rewards"]) for tr in trajs) / len(trajs),
-            "success": sum(tr.outcome == "success" for tr in trajs) / len(trajs)}
+    return {
+        "return": sum(sum(tr.extra["rewards"]) for tr in trajs) / len(trajs),
+        "success": sum(tr.outcome == "success" for tr in trajs) / len(trajs),
+    }
 
 
 def train(estimator: dict, seed: int, train_set: list[dict], test: list[dict], args) -> dict:
     """Same seed, same first batch, same evaluation dialogues' random numbers for every estimator."""
     rng = random.Random(seed)
-    theta = [[0.0] * len(MOVES) for _ in range(N_OBS)]        # the uniform policy
+    theta = [[0.0] * len(MOVES) for _ in range(N_OBS)]  # the uniform policy
     curve = []
     for step_i in range(args.steps + 1):
         # 1. evaluate on the held-out scenarios every --eval-every steps (its own seeded random numbers)
@@ -257,16 +260,25 @@ def train(estimator: dict, seed: int, train_set: list[dict], test: list[dict], a
         if step_i == args.steps:
             break
         # 2. K rollouts for each of --scenarios-per-step training scenarios
-        groups = [[rollout(theta, s, rng, args) for _ in range(args.k)]
-                  for s in rng.sample(train_set, args.scenarios_per_step)]
+        groups = [
+            [rollout(theta, s, rng, args) for _ in range(args.k)]
+            for s in rng.sample(train_set, args.scenarios_per_step)
+        ]
         # 3. per-turn IDR rewards -> the estimator's advantages (04's functions)
         advs = advantages(estimator, [[tr.extra["rewards"] for tr in g] for g in groups], args.gamma)
         # 4. one plain policy-gradient step on the logits
         pg_update(theta, groups, advs, args.lr)
-    final = evaluate(theta, test, random.Random(7_919 * seed + 1),
-                     argparse.Namespace(**{**vars(args), "eval_k": args.final_eval_k}))
-    return {"estimator": estimator["name"], "seed": seed, "curve": curve, "steps_done": args.steps,
-            "final_return": final["return"], "final_success": final["success"]}
+    final = evaluate(
+        theta, test, random.Random(7_919 * seed + 1), argparse.Namespace(**{**vars(args), "eval_k": args.final_eval_k})
+    )
+    return {
+        "estimator": estimator["name"],
+        "seed": seed,
+        "curve": curve,
+        "steps_done": args.steps,
+        "final_return": final["return"],
+        "final_success": final["success"],
+    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -274,8 +286,9 @@ def train(estimator: dict, seed: int, train_set: list[dict], test: list[dict], a
 # ---------------------------------------------------------------------------------------------
 def branch(tr, mem: Memory, move: str, args):
     """A copy of the dialogue so far, advanced by one more move (the original is left as it was)."""
-    child = env.Trajectory(scenario=tr.scenario, k=0, ids=[], messages=[],
-                           states=[list(P) for P in tr.states], emotions=list(tr.emotions))
+    child = env.Trajectory(
+        scenario=tr.scenario, k=0, ids=[], messages=[], states=[list(P) for P in tr.states], emotions=list(tr.emotions)
+    )
     child.dEs, child.vs, child.levels = list(tr.dEs), list(tr.vs), list(tr.levels)
     child.extra = {"moves": list(tr.extra["moves"]), "obs": list(tr.extra["obs"])}
     cmem = Memory(mem.validated, list(mem.last), dict(mem.debt))
@@ -301,8 +314,13 @@ def search_ceiling(scenario: dict, args) -> tuple[float, bool]:
         children.sort(key=lambda c: -c[0])
         seen, beam = set(), []
         for _, child, cmem in children:
-            key = (tuple(child.states[-1]), min(cmem.validated, 5), tuple(cmem.last[-2:]),
-                   tuple(sorted(cmem.debt.items())), round(sum(child.dEs), 6))
+            key = (
+                tuple(child.states[-1]),
+                min(cmem.validated, 5),
+                tuple(cmem.last[-2:]),
+                tuple(sorted(cmem.debt.items())),
+                round(sum(child.dEs), 6),
+            )
             if key not in seen and len(beam) < args.beam_width:
                 seen.add(key)
                 beam.append((child, cmem))
@@ -318,7 +336,7 @@ def myopic_greedy(scenario: dict, args) -> tuple[float, bool]:
         gains = []
         for move in MOVES:
             child, _ = branch(tr, mem, move, args)
-            gains.append(env.hinge_distance(tr.states[-1]) - env.hinge_distance(child.states[-1]))   # r_t
+            gains.append(env.hinge_distance(tr.states[-1]) - env.hinge_distance(child.states[-1]))  # r_t
         step(tr, mem, MOVES[gains.index(max(gains))], args)
     return env.hinge_distance(scenario["p0"]) - env.hinge_distance(tr.states[-1]), tr.outcome == "success"
 
@@ -340,35 +358,51 @@ def steps_to(curve: list[float], threshold: float, args) -> int | None:
     return None
 
 
-def table(rows: list[dict], estimators: list[dict], threshold: float, uniform: float, greedy: tuple,
-          ceiling: tuple, args, seconds: float) -> str:
+def table(
+    rows: list[dict],
+    estimators: list[dict],
+    threshold: float,
+    uniform: float,
+    greedy: tuple,
+    ceiling: tuple,
+    args,
+    seconds: float,
+) -> str:
     """The markdown table: one row per estimator, then the uniform policy, the myopic greedy policy and the
     search ceiling."""
     seeds = sorted({r["seed"] for r in rows})
-    by = {e["name"]: sorted((r for r in rows if r["estimator"] == e["name"]), key=lambda r: r["seed"])
-          for e in estimators}
-    lines = ["| estimator | final held-out return | success rate | steps to threshold | reached | "
-             "return - GRPO's (paired) |", "|---|---|---|---|---|---|"]
+    by = {
+        e["name"]: sorted((r for r in rows if r["estimator"] == e["name"]), key=lambda r: r["seed"]) for e in estimators
+    }
+    lines = [
+        "| estimator | final held-out return | success rate | steps to threshold | reached | "
+        "return - GRPO's (paired) |",
+        "|---|---|---|---|---|---|",
+    ]
     grpo = {r["seed"]: r["final_return"] for r in by.get("GRPO", [])}
     for e in estimators:
         rs = by[e["name"]]
         hit = [steps_to(r["curve"], threshold, args) for r in rs]
-        censored = [args.steps if s is None else s for s in hit]        # never reached: counted as --steps
+        censored = [args.steps if s is None else s for s in hit]  # never reached: counted as --steps
         diff = [r["final_return"] - grpo[r["seed"]] for r in rs if r["seed"] in grpo]
-        lines.append(f"| {e['name']} | {ci_cell([r['final_return'] for r in rs])} | "
-                     f"{ci_cell([r['final_success'] for r in rs])} | {ci_cell(censored, 0)} | "
-                     f"{sum(s is not None for s in hit)}/{len(rs)} | "
-                     f"{'—' if e['name'] == 'GRPO' or not diff else ci_cell(diff)} |")
+        lines.append(
+            f"| {e['name']} | {ci_cell([r['final_return'] for r in rs])} | "
+            f"{ci_cell([r['final_success'] for r in rs])} | {ci_cell(censored, 0)} | "
+            f"{sum(s is not None for s in hit)}/{len(rs)} | "
+            f"{'—' if e['name'] == 'GRPO' or not diff else ci_cell(diff)} |"
+        )
     lines.append(f"| untrained (uniform) policy | {uniform:.2f} | | | | |")
     lines.append(f"| myopic greedy (argmax r_t, knows the table) | {greedy[0]:.2f} | {greedy[1]:.2f} | | | |")
     lines.append(f"| search ceiling (beam {args.beam_width}) | {ceiling[0]:.2f} | {ceiling[1]:.2f} | | | |")
-    note = (f"\nmean ± sd [95% CI: t_{{0.975, n-1}} sd / sqrt(n)] over {len(seeds)} seeds ({seeds[0]}-{seeds[-1]}); "
-            f"{args.steps} steps of {args.scenarios_per_step} train scenarios x K={args.k}, lr {args.lr}, "
-            f"gamma {args.gamma}; held-out: {args.final_eval_k} dialogues per test scenario at the end, {args.eval_k} "
-            f"every {args.eval_every} steps (the curves, steps to threshold); {args.max_turns} turns "
-            f"(min {args.min_turns}, collapse window {args.collapse_window}); threshold {threshold:.2f} = "
-            f"{args.threshold_frac} of the way from the uniform policy to the search ceiling (a seed that "
-            f"never reaches it counts as {args.steps} steps); {seconds:.0f} s\n")
+    note = (
+        f"\nmean ± sd [95% CI: t_{{0.975, n-1}} sd / sqrt(n)] over {len(seeds)} seeds ({seeds[0]}-{seeds[-1]}); "
+        f"{args.steps} steps of {args.scenarios_per_step} train scenarios x K={args.k}, lr {args.lr}, "
+        f"gamma {args.gamma}; held-out: {args.final_eval_k} dialogues per test scenario at the end, {args.eval_k} "
+        f"every {args.eval_every} steps (the curves, steps to threshold); {args.max_turns} turns "
+        f"(min {args.min_turns}, collapse window {args.collapse_window}); threshold {threshold:.2f} = "
+        f"{args.threshold_frac} of the way from the uniform policy to the search ceiling (a seed that "
+        f"never reaches it counts as {args.steps} steps); {seconds:.0f} s\n"
+    )
     return "\n".join(lines) + "\n" + note
 
 
@@ -378,23 +412,32 @@ def run_job(job):
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--seeds", type=int, default=24, help="number of seeds (0 .. N-1), the same for every estimator")
     p.add_argument("--alphas", default="0.0,0.4,1.0", help="MICA's alphas (weight of the turn-level advantage)")
-    p.add_argument("--quick", action="store_true",
-                   help="a look in under a minute: 3 seeds unless --seeds is given, 60 steps, evaluation every "
-                        "10 steps on 4 held-out dialogues per scenario (8 for the final one); flags given "
-                        "explicitly win")
-    p.add_argument("--out", default=str(ROOT / "runs" / "credit"),
-                   help="folder for credit.md, credit.png, credit.jsonl")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="a look in under a minute: 3 seeds unless --seeds is given, 60 steps, evaluation every "
+        "10 steps on 4 held-out dialogues per scenario (8 for the final one); flags given "
+        "explicitly win",
+    )
+    p.add_argument(
+        "--out", default=str(ROOT / "runs" / "credit"), help="folder for credit.md, credit.png, credit.jsonl"
+    )
     p.add_argument("--workers", type=int, default=1, help="processes that train (seed, estimator) pairs at once")
     g = p.add_argument_group("environment (03's rules)")
     g.add_argument("--train", default=str(ROOT / "data" / "scenarios_train.jsonl"), help="training scenarios")
     g.add_argument("--test", default=str(ROOT / "data" / "scenarios_test.jsonl"), help="held-out scenarios")
     g.add_argument("--max-turns", type=int, default=15, help="turns before a timeout (EMPA: 45; MICA trains on 8-15)")
-    g.add_argument("--min-turns", type=int, default=None,
-                   help="no success or failure before this turn; unset: EMPA's 12/45 of --max-turns, rounded (4 at 15)")
+    g.add_argument(
+        "--min-turns",
+        type=int,
+        default=None,
+        help="no success or failure before this turn; unset: EMPA's 12/45 of --max-turns, rounded (4 at 15)",
+    )
     g.add_argument("--collapse-window", type=int, default=5, help="failure when the last N dE are all < 0 (EMPA: 5)")
     g = p.add_argument_group("training (one plain policy-gradient step per batch)")
     g.add_argument("--steps", type=int, default=300, help="training steps per seed and estimator")
@@ -405,21 +448,43 @@ def parse_args(argv=None):
     g = p.add_argument_group("measurement")
     g.add_argument("--eval-every", type=int, default=20, help="held-out evaluation every N steps (the curves)")
     g.add_argument("--eval-k", type=int, default=8, help="held-out dialogues per test scenario per evaluation (curves)")
-    g.add_argument("--final-eval-k", type=int, default=32,
-                   help="held-out dialogues per test scenario for the final return and success")
-    g.add_argument("--threshold-frac", type=float, default=0.5,
-                   help="steps to threshold: this fraction of the way from the uniform policy to the search ceiling")
-    g.add_argument("--beam-width", type=int, default=32,
-                   help="beam of the search ceiling (32 already finds the maximum, d(P0), on every shipped test "
-                        "scenario)")
+    g.add_argument(
+        "--final-eval-k",
+        type=int,
+        default=32,
+        help="held-out dialogues per test scenario for the final return and success",
+    )
+    g.add_argument(
+        "--threshold-frac",
+        type=float,
+        default=0.5,
+        help="steps to threshold: this fraction of the way from the uniform policy to the search ceiling",
+    )
+    g.add_argument(
+        "--beam-width",
+        type=int,
+        default=32,
+        help="beam of the search ceiling (32 already finds the maximum, d(P0), on every shipped test scenario)",
+    )
     args = p.parse_args(argv)
-    if args.quick:                                    # new defaults; flags given explicitly still win
+    if args.quick:  # new defaults; flags given explicitly still win
         p.set_defaults(seeds=3, steps=60, eval_every=10, eval_k=4, final_eval_k=8)
         args = p.parse_args(argv)
     if args.min_turns is None:
         args.min_turns = max(1, round(args.max_turns * 12 / 45))
-    for name in ("seeds", "steps", "k", "scenarios_per_step", "eval_every", "eval_k", "final_eval_k", "beam_width",
-                 "workers", "max_turns", "collapse_window"):
+    for name in (
+        "seeds",
+        "steps",
+        "k",
+        "scenarios_per_step",
+        "eval_every",
+        "eval_k",
+        "final_eval_k",
+        "beam_width",
+        "workers",
+        "max_turns",
+        "collapse_window",
+    ):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.k < 2:
@@ -439,14 +504,22 @@ def main(argv=None):
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     train_set, test = env.load_scenarios(args.train), env.load_scenarios(args.test)
-    common.check(args.scenarios_per_step <= len(train_set),
-                 f"--scenarios-per-step {args.scenarios_per_step} > {len(train_set)} training scenarios")
-    estimators = ([{"name": f"MICA (alpha={a:g})", "kind": "mica", "alpha": a} for a in args.alphas]
-                  + [{"name": "GRPO", "kind": "grpo"}, {"name": "REINFORCE++", "kind": "reinforce_pp"}])
+    common.check(
+        args.scenarios_per_step <= len(train_set),
+        f"--scenarios-per-step {args.scenarios_per_step} > {len(train_set)} training scenarios",
+    )
+    estimators = [{"name": f"MICA (alpha={a:g})", "kind": "mica", "alpha": a} for a in args.alphas] + [
+        {"name": "GRPO", "kind": "grpo"},
+        {"name": "REINFORCE++", "kind": "reinforce_pp"},
+    ]
     # the yardsticks, on the test scenarios: the uniform policy (every run's step 0), the myopic greedy
     # policy and the search ceiling
-    uniform = evaluate([[0.0] * len(MOVES) for _ in range(N_OBS)], test, random.Random(12345),
-                       argparse.Namespace(**{**vars(args), "eval_k": max(args.eval_k, 64)}))["return"]
+    uniform = evaluate(
+        [[0.0] * len(MOVES) for _ in range(N_OBS)],
+        test,
+        random.Random(12345),
+        argparse.Namespace(**{**vars(args), "eval_k": max(args.eval_k, 64)}),
+    )["return"]
     found, mine = [search_ceiling(s, args) for s in test], [myopic_greedy(s, args) for s in test]
     ceiling = (sum(r for r, _ in found) / len(found), sum(ok for _, ok in found) / len(found))
     greedy = (sum(r for r, _ in mine) / len(mine), sum(ok for _, ok in mine) / len(mine))
@@ -454,6 +527,7 @@ def main(argv=None):
     jobs = [(e, seed, train_set, test, args) for seed in range(args.seeds) for e in estimators]
     if args.workers > 1:
         import multiprocessing
+
         with multiprocessing.Pool(args.workers) as pool:
             rows = pool.map(run_job, jobs)
     else:
@@ -462,9 +536,12 @@ def main(argv=None):
         for r in rows:
             f.write(json.dumps(r) + "\n")
     # the learning curves: mean and +-1 sd over the seeds, 05's picture with its x axis named for this
-    plots.series({e["name"]: [r["curve"] for r in rows if r["estimator"] == e["name"]] for e in estimators},
-                           "held-out IDR return", out / "credit.png",
-                           xlabel=f"evaluation (every {args.eval_every} training steps)")
+    plots.series(
+        {e["name"]: [r["curve"] for r in rows if r["estimator"] == e["name"]] for e in estimators},
+        "held-out IDR return",
+        out / "credit.png",
+        xlabel=f"evaluation (every {args.eval_every} training steps)",
+    )
     text = table(rows, estimators, threshold, uniform, greedy, ceiling, args, time.time() - t0)
     (out / "credit.md").write_text(text)
     print("\n" + text)

@@ -9,6 +9,7 @@ Every number comes from the scripts' own JSONL output, run as a user would run t
 CPU (about 1.5 h on 2 cores):  python experiments/learning.py
 Quick look:                    python experiments/learning.py --seeds 0 --steps 4
 """
+
 import argparse
 import json
 import os
@@ -37,14 +38,37 @@ def newest(out_dir: Path, prefix: str) -> Path:
 
 
 def evaluate(args, out_dir, name, seed, adapter=None):
-    cmd = [ROOT / "03_rollout.py", "--scenarios", args.test, "--num-scenarios", "0", "--k", args.eval_k,
-           "--seed", 10_000 + seed, "--max-turns", args.max_turns, "--max-new-tokens", args.max_new_tokens,
-           "--temperature", args.temperature, "--out-dir", out_dir, "--run-name", name, "--quiet", "--no-progress"]
+    cmd = [
+        ROOT / "03_rollout.py",
+        "--scenarios",
+        args.test,
+        "--num-scenarios",
+        "0",
+        "--k",
+        args.eval_k,
+        "--seed",
+        10_000 + seed,
+        "--max-turns",
+        args.max_turns,
+        "--max-new-tokens",
+        args.max_new_tokens,
+        "--temperature",
+        args.temperature,
+        "--out-dir",
+        out_dir,
+        "--run-name",
+        name,
+        "--quiet",
+        "--no-progress",
+    ]
     run(cmd + (["--adapter", adapter] if adapter else []), args.threads)
     recs = [json.loads(x) for x in (newest(out_dir, name) / "rollouts.jsonl").read_text().splitlines()]
-    return {"return": statistics.mean(r["return"] for r in recs),
-            "success": statistics.mean(r["outcome"] == "success" for r in recs),
-            "final_distance": statistics.mean(r["final_distance"] for r in recs), "n": len(recs)}
+    return {
+        "return": statistics.mean(r["return"] for r in recs),
+        "success": statistics.mean(r["outcome"] == "success" for r in recs),
+        "final_distance": statistics.mean(r["final_distance"] for r in recs),
+        "n": len(recs),
+    }
 
 
 def main():
@@ -67,16 +91,39 @@ def main():
 
     def one_seed(seed):
         base = evaluate(args, out, f"eval-base-s{seed}", seed)
-        run([ROOT / "04_mica_train.py", "--seed", seed, "--steps", args.steps, "--max-turns", args.max_turns,
-             "--max-new-tokens", args.max_new_tokens, "--temperature", args.temperature, "--out-dir", out,
-             "--run-name", f"train-s{seed}", "--no-progress", *args.train_args.split()], args.threads)
+        run(
+            [
+                ROOT / "04_mica_train.py",
+                "--seed",
+                seed,
+                "--steps",
+                args.steps,
+                "--max-turns",
+                args.max_turns,
+                "--max-new-tokens",
+                args.max_new_tokens,
+                "--temperature",
+                args.temperature,
+                "--out-dir",
+                out,
+                "--run-name",
+                f"train-s{seed}",
+                "--no-progress",
+                *args.train_args.split(),
+            ],
+            args.threads,
+        )
         train_dir = newest(out, f"train-s{seed}")
         trained = evaluate(args, out, f"eval-mica-s{seed}", seed, adapter=train_dir / "adapter")
         m = [json.loads(x) for x in (train_dir / "metrics.jsonl").read_text().splitlines()]
         q = max(1, len(m) // 4)
-        row = {"seed": seed, "base": base, "mica": trained,
-               "train_return_first": statistics.mean(x["return_mean"] for x in m[:q]),
-               "train_return_last": statistics.mean(x["return_mean"] for x in m[-q:])}
+        row = {
+            "seed": seed,
+            "base": base,
+            "mica": trained,
+            "train_return_first": statistics.mean(x["return_mean"] for x in m[:q]),
+            "train_return_last": statistics.mean(x["return_mean"] for x in m[-q:]),
+        }
         print(json.dumps(row), flush=True)
         return row
 
@@ -86,26 +133,35 @@ def main():
     def ms(xs):
         return f"{statistics.mean(xs):.3f} ± {statistics.stdev(xs):.3f}" if len(xs) > 1 else f"{xs[0]:.3f}"
 
-    lines = ["| seed | held-out return: base | MICA | success: base | MICA | final distance: base | MICA "
-             "| train return: first 25% of steps | last 25% |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| seed | held-out return: base | MICA | success: base | MICA | final distance: base | MICA "
+        "| train return: first 25% of steps | last 25% |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         b, t = r["base"], r["mica"]
-        lines.append(f"| {r['seed']} | {b['return']:.3f} | {t['return']:.3f} | {b['success']:.3f} | "
-                     f"{t['success']:.3f} | {b['final_distance']:.3f} | {t['final_distance']:.3f} | "
-                     f"{r['train_return_first']:.3f} | {r['train_return_last']:.3f} |")
+        lines.append(
+            f"| {r['seed']} | {b['return']:.3f} | {t['return']:.3f} | {b['success']:.3f} | "
+            f"{t['success']:.3f} | {b['final_distance']:.3f} | {t['final_distance']:.3f} | "
+            f"{r['train_return_first']:.3f} | {r['train_return_last']:.3f} |"
+        )
 
     def col(who, key):
         return [r[who][key] for r in rows]
 
-    lines.append(f"| mean ± sd | {ms(col('base', 'return'))} | {ms(col('mica', 'return'))} | "
-                 f"{ms(col('base', 'success'))} | {ms(col('mica', 'success'))} | "
-                 f"{ms(col('base', 'final_distance'))} | {ms(col('mica', 'final_distance'))} | "
-                 f"{ms([r['train_return_first'] for r in rows])} | {ms([r['train_return_last'] for r in rows])} |")
+    lines.append(
+        f"| mean ± sd | {ms(col('base', 'return'))} | {ms(col('mica', 'return'))} | "
+        f"{ms(col('base', 'success'))} | {ms(col('mica', 'success'))} | "
+        f"{ms(col('base', 'final_distance'))} | {ms(col('mica', 'final_distance'))} | "
+        f"{ms([r['train_return_first'] for r in rows])} | {ms([r['train_return_last'] for r in rows])} |"
+    )
     gains = [r["mica"]["return"] - r["base"]["return"] for r in rows]
     spread = statistics.stdev(col("mica", "return")) if len(rows) > 1 else float("nan")
-    verdict = (f"held-out return gain {statistics.mean(gains):+.3f} (per seed: "
-               f"{', '.join(f'{g:+.3f}' for g in gains)}); seed spread (sd of trained returns) {spread:.3f}; "
-               f"{rows[0]['base']['n']} held-out dialogues per model and seed; {time.time() - t0:.0f} s")
+    verdict = (
+        f"held-out return gain {statistics.mean(gains):+.3f} (per seed: "
+        f"{', '.join(f'{g:+.3f}' for g in gains)}); seed spread (sd of trained returns) {spread:.3f}; "
+        f"{rows[0]['base']['n']} held-out dialogues per model and seed; {time.time() - t0:.0f} s"
+    )
     table = "\n".join(lines) + "\n\n" + verdict + "\n"
     write_table(out / "learning.md", table)
 

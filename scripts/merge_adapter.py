@@ -28,6 +28,7 @@ Where this departs from the training run, or had to choose:
 Usage: python scripts/merge_adapter.py runs/demo/mica-<time>/adapter runs/merged
        transformers serve runs/merged --host 127.0.0.1 --port 8000     (docs/evaluation.md, "Serving an adapter")
 """
+
 from __future__ import annotations
 
 import argparse
@@ -60,9 +61,11 @@ def check_full_precision(base: str, trust_remote_code: bool):
     quant = getattr(config, "quantization_config", None)
     if quant:
         method = quant.get("quant_method", "?") if isinstance(quant, dict) else getattr(quant, "quant_method", "?")
-        raise common.UserError(f"base {base} is stored quantised ({method}); a merge needs its full-precision "
-                               f"weights: pass --base <the unquantised model> (an adapter trained with "
-                               f"--load-in-4bit on names its full-precision base already)")
+        raise common.UserError(
+            f"base {base} is stored quantised ({method}); a merge needs its full-precision "
+            f"weights: pass --base <the unquantised model> (an adapter trained with "
+            f"--load-in-4bit on names its full-precision base already)"
+        )
 
 
 def merge(adapter: str, base: str, trust_remote_code=False):
@@ -71,22 +74,26 @@ def merge(adapter: str, base: str, trust_remote_code=False):
     from transformers import AutoModelForCausalLM
 
     check_full_precision(base, trust_remote_code)
-    model = common.from_pretrained(AutoModelForCausalLM.from_pretrained, base, dtype="auto",
-                                   trust_remote_code=trust_remote_code)
+    model = common.from_pretrained(
+        AutoModelForCausalLM.from_pretrained, base, dtype="auto", trust_remote_code=trust_remote_code
+    )
     try:
         model = PeftModel.from_pretrained(model, adapter, is_trainable=False)
-    except (RuntimeError, ValueError, KeyError, OSError) as e:     # shapes or module names of another base
-        raise common.UserError(f"{adapter}: cannot be loaded onto base {base} "
-                               f"({type(e).__name__}: {str(e).splitlines()[0][:200]}); pass --base MODEL") from None
-    merged = model.merge_and_unload()                                # W' = W + (alpha / r) B A, peft removed
+    except (RuntimeError, ValueError, KeyError, OSError) as e:  # shapes or module names of another base
+        raise common.UserError(
+            f"{adapter}: cannot be loaded onto base {base} "
+            f"({type(e).__name__}: {str(e).splitlines()[0][:200]}); pass --base MODEL"
+        ) from None
+    merged = model.merge_and_unload()  # W' = W + (alpha / r) B A, peft removed
     has_tokenizer = (Path(adapter) / "tokenizer_config.json").is_file()
     tokenizer = common.load_tokenizer(adapter if has_tokenizer else common.resolve_model(base), trust_remote_code)
     return merged.eval(), tokenizer
 
 
 def main(argv=None):
-    p = common.ArgumentParser(description=__doc__.split("\n")[0],
-                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = common.ArgumentParser(
+        description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("adapter", help="a peft LoRA adapter folder (e.g. runs/<run>/adapter)")
     p.add_argument("out", help="the merged model folder to write (must not exist yet)")
     p.add_argument("--base", default=None, help="the base model (default: the one adapter_config.json names)")
@@ -94,7 +101,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     out = Path(args.out)
     common.check(not out.exists(), f"{out} exists already: name a new folder")
-    named = base_of(args.adapter)                       # also checks that ADAPTER is a peft folder
+    named = base_of(args.adapter)  # also checks that ADAPTER is a peft folder
     base = args.base or named
     common.check(base, f"{args.adapter}/adapter_config.json names no base_model_name_or_path: pass --base MODEL")
     model, tokenizer = merge(args.adapter, base, args.trust_remote_code)

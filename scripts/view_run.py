@@ -23,6 +23,7 @@ Exit    2 with one line "error: ..." when the folder or its rollouts.jsonl is mi
 
 Usage: python scripts/view_run.py runs/mica-20261201-120000        (then open runs/.../rollouts.html)
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,12 +35,20 @@ import sys
 from pathlib import Path
 
 DIMS = [("C", "cognitive"), ("A", "affective"), ("P", "proactive")]
-BANDS = [("S", 100.0), ("A", 70.0), ("B", 40.0), ("C", 10.0), ("F", -math.inf)]   # the first whose bound e >= is met
+BANDS = [("S", 100.0), ("A", 70.0), ("B", 40.0), ("C", 10.0), ("F", -math.inf)]  # the first whose bound e >= is met
 BAND_TEXT = {"F": "e < 10", "C": "10 <= e < 40", "B": "40 <= e < 70", "A": "70 <= e < 100", "S": "e >= 100"}
 BAND_TICK = {"F": "F <10", "C": "C 10-40", "B": "B 40-70", "A": "A 70-100", "S": "S 100+"}
-EMOTION_START = 30.0       # 03_rollout.py's --emotion-start default, for runs without args.json
-COLORS = {"C": "#2563eb", "A": "#ea580c", "P": "#16a34a", "distance": "#444444",
-          "reward": "#9ca3af", "A_turn": "#7c3aed", "A_group": "#0891b2", "A (mixed)": "#111111"}
+EMOTION_START = 30.0  # 03_rollout.py's --emotion-start default, for runs without args.json
+COLORS = {
+    "C": "#2563eb",
+    "A": "#ea580c",
+    "P": "#16a34a",
+    "distance": "#444444",
+    "reward": "#9ca3af",
+    "A_turn": "#7c3aed",
+    "A_group": "#0891b2",
+    "A (mixed)": "#111111",
+}
 
 
 class ViewError(Exception):
@@ -54,7 +63,7 @@ def main(argv=None):
             raise ViewError(f"{run_dir}: no such run folder")
         name = "rollouts.jsonl"
         if not (run_dir / name).exists() and (run_dir / "transcripts.jsonl").exists():
-            name = "transcripts.jsonl"                  # 05's run: its EMPA dialogues, a "step" per model
+            name = "transcripts.jsonl"  # 05's run: its EMPA dialogues, a "step" per model
         records, dropped = drop_rerun_steps(read_rollouts(run_dir / name))
         page = render_page(run_dir, group_by_step(records), len(records), dropped, emotion_start(run_dir), name)
         out = Path(args.out) if args.out else run_dir / "rollouts.html"
@@ -82,8 +91,11 @@ def read_rollouts(path: Path) -> list[dict]:
                 rec = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ViewError(f"{path}:{n}: not JSON ({e.msg})") from None
-            if not isinstance(rec, dict) or not isinstance(rec.get("turns"), list) \
-                    or not all(isinstance(t, dict) for t in rec["turns"]):
+            if (
+                not isinstance(rec, dict)
+                or not isinstance(rec.get("turns"), list)
+                or not all(isinstance(t, dict) for t in rec["turns"])
+            ):
                 raise ViewError(f"{path}:{n}: not a dialogue record (needs a list 'turns' of objects)")
             step = rec.get("step", rec.get("model"))
             rec["_step"] = step if isinstance(step, (int, str)) and not isinstance(step, bool) else None
@@ -98,7 +110,7 @@ def drop_rerun_steps(records: list[dict]) -> tuple[list[dict], int]:
     """The records with each step as last written, and how many were dropped. 04 --resume restarts from its
     last checkpoint and appends again: a step's records that come back after another step's, or that repeat
     a (scenario, k) of the step (one step samples each scenario once), are a re-run that replaces the first."""
-    blocks: dict = {}                    # step -> (its records, their (scenario, k))
+    blocks: dict = {}  # step -> (its records, their (scenario, k))
     dropped, prev = 0, object()
     for rec in records:
         step, key = rec["_step"], (str(rec.get("scenario_id")), str(rec.get("k")))
@@ -135,14 +147,20 @@ def emotion_start(run_dir: Path) -> float:
 def render_page(run_dir: Path, steps, n_dialogues: int, dropped: int, e_start: float, source="rollouts.jsonl") -> str:
     name = run_dir.resolve().name
     last = step_id(steps[-1][0])
-    options = "".join(f'<option value="{step_id(s)}"{" selected" if step_id(s) == last else ""}>'
-                      f'{step_title(s)}: {len(recs)} dialogues</option>' for s, recs in steps)
-    body = [f"<h1>{esc(name)}</h1>",
-            f'<p class="meta">{len(steps)} step{"s" * (len(steps) != 1)}, {n_dialogues} dialogues, '
-            f'{sum(len(r["turns"]) for _, recs in steps for r in recs)} turns, from {esc(str(run_dir))}'
-            f'/{source}{f"; {dropped} dialogues of re-run steps left out" if dropped else ""}</p>',
-            render_step_table(steps), render_rubrics(steps, e_start),
-            f'<nav><label>Show step <select id="step-select">{options}</select></label></nav>']
+    options = "".join(
+        f'<option value="{step_id(s)}"{" selected" if step_id(s) == last else ""}>'
+        f"{step_title(s)}: {len(recs)} dialogues</option>"
+        for s, recs in steps
+    )
+    body = [
+        f"<h1>{esc(name)}</h1>",
+        f'<p class="meta">{len(steps)} step{"s" * (len(steps) != 1)}, {n_dialogues} dialogues, '
+        f"{sum(len(r['turns']) for _, recs in steps for r in recs)} turns, from {esc(str(run_dir))}"
+        f"/{source}{f'; {dropped} dialogues of re-run steps left out' if dropped else ''}</p>",
+        render_step_table(steps),
+        render_rubrics(steps, e_start),
+        f'<nav><label>Show step <select id="step-select">{options}</select></label></nav>',
+    ]
     for s, recs in steps:
         body.append(render_step(s, recs, hidden=step_id(s) != last))
     return PAGE.format(title=esc(f"{name}: rollouts"), css=CSS, body="\n".join(body), script=SCRIPT)
@@ -153,14 +171,18 @@ def render_step_table(steps) -> str:
     rows = []
     for s, recs in steps:
         turns = [t for r in recs for t in r["turns"]]
-        rows.append(f"<tr><td>{step_label(s)}</td><td>{len(recs)}</td><td>{num(mean(r.get('return') for r in recs))}"
-                    f"</td><td>{num(share(t.get('truncated') for t in turns))}</td>"
-                    f"<td>{num(share(t.get('judge_failed') for t in turns))}</td>"
-                    f"<td>{num(share(r.get('outcome') == 'success' for r in recs))}</td>"
-                    f"<td>{num(mean(r.get('final_distance') for r in recs))}</td></tr>")
-    return ('<table class="steps"><caption>Per step</caption><tr><th>step</th><th>dialogues</th><th>mean return</th>'
-            "<th>cut-off turns (share)</th><th>judge-failed turns (share)</th><th>success (share)</th>"
-            f"<th>mean final distance</th></tr>{''.join(rows)}</table>")
+        rows.append(
+            f"<tr><td>{step_label(s)}</td><td>{len(recs)}</td><td>{num(mean(r.get('return') for r in recs))}"
+            f"</td><td>{num(share(t.get('truncated') for t in turns))}</td>"
+            f"<td>{num(share(t.get('judge_failed') for t in turns))}</td>"
+            f"<td>{num(share(r.get('outcome') == 'success' for r in recs))}</td>"
+            f"<td>{num(mean(r.get('final_distance') for r in recs))}</td></tr>"
+        )
+    return (
+        '<table class="steps"><caption>Per step</caption><tr><th>step</th><th>dialogues</th><th>mean return</th>'
+        "<th>cut-off turns (share)</th><th>judge-failed turns (share)</th><th>success (share)</th>"
+        f"<th>mean final distance</th></tr>{''.join(rows)}</table>"
+    )
 
 
 def render_rubrics(steps, e_start: float) -> str:
@@ -175,7 +197,7 @@ def render_rubrics(steps, e_start: float) -> str:
                 if w is None:
                     continue
                 by_turn.setdefault(i + 1, []).append(w)
-                before = rec["turns"][i - 1].get("emotion") if i else e_start   # when the rubric was written
+                before = rec["turns"][i - 1].get("emotion") if i else e_start  # when the rubric was written
                 if is_num(before):
                     by_band[band(before)].append(w)
     if not by_turn:
@@ -183,45 +205,68 @@ def render_rubrics(steps, e_start: float) -> str:
     # (the table's label, the bar's label, the weights)
     turn_groups = [(f"turn {t}", f"turn {t}", ws) for t, ws in sorted(by_turn.items())]
     band_groups = [(f"{b} ({BAND_TEXT[b]})", BAND_TICK[b], by_band[b]) for b in "FCBAS" if by_band[b]]
-    parts = ['<section class="rubrics"><h2>Rubric weights</h2><p class="meta">The mean weight the CARE rubric gave '
-             "each dimension (C cognitive, A affective, P proactive), over the turns that carry a rubric, by turn "
-             "and by the band of the user's emotion e when the rubric was written (before the reply).</p>"]
-    for caption, short, groups in (("by turn", "by turn", turn_groups),
-                                   ("by the user's emotion band", "by emotion band", band_groups)):
+    parts = [
+        '<section class="rubrics"><h2>Rubric weights</h2><p class="meta">The mean weight the CARE rubric gave '
+        "each dimension (C cognitive, A affective, P proactive), over the turns that carry a rubric, by turn "
+        "and by the band of the user's emotion e when the rubric was written (before the reply).</p>"
+    ]
+    for caption, short, groups in (
+        ("by turn", "by turn", turn_groups),
+        ("by the user's emotion band", "by emotion band", band_groups),
+    ):
         means = [(label, tick, [mean(w[j] for w in ws) for j in range(3)], len(ws)) for label, tick, ws in groups]
-        rows = "".join(f'<tr><td class="l">{esc(label)}</td><td>{n}</td>'
-                       + "".join(f"<td>{num(m)}</td>" for m in ms) + "</tr>" for label, _, ms, n in means)
+        rows = "".join(
+            f'<tr><td class="l">{esc(label)}</td><td>{n}</td>' + "".join(f"<td>{num(m)}</td>" for m in ms) + "</tr>"
+            for label, _, ms, n in means
+        )
         chart = stacked_bars(f"rubric weights {short}", [(tick, ms) for _, tick, ms, _ in means])
-        parts.append(f'<div class="pair"><table><caption>Mean rubric weights {caption}</caption><tr>'
-                     f'<th class="l">group</th><th>turns</th><th>w C</th><th>w A</th><th>w P</th></tr>{rows}</table>'
-                     f"{chart}</div>")
+        parts.append(
+            f'<div class="pair"><table><caption>Mean rubric weights {caption}</caption><tr>'
+            f'<th class="l">group</th><th>turns</th><th>w C</th><th>w A</th><th>w P</th></tr>{rows}</table>'
+            f"{chart}</div>"
+        )
     return "".join(parts) + "</section>"
 
 
 def render_step(step, recs: list[dict], hidden: bool) -> str:
-    head = (f"<h2>{step_title(step)}</h2><p class=\"meta\">{len(recs)} dialogues, mean return "
-            f"{num(mean(r.get('return') for r in recs))}, cut-off turns "
-            f"{num(share(t.get('truncated') for r in recs for t in r['turns']))}</p>")
+    head = (
+        f'<h2>{step_title(step)}</h2><p class="meta">{len(recs)} dialogues, mean return '
+        f"{num(mean(r.get('return') for r in recs))}, cut-off turns "
+        f"{num(share(t.get('truncated') for r in recs for t in r['turns']))}</p>"
+    )
     dialogues = "".join(render_dialogue(step, i, rec) for i, rec in enumerate(recs))
-    return (f'<section class="step" id="{step_id(step)}" data-step="{step_id(step)}"{" hidden" * hidden}>'
-            f"{head}{dialogues}</section>")
+    return (
+        f'<section class="step" id="{step_id(step)}" data-step="{step_id(step)}"{" hidden" * hidden}>'
+        f"{head}{dialogues}</section>"
+    )
 
 
 def render_dialogue(step, index: int, rec: dict) -> str:
     """One dialogue: its facts, its charts, then turn by turn."""
     outcome = str(rec.get("outcome", "?"))
-    facts = [("P0 (C, A, P)", vec(rec.get("p0"))), ("initial distance", num(rec.get("initial_distance"))),
-             ("final distance", num(rec.get("final_distance"))), ("return", num(rec.get("return"))),
-             ("E total", num(rec.get("E_total"))), ("final emotion", num(rec.get("final_emotion"))),
-             ("turns", str(len(rec["turns"])))]
-    head = (f'<h3>{esc(rec.get("scenario_id", "?"))} <span class="k">k={esc(rec.get("k", "?"))}</span> '
-            f'<span class="outcome {esc(outcome)}">{esc(outcome)}</span></h3><table class="facts"><tr>'
-            + "".join(f"<th>{k}</th>" for k, _ in facts) + "</tr><tr>"
-            + "".join(f"<td>{v}</td>" for _, v in facts) + "</tr></table>")
+    facts = [
+        ("P0 (C, A, P)", vec(rec.get("p0"))),
+        ("initial distance", num(rec.get("initial_distance"))),
+        ("final distance", num(rec.get("final_distance"))),
+        ("return", num(rec.get("return"))),
+        ("E total", num(rec.get("E_total"))),
+        ("final emotion", num(rec.get("final_emotion"))),
+        ("turns", str(len(rec["turns"]))),
+    ]
+    head = (
+        f'<h3>{esc(rec.get("scenario_id", "?"))} <span class="k">k={esc(rec.get("k", "?"))}</span> '
+        f'<span class="outcome {esc(outcome)}">{esc(outcome)}</span></h3><table class="facts"><tr>'
+        + "".join(f"<th>{k}</th>" for k, _ in facts)
+        + "</tr><tr>"
+        + "".join(f"<td>{v}</td>" for _, v in facts)
+        + "</tr></table>"
+    )
     turns = "".join(render_turn(turn) for turn in rec["turns"])
-    return (f'<article class="dialogue" id="{step_id(step)}-d{index}" data-step="{step_id(step)}" '
-            f'data-scenario="{esc(rec.get("scenario_id", ""))}" data-k="{esc(rec.get("k", ""))}">{head}'
-            f'<div class="charts">{dialogue_charts(rec)}</div><ol class="turns">{turns}</ol></article>')
+    return (
+        f'<article class="dialogue" id="{step_id(step)}-d{index}" data-step="{step_id(step)}" '
+        f'data-scenario="{esc(rec.get("scenario_id", ""))}" data-k="{esc(rec.get("k", ""))}">{head}'
+        f'<div class="charts">{dialogue_charts(rec)}</div><ol class="turns">{turns}</ol></article>'
+    )
 
 
 def render_turn(turn: dict) -> str:
@@ -231,15 +276,26 @@ def render_turn(turn: dict) -> str:
     msgs = [("user", turn.get("user", "")), ("policy", turn.get("assistant", ""))]
     if isinstance(turn.get("shown"), str) and turn["shown"] != turn.get("assistant"):
         msgs.append(("shown to the user", turn["shown"]))
-    text = "".join(f'<div class="msg {who.split()[0]}"><span class="who">{who}</span><span class="text">'
-                   f"{esc(clean(m))}</span></div>" for who, m in msgs)
-    kv = [("v (C, A, P)", vec(turn.get("v"))), ("state (C, A, P)", vec(turn.get("state"))),
-          ("distance", num(turn.get("distance"))), ("emotion", num(turn.get("emotion"))),
-          ("reward", num(turn.get("reward")))]
+    text = "".join(
+        f'<div class="msg {who.split()[0]}"><span class="who">{who}</span><span class="text">'
+        f"{esc(clean(m))}</span></div>"
+        for who, m in msgs
+    )
+    kv = [
+        ("v (C, A, P)", vec(turn.get("v"))),
+        ("state (C, A, P)", vec(turn.get("state"))),
+        ("distance", num(turn.get("distance"))),
+        ("emotion", num(turn.get("emotion"))),
+        ("reward", num(turn.get("reward"))),
+    ]
     if isinstance(turn.get("reward_parts"), dict):
         kv.append(("reward parts", ", ".join(f"{esc(k)} {num(v)}" for k, v in turn["reward_parts"].items())))
-    for key, label in (("advantage", "A"), ("A_turn", "A_turn"), ("A_group", "A_group"),
-                       ("naturalness", "naturalness")):
+    for key, label in (
+        ("advantage", "A"),
+        ("A_turn", "A_turn"),
+        ("A_group", "A_group"),
+        ("naturalness", "naturalness"),
+    ):
         if key in turn:
             kv.append((label, num(turn[key])))
     w = rubric_weights(turn)
@@ -250,8 +306,10 @@ def render_turn(turn: dict) -> str:
     nums = "".join(f'<span class="kv"><b>{k}</b> {v}</span>' for k, v in kv)
     details = turn_details(turn)
     classes = "turn" + " cut" * cut + " failed" * failed
-    return (f'<li class="{classes}" data-t="{esc(turn.get("t", ""))}"><div class="turn-head">turn '
-            f'{esc(turn.get("t", "?"))} {flags}</div>{text}<div class="nums">{nums}</div>{details}</li>')
+    return (
+        f'<li class="{classes}" data-t="{esc(turn.get("t", ""))}"><div class="turn-head">turn '
+        f'{esc(turn.get("t", "?"))} {flags}</div>{text}<div class="nums">{nums}</div>{details}</li>'
+    )
 
 
 def turn_details(turn: dict) -> str:
@@ -260,12 +318,17 @@ def turn_details(turn: dict) -> str:
     if isinstance(turn.get("levels"), dict):
         inner.append("<p><b>levels</b> " + esc(json.dumps(turn["levels"])) + "</p>")
     if isinstance(turn.get("judge_features"), dict) and turn["judge_features"]:
-        inner.append("<p><b>judge features</b> " + ", ".join(
-            f"{esc(k)} {num(v) if is_num(v) else esc(v)}" for k, v in turn["judge_features"].items()) + "</p>")
+        inner.append(
+            "<p><b>judge features</b> "
+            + ", ".join(f"{esc(k)} {num(v) if is_num(v) else esc(v)}" for k, v in turn["judge_features"].items())
+            + "</p>"
+        )
     crit = turn.get("rubric", {}).get("criteria") if isinstance(turn.get("rubric"), dict) else None
     if isinstance(crit, dict):
-        items = "".join(f"<li><b>{esc(d)}</b>: {esc('; '.join(map(str, c)) if isinstance(c, list) else c)}</li>"
-                        for d, c in crit.items())
+        items = "".join(
+            f"<li><b>{esc(d)}</b>: {esc('; '.join(map(str, c)) if isinstance(c, list) else c)}</li>"
+            for d, c in crit.items()
+        )
         inner.append(f"<p><b>rubric criteria</b></p><ul>{items}</ul>")
     return f"<details><summary>details</summary>{''.join(inner)}</details>" if inner else ""
 
@@ -282,12 +345,21 @@ def dialogue_charts(rec: dict) -> str:
     state = [(d, [s[j] if j < len(s) else None for s in states]) for j, (d, _) in enumerate(DIMS)]
     dist = [("distance", [rec.get("initial_distance")] + [t.get("distance") for t in turns])]
     xs = [t.get("t", i + 1) if is_num(t.get("t")) else i + 1 for i, t in enumerate(turns)]
-    credit = [(label, [t.get(key) for t in turns]) for key, label in
-              (("reward", "reward"), ("A_turn", "A_turn"), ("A_group", "A_group"), ("advantage", "A (mixed)"))
-              if any(key in t for t in turns)]
-    return (line_chart("state after each turn", xs0, state, "C, A, P")
-            + line_chart("distance to the goal", xs0, dist, "d(P)")
-            + line_chart("credit by turn" if len(credit) > 1 else "reward by turn", xs, credit, "value"))
+    credit = [
+        (label, [t.get(key) for t in turns])
+        for key, label in (
+            ("reward", "reward"),
+            ("A_turn", "A_turn"),
+            ("A_group", "A_group"),
+            ("advantage", "A (mixed)"),
+        )
+        if any(key in t for t in turns)
+    ]
+    return (
+        line_chart("state after each turn", xs0, state, "C, A, P")
+        + line_chart("distance to the goal", xs0, dist, "d(P)")
+        + line_chart("credit by turn" if len(credit) > 1 else "reward by turn", xs, credit, "value")
+    )
 
 
 W, H, LEFT, RIGHT, TOP, BOTTOM = 300, 170, 52, 10, 32, 32
@@ -313,8 +385,10 @@ def line_chart(title: str, xs: list, series: list[tuple[str, list]], y_label: st
     for x in xs[::step]:
         out.append(f'<text x="{px(x):.1f}" y="{H - BOTTOM + 12}" text-anchor="middle">{esc(x)}</text>')
     out.append(f'<text x="{(LEFT + W - RIGHT) / 2:.1f}" y="{H - 4}" text-anchor="middle">turn</text>')
-    out.append(f'<text transform="translate(12 {(TOP + H - BOTTOM) / 2:.1f}) rotate(-90)" '
-               f'text-anchor="middle">{esc(y_label)}</text>')
+    out.append(
+        f'<text transform="translate(12 {(TOP + H - BOTTOM) / 2:.1f}) rotate(-90)" '
+        f'text-anchor="middle">{esc(y_label)}</text>'
+    )
     legend = []
     for name, ys in series:
         color = COLORS.get(name, "#444")
@@ -341,12 +415,16 @@ def stacked_bars(title: str, groups: list[tuple[str, list[float]]]) -> str:
     for i, (label, ws) in enumerate(groups):
         x, base = LEFT + slot * i + slot * 0.2, 0.0
         for (d, _), w in zip(DIMS, ws):
-            out.append(f'<rect x="{x:.1f}" y="{py(base + w):.1f}" width="{slot * 0.6:.1f}" '
-                       f'height="{py(base) - py(base + w):.1f}" fill="{COLORS[d]}"><title>{d} {num(w)}</title></rect>')
+            out.append(
+                f'<rect x="{x:.1f}" y="{py(base + w):.1f}" width="{slot * 0.6:.1f}" '
+                f'height="{py(base) - py(base + w):.1f}" fill="{COLORS[d]}"><title>{d} {num(w)}</title></rect>'
+            )
             base += w
         out.append(f'<text x="{x + slot * 0.3:.1f}" y="{H - BOTTOM + 12}" text-anchor="middle">{esc(label)}</text>')
-    out.append(f'<text transform="translate(12 {(TOP + H - BOTTOM) / 2:.1f}) rotate(-90)" '
-               'text-anchor="middle">mean weight</text>')
+    out.append(
+        f'<text transform="translate(12 {(TOP + H - BOTTOM) / 2:.1f}) rotate(-90)" '
+        'text-anchor="middle">mean weight</text>'
+    )
     return "".join(out) + legend_text([(f"{d} {name}", COLORS[d]) for d, name in DIMS]) + "</svg>"
 
 
@@ -356,27 +434,34 @@ def scale(v: float, lo: float, hi: float, a: float, b: float) -> float:
 
 
 def svg_open(title: str, width: int = W) -> str:
-    return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{H}" viewBox="0 0 {width} {H}" '
-            f'role="img" aria-label="{esc(title)}"><title>{esc(title)}</title>'
-            f'<text x="{LEFT}" y="12" class="title">{esc(title)}</text>')
+    return (
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{H}" viewBox="0 0 {width} {H}" '
+        f'role="img" aria-label="{esc(title)}"><title>{esc(title)}</title>'
+        f'<text x="{LEFT}" y="12" class="title">{esc(title)}</text>'
+    )
 
 
 def legend_text(items: list[tuple[str, str]]) -> str:
     """The series' names in their colours, one line under the title (the renderer spaces them)."""
-    spans = "".join(f'<tspan dx="{10 * (i > 0)}" fill="{color}">{esc(name)}</tspan>'
-                    for i, (name, color) in enumerate(items))
+    spans = "".join(
+        f'<tspan dx="{10 * (i > 0)}" fill="{color}">{esc(name)}</tspan>' for i, (name, color) in enumerate(items)
+    )
     return f'<text x="{LEFT}" y="{TOP - 8}">{spans}</text>'
 
 
 def frame(lo: float, hi: float, py, width: int = W) -> str:
     """The y axis with its ticks (lo, 0, hi), the x axis line, a dashed line at 0."""
-    out = [f'<line x1="{LEFT}" y1="{TOP}" x2="{LEFT}" y2="{H - BOTTOM}" stroke="#999"/>',
-           f'<line x1="{LEFT}" y1="{H - BOTTOM}" x2="{width - RIGHT}" y2="{H - BOTTOM}" stroke="#999"/>']
+    out = [
+        f'<line x1="{LEFT}" y1="{TOP}" x2="{LEFT}" y2="{H - BOTTOM}" stroke="#999"/>',
+        f'<line x1="{LEFT}" y1="{H - BOTTOM}" x2="{width - RIGHT}" y2="{H - BOTTOM}" stroke="#999"/>',
+    ]
     for y in sorted({lo, 0.0, hi}):
         out.append(f'<text x="{LEFT - 4}" y="{py(y) + 3:.1f}" text-anchor="end">{y:.3g}</text>')
         if y == 0.0:
-            out.append(f'<line x1="{LEFT}" y1="{py(0):.1f}" x2="{width - RIGHT}" y2="{py(0):.1f}" stroke="#bbb" '
-                       'stroke-dasharray="3 3"/>')
+            out.append(
+                f'<line x1="{LEFT}" y1="{py(0):.1f}" x2="{width - RIGHT}" y2="{py(0):.1f}" stroke="#bbb" '
+                'stroke-dasharray="3 3"/>'
+            )
     return "".join(out)
 
 
@@ -452,8 +537,7 @@ def clean(s) -> str:
     """Text as it can be shown: control characters (not newlines or tabs) as their visible symbols, CR LF as
     LF, lone surrogates replaced."""
     s = (s if isinstance(s, str) else json.dumps(s)).replace("\r\n", "\n").replace("\r", "\n")
-    s = "".join(chr(0x2400 + ord(c)) if ord(c) < 32 and c not in "\n\t" else "\u2421" if c == "\x7f" else c
-                for c in s)
+    s = "".join(chr(0x2400 + ord(c)) if ord(c) < 32 and c not in "\n\t" else "\u2421" if c == "\x7f" else c for c in s)
     return s.encode("utf-8", "replace").decode("utf-8")
 
 
@@ -525,8 +609,10 @@ showStep();
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description="Write one self-contained HTML page of a run's dialogues "
-                                            "(<run>/rollouts.jsonl -> <run>/rollouts.html).")
+    p = argparse.ArgumentParser(
+        description="Write one self-contained HTML page of a run's dialogues "
+        "(<run>/rollouts.jsonl -> <run>/rollouts.html)."
+    )
     p.add_argument("run", help="the run folder holding rollouts.jsonl (03_rollout.py's or 04_mica_train.py's)")
     p.add_argument("--out", help="where to write the page instead of <run>/rollouts.html")
     return p.parse_args(argv)

@@ -1,5 +1,6 @@
 """Shared fixtures: a tiny random Qwen2 model with a locally trained BPE tokenizer and a ChatML chat
 template (built once per session in seconds), and the repo root on sys.path."""
+
 import http.server
 import importlib
 import json
@@ -16,9 +17,11 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] "
-          "+ '<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
-          "{% endif %}")
+CHATML = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] "
+    "+ '<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
+    "{% endif %}"
+)
 
 
 def _corpus():
@@ -55,15 +58,28 @@ def build_tiny_model(out, hidden_size=32, window=4096) -> str:
     tok = Tokenizer(models.BPE(unk_token=None))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(_corpus(), trainers.BpeTrainer(
-        vocab_size=600, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.train_from_iterator(
+        _corpus(),
+        trainers.BpeTrainer(
+            vocab_size=600, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        ),
+    )
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
     fast.chat_template = CHATML
     fast.save_pretrained(out)
     torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=len(fast), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
-                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=window,
-                      eos_token_id=fast.eos_token_id, pad_token_id=fast.pad_token_id, tie_word_embeddings=True)
+    cfg = Qwen2Config(
+        vocab_size=len(fast),
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=window,
+        eos_token_id=fast.eos_token_id,
+        pad_token_id=fast.pad_token_id,
+        tie_word_embeddings=True,
+    )
     model = Qwen2ForCausalLM(cfg)
     model.generation_config.eos_token_id = fast.eos_token_id
     model.save_pretrained(out)
@@ -112,8 +128,14 @@ def run_script(script, *args, cwd=None, timeout=900, env_extra=None):
     """Run one of the stage scripts as a user would; returns the CompletedProcess."""
     e = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     e.update(env_extra or {})
-    return subprocess.run([sys.executable, str(ROOT / script), *map(str, args)], cwd=cwd, env=e,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, str(ROOT / script), *map(str, args)],
+        cwd=cwd,
+        env=e,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def write_jsonl(path, records):
@@ -121,8 +143,9 @@ def write_jsonl(path, records):
     return path
 
 
-JUDGE_OK = ('{"C": {"progress": 1, "negative": 0}, "A": {"progress": 1, "negative": 0}, '
-            '"P": {"progress": 0, "negative": 0}}')
+JUDGE_OK = (
+    '{"C": {"progress": 1, "negative": 0}, "A": {"progress": 1, "negative": 0}, "P": {"progress": 0, "negative": 0}}'
+)
 USER_OK = "I am not sure. It still hurts when I think about it."
 FAULTS = ("http_500", "http_429", "hang", "truncated_json", "not_json", "empty_choices", "missing_fields")
 
@@ -132,9 +155,14 @@ FAULTS = ("http_500", "http_429", "hang", "truncated_json", "not_json", "empty_c
 # ---------------------------------------------------------------------------------------------
 def ok(content, **kw):
     """A respond spec: a normal chat-completions answer holding `content` (other spec keys in kw)."""
-    return dict(body={"id": "x", "object": "chat.completion",
-                      "choices": [{"index": 0, "message": {"role": "assistant", "content": content},
-                                   "finish_reason": "stop"}]}, **kw)
+    return dict(
+        body={
+            "id": "x",
+            "object": "chat.completion",
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": "stop"}],
+        },
+        **kw,
+    )
 
 
 def prompt_text(body) -> str:
@@ -148,7 +176,7 @@ def request_kind(body) -> str:
 
 
 class _ThreadingServer(http.server.ThreadingHTTPServer):
-    daemon_threads = False   # server_close() joins every handler thread: none outlives the test
+    daemon_threads = False  # server_close() joins every handler thread: none outlives the test
     block_on_close = True
 
 
@@ -161,14 +189,14 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
         kind, spec = server._arrive(self, body)
         try:
-            if spec.get("hang"):    # past the client's timeout; `release` (set at close) ends it early
+            if spec.get("hang"):  # past the client's timeout; `release` (set at close) ends it early
                 server.release.wait(10 if spec["hang"] is True else spec["hang"])
                 if "body" not in spec and "raw" not in spec:
-                    return          # hung up without an answer
+                    return  # hung up without an answer
             if spec.get("delay"):
                 time.sleep(spec["delay"])
         finally:
-            server._leave(kind)     # counted down before the answer goes out: the client can't overlap it
+            server._leave(kind)  # counted down before the answer goes out: the client can't overlap it
         payload = spec["raw"] if "raw" in spec else json.dumps(spec.get("body")).encode()
         headers = {"Content-Type": "application/json", **spec.get("headers", {})}
         try:
@@ -179,7 +207,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self.end_headers()
             self.wfile.write(payload)
         except (BrokenPipeError, ConnectionResetError):
-            pass                    # the client gave up (its timeout): fine
+            pass  # the client gave up (its timeout): fine
 
 
 class LoopbackServer:
@@ -206,8 +234,7 @@ class LoopbackServer:
         self.httpd = _ThreadingServer(("127.0.0.1", 0), _Handler)
         self.httpd.owner = self
         self.base = f"http://127.0.0.1:{self.httpd.server_port}/v1"
-        self._thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05},
-                                        daemon=True)
+        self._thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
         self._thread.start()
         self._closed = False
 
@@ -223,9 +250,16 @@ class LoopbackServer:
         kind = self.kind(body)
         with self.lock:
             index = len(self.requests)
-            self.requests.append({"path": handler.path, "auth": handler.headers.get("Authorization"),
-                                  "content_type": handler.headers.get("Content-Type"), "body": body,
-                                  "kind": kind, "thread": threading.current_thread()})
+            self.requests.append(
+                {
+                    "path": handler.path,
+                    "auth": handler.headers.get("Authorization"),
+                    "content_type": handler.headers.get("Content-Type"),
+                    "body": body,
+                    "kind": kind,
+                    "thread": threading.current_thread(),
+                }
+            )
             self.active += 1
             self.max_active = max(self.max_active, self.active)
             self.active_by_kind[kind] = self.active_by_kind.get(kind, 0) + 1
@@ -243,7 +277,7 @@ class LoopbackServer:
         self._closed = True
         self.release.set()
         self.httpd.shutdown()
-        self.httpd.server_close()   # joins the handler threads
+        self.httpd.server_close()  # joins the handler threads
         self._thread.join(5)
 
     def __enter__(self):
@@ -282,7 +316,7 @@ class FaultServer:
     def __init__(self, rate=0.3, hang_s=2.5, judge_answer=JUDGE_OK, user_answer=USER_OK, answers=(), delay_s=0.0):
         self.rate, self.hang_s, self.down, self.delay_s = rate, hang_s, False, delay_s
         self.judge_answer, self.user_answer = judge_answer, user_answer
-        self.answers = list(answers)    # (marker, answer): a prompt holding the marker gets the answer
+        self.answers = list(answers)  # (marker, answer): a prompt holding the marker gets the answer
         self.faults = {k: 0 for k in FAULTS}
         self.server = None
 
@@ -291,19 +325,20 @@ class FaultServer:
     auth = property(lambda self: self.server.auth)
     max_active = property(lambda self: self.server.max_by_kind)
 
-    def __call__(self, index, body):          # called under the server's lock
+    def __call__(self, index, body):  # called under the server's lock
         n = index + 1
         fault = None
         if self.down:
             fault = "http_500"
-        elif int(n * self.rate) != int((n - 1) * self.rate):   # rate share, evenly
+        elif int(n * self.rate) != int((n - 1) * self.rate):  # rate share, evenly
             fault = FAULTS[sum(self.faults.values()) % len(FAULTS)]
         if fault:
             self.faults[fault] += 1
         judge = request_kind(body) == "judge"
         text = prompt_text(body)
-        answer = next((a for marker, a in self.answers if marker in text),
-                      self.judge_answer if judge else self.user_answer)
+        answer = next(
+            (a for marker, a in self.answers if marker in text), self.judge_answer if judge else self.user_answer
+        )
         good = json.dumps(ok(answer)["body"]).encode()
         spec = {
             "http_500": dict(status=500, body={"error": "internal"}),
@@ -312,8 +347,13 @@ class FaultServer:
             "truncated_json": dict(raw=good[: len(good) // 2], length=len(good)),
             "not_json": dict(raw=b"<html>502 Bad Gateway</html>"),
             "empty_choices": dict(body={"choices": []}),
-            "missing_fields": dict(body={"choices": [{"message": {"role": "assistant", **(
-                {"content": '{"C": {"progress": 1}}'} if judge else {})}}]}),
+            "missing_fields": dict(
+                body={
+                    "choices": [
+                        {"message": {"role": "assistant", **({"content": '{"C": {"progress": 1}}'} if judge else {})}}
+                    ]
+                }
+            ),
         }.get(fault) or ok(answer)
         return {**spec, "delay": self.delay_s}
 
@@ -321,6 +361,7 @@ class FaultServer:
 @pytest.fixture
 def fault_server(loopback):
     """fault_server(rate=0.3, hang_s=2.5, ...) -> a started FaultServer (see there), closed at teardown."""
+
     def start(**kw):
         policy = FaultServer(**kw)
         policy.server = loopback(policy)

@@ -1,4 +1,5 @@
 """The reward and advantage equations of 04_mica_train against hand-computed numbers."""
+
 import math
 
 import pytest
@@ -50,17 +51,19 @@ def test_mica_unequal_lengths_single_reacher_zero_variance(trainer):
 def test_mica_alpha_extremes(trainer):
     r = [[1.0, 2.0], [3.0], [0.0, 1.0, 2.0]]
     approx(trainer.mica_advantages(r, 1.0, 0.5), [[0, 0], [1.224745], [-1.224745, 0, 0]])  # turn-level only
-    approx(trainer.mica_advantages(r, 0.0, 0.5),                                            # group-level only
-           [[-0.522233, 0.522233], [1.566699], [-1.566699, -0.522233, 0.522233]])
+    approx(
+        trainer.mica_advantages(r, 0.0, 0.5),  # group-level only
+        [[-0.522233, 0.522233], [1.566699], [-1.566699, -0.522233, 0.522233]],
+    )
     # the sample std (ddof = 1) would give 1 and 1.430194 here: sqrt(N / (N - 1)) larger std, smaller A
 
 
 def test_mica_degenerate_groups(trainer):
     assert trainer.mica_advantages([[0.5, 0.5], [0.5, 0.5]], 0.4, 0.85) == [[0.0, 0.0], [0.0, 0.0]]
-    assert trainer.mica_advantages([[1.0]], 0.4, 0.85) == [[0.0]]          # a single reward: 0
-    assert trainer.mica_advantages([[], [1.0, 2.0]], 0.4, 1.0)[0] == []    # an empty trajectory
+    assert trainer.mica_advantages([[1.0]], 0.4, 0.85) == [[0.0]]  # a single reward: 0
+    assert trainer.mica_advantages([[], [1.0, 2.0]], 0.4, 1.0)[0] == []  # an empty trajectory
     A = trainer.mica_advantages([[1.0, 2.0], [1.0, 2.0]], 0.4, 1.0)
-    approx(A, [[-0.6, 0.6]] * 2)                          # turn-level 0; group r = 1, 2, 1, 2: std 0.5 -> +-1
+    approx(A, [[-0.6, 0.6]] * 2)  # turn-level 0; group r = 1, 2, 1, 2: std 0.5 -> +-1
 
 
 def test_grpo_outcome_on_every_turn(trainer):
@@ -84,7 +87,7 @@ def test_reinforce_pp_whitens_over_the_batch(trainer):
 def test_clipped_surrogate_and_kl(trainer):
     import torch
 
-    logp = torch.log(torch.tensor([1.5, 0.5, 1.0]))   # ratios 1.5, 0.5, 1.0 against logp_old = 0
+    logp = torch.log(torch.tensor([1.5, 0.5, 1.0]))  # ratios 1.5, 0.5, 1.0 against logp_old = 0
     old = torch.zeros(3)
     A = torch.tensor([1.0, -1.0, 2.0])
     loss, clipped, ratio = trainer.clipped_surrogate(logp, old, A, 0.2, 0.28)
@@ -98,8 +101,9 @@ def test_clipped_surrogate_and_kl(trainer):
 
 def test_cosine_schedule():
     # the LambdaLR factor of common.make_optimizer: 100 steps, 5% warmup (5 steps)
-    _, sched = common.make_optimizer([torch.nn.Parameter(torch.zeros(1))], lr=1e-3, weight_decay=0.0,
-                                     total_steps=100, warmup_ratio=0.05)
+    _, sched = common.make_optimizer(
+        [torch.nn.Parameter(torch.zeros(1))], lr=1e-3, weight_decay=0.0, total_steps=100, warmup_ratio=0.05
+    )
     factor = sched.lr_lambdas[0]
     assert factor(0) == pytest.approx(0.2)
     assert factor(5) == pytest.approx(1.0)

@@ -1,12 +1,20 @@
 """experiments/benchmark.py runs end to end (--quick, tiny model) and writes its table."""
+
 import json
 
 from conftest import run_script
 
 
 def test_benchmark_quick_writes_the_table(tiny_model, tmp_path):
-    p = run_script("experiments/benchmark.py", "--model", tiny_model, "--quick", "--out-dir", tmp_path,
-                   env_extra={"OMP_NUM_THREADS": "1"})
+    p = run_script(
+        "experiments/benchmark.py",
+        "--model",
+        tiny_model,
+        "--quick",
+        "--out-dir",
+        tmp_path,
+        env_extra={"OMP_NUM_THREADS": "1"},
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     md = (tmp_path / "benchmark.md").read_text()
     for figure in ("1. rollout", "2. update", "3. peer", "4. memory", "QLoRA estimate", "torch 2.", "Command:"):
@@ -14,8 +22,8 @@ def test_benchmark_quick_writes_the_table(tiny_model, tmp_path):
     rows = json.loads((tmp_path / "benchmark.json").read_text())["rows"]
     assert [r["figure"][:2] for r in rows] == ["1.", "2.", "3.", "4."]
     assert rows[0]["ratio"] > 0 and rows[1]["ratio"] > 0
-    assert "NOT equal work" not in rows[0]["note"]                  # both loops generated the same tokens
-    assert rows[2]["ratio"] is None or rows[2]["ratio"] > 0         # None: trl not installed, said so
+    assert "NOT equal work" not in rows[0]["note"]  # both loops generated the same tokens
+    assert rows[2]["ratio"] is None or rows[2]["ratio"] > 0  # None: trl not installed, said so
 
 
 # ---------------------------------------------------------------------------------------------
@@ -52,9 +60,8 @@ def test_param_counts_match_the_model(tiny_model):
     from pathlib import Path
 
     import torch
-    from transformers import AutoModelForCausalLM
-
     from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
 
     b = bench()
     s = b.model_shapes(json.loads((Path(tiny_model) / "config.json").read_text()))
@@ -62,7 +69,7 @@ def test_param_counts_match_the_model(tiny_model):
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
     n_linear, n_lora, n_emb = b.param_counts(s, r=4)
     assert n_linear == sum(m.weight.numel() for n, m in model.named_modules() if n.split(".")[-1] in names)
-    assert n_emb == model.get_input_embeddings().weight.numel()                       # tied head: counted once
+    assert n_emb == model.get_input_embeddings().weight.numel()  # tied head: counted once
     peft_model = get_peft_model(model, LoraConfig(r=4, target_modules=names, task_type="CAUSAL_LM"))
     assert n_lora == sum(p.numel() for n, p in peft_model.named_parameters() if "lora_" in n)
 
@@ -82,10 +89,12 @@ def test_layer_saved_bytes_match_autograd(tiny_model):
     b = bench()
     cfg = json.loads((Path(tiny_model) / "config.json").read_text())
     s = b.model_shapes(cfg)
-    model = prepare_model_for_kbit_training(AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.bfloat16),
-                                            use_gradient_checkpointing=False)
-    model = common.cast_for_kbit_training(get_peft_model(model, LoraConfig(
-        r=4, target_modules=list(b.linear_shapes(s)), task_type="CAUSAL_LM")))
+    model = prepare_model_for_kbit_training(
+        AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.bfloat16), use_gradient_checkpointing=False
+    )
+    model = common.cast_for_kbit_training(
+        get_peft_model(model, LoraConfig(r=4, target_modules=list(b.linear_shapes(s)), task_type="CAUSAL_LM"))
+    )
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     saved = {}
 

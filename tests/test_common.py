@@ -1,6 +1,7 @@
 """common.py's plumbing: the api: chat backend against a local fake OpenAI server, JSONL I/O, run
 folders and args, the checkpoint (adapter, optimizer, scheduler, step), model resolution, flag types,
 embeddings (offline.py), and the figures' handling of a resumed run (plots.py)."""
+
 import argparse
 import copy
 import datetime
@@ -163,8 +164,11 @@ def test_api_batch_replies_in_order(api):
 
 
 def test_api_batch_mixed_success_and_failure(api):
-    api.respond = lambda idx, body: (dict(status=500, body={}) if body["messages"][-1]["content"] == "bad"
-                                     else ok("echo " + body["messages"][-1]["content"]))
+    api.respond = lambda idx, body: (
+        dict(status=500, body={})
+        if body["messages"][-1]["content"] == "bad"
+        else ok("echo " + body["messages"][-1]["content"])
+    )
     convs = [[{"role": "user", "content": c}] for c in ("a", "bad", "c")]
     b = api.backend(retries=1, concurrency=2)
     assert b.chat(convs) == ["echo a", None, "echo c"]
@@ -209,8 +213,9 @@ FIELDS = {"id": int, "text": str, "score": (int, float)}
 
 def test_read_jsonl_valid_with_blank_line(tmp_path):
     p = tmp_path / "file.jsonl"
-    p.write_text('{"id": 1, "text": "a", "score": 0.5}\n\n   \n{"id": 2, "text": "b", "score": 3, "x": [1]}\n',
-                 encoding="utf-8")
+    p.write_text(
+        '{"id": 1, "text": "a", "score": 0.5}\n\n   \n{"id": 2, "text": "b", "score": 3, "x": [1]}\n', encoding="utf-8"
+    )
     recs = common.read_jsonl(p, FIELDS)
     assert recs == [
         {"id": 1, "text": "a", "score": 0.5, "_where": f"{p}:1"},
@@ -236,15 +241,19 @@ def test_read_jsonl_bad_json_names_path_and_line(tmp_path):
     assert "file.jsonl:3" in msg
 
 
-READ_ERRORS = {   # file text -> the one message, {p} standing for the file's path
+READ_ERRORS = {  # file text -> the one message, {p} standing for the file's path
     "non_object_line": ('{"id": 1, "text": "a", "score": 1}\n[1, 2]\n', "{p}:2: expected a JSON object, got list"),
     "missing_field": ('{"id": 1, "score": 1}\n', "{p}:1: missing field 'text'"),
     "wrong_type_int": ('{"id": "7", "text": "a", "score": 1}\n', "{p}:1: field 'id' must be int, got str"),
-    "wrong_type_number": ('{"id": 1, "text": "a", "score": "high"}\n',
-                          "{p}:1: field 'score' must be int or float, got str"),
+    "wrong_type_number": (
+        '{"id": 1, "text": "a", "score": "high"}\n',
+        "{p}:1: field 'score' must be int or float, got str",
+    ),
     "bool_is_not_int": ('{"id": true, "text": "a", "score": 1}\n', "{p}:1: field 'id' must be int, got bool"),
-    "bool_is_not_number": ('{"id": 1, "text": "a", "score": false}\n',
-                           "{p}:1: field 'score' must be int or float, got bool"),
+    "bool_is_not_number": (
+        '{"id": 1, "text": "a", "score": false}\n',
+        "{p}:1: field 'score' must be int or float, got bool",
+    ),
     "empty_file": ("", "{p}: no records"),
     "blank_lines_only": ("\n  \n\n", "{p}: no records"),
 }
@@ -272,15 +281,15 @@ def test_read_jsonl_missing_file(tmp_path):
 
 def test_read_jsonl_not_utf8_names_path_and_line(tmp_path):
     # a Latin-1 file is a user mistake: one message with file:line, not a UnicodeDecodeError traceback
-    msg, p = _err(tmp_path, '{"id": 1, "text": "a", "score": 1}\n{"id": 2, "text": "caf\xe9", "score": 1}\n'
-                  .encode("latin-1"))
+    msg, p = _err(
+        tmp_path, '{"id": 1, "text": "a", "score": 1}\n{"id": 2, "text": "caf\xe9", "score": 1}\n'.encode("latin-1")
+    )
     assert msg == f"{p}:2: not UTF-8 text (byte 23)"
 
 
 def test_read_jsonl_crlf_and_non_ascii(tmp_path):
     p = tmp_path / "file.jsonl"
-    p.write_bytes('{"id": 1, "text": "café 😢", "score": 1}\r\n\r\n{"id": 2, "text": "b", "score": 2}\r\n'
-                  .encode("utf-8"))
+    p.write_bytes('{"id": 1, "text": "café 😢", "score": 1}\r\n\r\n{"id": 2, "text": "b", "score": 2}\r\n'.encode())
     recs = common.read_jsonl(p, FIELDS)
     assert [(r["text"], r["_where"]) for r in recs] == [("café 😢", f"{p}:1"), ("b", f"{p}:3")]
 
@@ -323,7 +332,7 @@ def test_open_run_same_second_gives_new_folders(tmp_path, monkeypatch):
     assert b.name == "mica-20240506-070809-1"
     assert c.name == "mica-20240506-070809-2"
     assert a.is_dir() and b.is_dir() and c.is_dir()
-    assert [f.name for f in a.iterdir()] == ["args.json"]   # a fresh folder: nothing but its args
+    assert [f.name for f in a.iterdir()] == ["args.json"]  # a fresh folder: nothing but its args
 
 
 def test_open_run_real_clock(tmp_path):
@@ -336,8 +345,14 @@ def test_open_run_saves_args_with_the_key_redacted(tmp_path, capsys):
     args = run_args(tmp_path / "runs", "r", api_key=KEY, model="m", lr=0.001, out=tmp_path)
     run_dir = common.open_run(args)
     saved = json.loads((run_dir / "args.json").read_text())
-    assert saved == {"out_dir": str(tmp_path / "runs"), "run_name": "r", "api_key": "<redacted>", "model": "m",
-                     "lr": 0.001, "out": str(tmp_path)}
+    assert saved == {
+        "out_dir": str(tmp_path / "runs"),
+        "run_name": "r",
+        "api_key": "<redacted>",
+        "model": "m",
+        "lr": 0.001,
+        "out": str(tmp_path),
+    }
     assert KEY not in (run_dir / "args.json").read_text()
     out = capsys.readouterr().out
     assert "| api_key | <redacted> |" in out and KEY not in out
@@ -374,9 +389,9 @@ def test_checkpoint_round_trip(tiny_model, tmp_path):
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
     _train_step(model, opt, sched, seed=1)
-    assert common.load_checkpoint(tmp_path, model, opt, sched) is None          # none written yet
+    assert common.load_checkpoint(tmp_path, model, opt, sched) is None  # none written yet
     common.save_checkpoint(tmp_path, 3, model, opt, sched, extra={"episodes": 42})
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.pt"]      # no temporary file left
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.pt"]  # no temporary file left
     saved_weights = _adapter_state(model)
     saved_opt = copy.deepcopy(opt.state_dict())
     saved_lr = opt.param_groups[0]["lr"]
@@ -429,18 +444,17 @@ def test_resolve_maps_aliases_and_passes_names_through(tiny_model):
 
 
 def test_a_model_that_does_not_load_is_one_line_naming_it(tmp_path, monkeypatch):
-    from transformers import AutoConfig
-
     import huggingface_hub.constants as hf_constants
+    from transformers import AutoConfig
 
     monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", True)
     with pytest.raises(common.UserError) as ei:
         common.from_pretrained(AutoConfig.from_pretrained, "no-such-model-xyz")
     msg = str(ei.value)
     assert "model 'no-such-model-xyz' could not be loaded" in msg and "\n" not in msg
-    assert "Qwen2.5-7B-Instruct" in msg and "hf download" not in msg       # not a hub id: no fetch command
+    assert "Qwen2.5-7B-Instruct" in msg and "hf download" not in msg  # not a hub id: no fetch command
     with pytest.raises(common.UserError, match=rf"model '{tmp_path}' could not be loaded: .*config.json"):
-        common.from_pretrained(AutoConfig.from_pretrained, str(tmp_path))   # an empty folder
+        common.from_pretrained(AutoConfig.from_pretrained, str(tmp_path))  # an empty folder
 
 
 def test_number_is_an_argparse_type_with_bounds(capsys):
@@ -448,10 +462,12 @@ def test_number_is_an_argparse_type_with_bounds(capsys):
     p.add_argument("--k", type=common.number(int, low=1))
     p.add_argument("--top-p", type=common.number(above=0, high=1))
     assert p.parse_args(["--k", "3", "--top-p", "1"]).k == 3
-    for argv, says in ((["--k", "0"], "argument --k: must be >= 1, got 0"),
-                       (["--k", "1.5"], "argument --k: invalid int value: '1.5'"),
-                       (["--top-p", "0"], "argument --top-p: must be > 0, got 0"),
-                       (["--top-p", "1.1"], "argument --top-p: must be <= 1, got 1.1")):
+    for argv, says in (
+        (["--k", "0"], "argument --k: must be >= 1, got 0"),
+        (["--k", "1.5"], "argument --k: invalid int value: '1.5'"),
+        (["--top-p", "0"], "argument --top-p: must be > 0, got 0"),
+        (["--top-p", "1.1"], "argument --top-p: must be <= 1, got 1.1"),
+    ):
         with pytest.raises(SystemExit) as ei:
             p.parse_args(argv)
         assert ei.value.code == 2 and says in capsys.readouterr().err
@@ -467,10 +483,12 @@ def test_number_is_an_argparse_type_with_bounds(capsys):
 
 def test_embed_backend():
     emb = offline.EmbedBackend()
-    texts = ["I feel so lonely since my father passed away.",
-             "Since my dad died I have felt very alone.",
-             "The quarterly tax report is due on Friday.",
-             "I feel so lonely since my father passed away."]
+    texts = [
+        "I feel so lonely since my father passed away.",
+        "Since my dad died I have felt very alone.",
+        "The quarterly tax report is due on Friday.",
+        "I feel so lonely since my father passed away.",
+    ]
     v = emb.encode(texts)
     assert tuple(v.shape) == (4, 384) and v.dtype == torch.float32
     assert torch.allclose(v.norm(dim=-1), torch.ones(4), atol=1e-5)
@@ -494,8 +512,10 @@ def test_ask_json_reasks_only_the_unparsable_and_stops_when_the_endpoint_is_down
             self.asked.append(list(prompts))
             return [self.answers.pop(0) for _ in prompts]
 
-    parse = lambda i, text: int(text) if text and text.isdigit() else None  # noqa: E731
-    b = Fake(["1", "x", "y", "2", "z"])            # round 1: 1, x, y; round 2 (x, y): 2, z; round 3 (y): -
+    def parse(i, text):
+        return int(text) if text and text.isdigit() else None
+
+    b = Fake(["1", "x", "y", "2", "z"])  # round 1: 1, x, y; round 2 (x, y): 2, z; round 3 (y): -
     assert common.ask_json(b, ["p0", "p1", "p2"], parse, retries=1) == [1, 2, None]
     assert b.asked == [["p0", "p1", "p2"], ["p1", "p2"]]
 
@@ -506,25 +526,43 @@ def test_ask_json_reasks_only_the_unparsable_and_stops_when_the_endpoint_is_down
 
     with pytest.raises(common.UserError, match=r"sage judge api:m: no usable answer for any of 2 cases"):
         common.ask_json(Down([]), ["a", "b"], parse, retries=2, who="sage judge", noun="cases")
-    assert common.ask_json(Fake(["x", "x"]), ["a", "b"], parse, retries=0) == [None, None]   # up, just unparsable
+    assert common.ask_json(Fake(["x", "x"]), ["a", "b"], parse, retries=0) == [None, None]  # up, just unparsable
 
 
 def test_a_step_logged_again_by_a_resumed_run_is_drawn_once_with_its_last_values(tmp_path, monkeypatch):
     # a kill after step 3 was logged but before its checkpoint: the resumed run logs steps 2 and 3 again
-    write_jsonl(tmp_path / "metrics.jsonl", [{"step": 1, "loss": 1.0}, {"step": 2, "loss": 2.0},
-                                             {"step": 3, "loss": 3.0}, {"step": 2, "loss": 20.0},
-                                             {"step": 3, "loss": 30.0}])
+    write_jsonl(
+        tmp_path / "metrics.jsonl",
+        [
+            {"step": 1, "loss": 1.0},
+            {"step": 2, "loss": 2.0},
+            {"step": 3, "loss": 3.0},
+            {"step": 2, "loss": 20.0},
+            {"step": 3, "loss": 30.0},
+        ],
+    )
     figures = []
     monkeypatch.setattr(plots, "save", lambda fig, path: figures.append(fig) or path)
     plots.curves(tmp_path, {"loss": "loss"})
     line = figures[0].axes[0].lines[0]
     assert list(line.get_xdata()) == [1, 2, 3] and list(line.get_ydata()) == [1.0, 20.0, 30.0]
     # the credit picture of such a step: one panel per dialogue, its last copy
-    turn = {"t": 1, "reward": 0.5, "G": 0.5, "A_turn": 1.0, "A_group": 1.0, "advantage": 1.0, "truncated": False,
-            "judge_failed": False}
+    turn = {
+        "t": 1,
+        "reward": 0.5,
+        "G": 0.5,
+        "A_turn": 1.0,
+        "A_group": 1.0,
+        "advantage": 1.0,
+        "truncated": False,
+        "judge_failed": False,
+    }
     rec = {"step": 2, "scenario_id": "s", "outcome": "timeout", "initial_distance": 5.0, "final_distance": 4.0}
-    write_jsonl(tmp_path / "rollouts.jsonl", [{**rec, "k": k, "turns": [turn]} for k in (0, 1)] +
-                [{**rec, "k": k, "turns": [{**turn, "reward": 9.0}]} for k in (0, 1)])
+    write_jsonl(
+        tmp_path / "rollouts.jsonl",
+        [{**rec, "k": k, "turns": [turn]} for k in (0, 1)]
+        + [{**rec, "k": k, "turns": [{**turn, "reward": 9.0}]} for k in (0, 1)],
+    )
     plots.credit(tmp_path, 2)
     assert len(figures[1].axes) == 2
     assert all(list(ax.lines[0].get_ydata()) == [9.0] for ax in figures[1].axes)

@@ -1,4 +1,5 @@
 """The shipped data files are valid and balanced as the README says."""
+
 import subprocess
 import sys
 

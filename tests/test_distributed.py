@@ -5,6 +5,7 @@
 2. One update split over 2 processes equals the same update in one process (token-mean over all
    ranks' tokens, summed gradients): this file run by torchrun is the 2-process side.
 """
+
 import argparse
 import importlib
 import json
@@ -20,6 +21,7 @@ from accelerate import Accelerator
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
+
 TINY = ["--max-new-tokens", "6", "--max-turns", "2", "--no-progress"]
 
 
@@ -32,20 +34,53 @@ def free_port() -> int:
 def launch(args, timeout=300):
     """`accelerate launch` N=2 processes on this machine's CPUs. (--multi_gpu only picks accelerate's
     torchrun launcher; without CUDA each process runs on the CPU and joins a gloo group.)"""
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-           "--main_process_port", str(free_port()), *map(str, args)]
-    e = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS="1",
-             TOKENIZERS_PARALLELISM="false")
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        "--main_process_port",
+        str(free_port()),
+        *map(str, args),
+    ]
+    e = dict(
+        os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false"
+    )
     return subprocess.run(cmd, cwd=ROOT, env=e, capture_output=True, text=True, timeout=timeout)
 
 
 def test_two_processes_keep_one_adapter_and_log_every_trajectory(tiny_model, tmp_path, trainer):
-    p = launch([ROOT / "04_mica_train.py", "--model", tiny_model, "--steps", "2", "--scenarios-per-step", "2",
-                "--k", "2", "--save-every", "1", "--lr", "1e-2", "--out-dir", tmp_path, *TINY])
+    p = launch(
+        [
+            ROOT / "04_mica_train.py",
+            "--model",
+            tiny_model,
+            "--steps",
+            "2",
+            "--scenarios-per-step",
+            "2",
+            "--k",
+            "2",
+            "--save-every",
+            "1",
+            "--lr",
+            "1e-2",
+            "--out-dir",
+            tmp_path,
+            *TINY,
+        ]
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     runs = [d for d in tmp_path.iterdir() if d.is_dir()]
-    assert len(runs) == 1, runs                                   # one run folder: rank 0's
+    assert len(runs) == 1, runs  # one run folder: rank 0's
     run = runs[0]
     dp = json.loads((run / "data_parallel.json").read_text())
     assert dp["world_size"] == 2 and len(dp["adapter_sums"]) == 2 and len(set(dp["adapter_sums"])) == 1
@@ -68,7 +103,7 @@ def test_two_processes_keep_one_adapter_and_log_every_trajectory(tiny_model, tmp
         assert m["train_tokens"] == scored > 0
         assert abs(m["return_mean"] - sum(r["return"] for r in mine) / 4) < 1e-9
     assert torch.load(run / "checkpoint.pt", weights_only=True)["step"] == 2
-    assert p.stdout.count("step    1 |") == 1                     # one log line per step: rank 0's
+    assert p.stdout.count("step    1 |") == 1  # one log line per step: rank 0's
 
 
 # ---------------------------------------------------------------------------------------------
@@ -79,10 +114,23 @@ def fixed_update(trainer, model_path, share=(0, 1)):
     trajectories share[0]::share[1], runs one ppo_update, and returns the LoRA weights."""
     env = trainer.env
 
-    args = argparse.Namespace(model=model_path, adapter=None, lora_r=4, lora_alpha=8, lora_targets="q_proj,v_proj",
-                              load_in_4bit="off", gradient_checkpointing=False, trust_remote_code=False,
-                              minibatch_size=64, micro_batch_size=1, ppo_epochs=1, temperature=1.0, clip_low=0.2,
-                              clip_high=0.28, kl_coef=0.0)
+    args = argparse.Namespace(
+        model=model_path,
+        adapter=None,
+        lora_r=4,
+        lora_alpha=8,
+        lora_targets="q_proj,v_proj",
+        load_in_4bit="off",
+        gradient_checkpointing=False,
+        trust_remote_code=False,
+        minibatch_size=64,
+        micro_batch_size=1,
+        ppo_epochs=1,
+        temperature=1.0,
+        clip_low=0.2,
+        clip_high=0.28,
+        kl_coef=0.0,
+    )
     torch.manual_seed(0)
     model, tok = common.load_policy(args, trainable=True)
     # plain SGD at lr 1: the LoRA B weights after the step are minus the summed gradient (its norm, ~0.15, is
@@ -94,12 +142,19 @@ def fixed_update(trainer, model_path, share=(0, 1)):
     trajs, advs = [], []
     for n, (prompt_len, reply_len, adv) in enumerate([(5, 3, 1.0), (7, 9, -0.5), (4, 2, 0.3), (6, 12, -1.2)]):
         ids = [(7 * n + j) % 500 + 3 for j in range(prompt_len + reply_len)]
-        trajs.append(env.Trajectory(scenario={}, k=n, ids=ids, messages=[], vs=[[0.0, 0.0, 0.0]],
-                                    spans=[(prompt_len, prompt_len + reply_len)]))
+        trajs.append(
+            env.Trajectory(
+                scenario={},
+                k=n,
+                ids=ids,
+                messages=[],
+                vs=[[0.0, 0.0, 0.0]],
+                spans=[(prompt_len, prompt_len + reply_len)],
+            )
+        )
         advs.append([adv])
     r, w = share
-    out = trainer.ppo_update(model, tok, opt, sched, trainer.as_samples(trajs[r::w], advs[r::w]), args,
-                             Accelerator())
+    out = trainer.ppo_update(model, tok, opt, sched, trainer.as_samples(trajs[r::w], advs[r::w]), args, Accelerator())
     weights = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
     return weights, out
 
@@ -116,9 +171,9 @@ def test_one_update_over_two_processes_equals_one_process(tiny_model, tmp_path, 
     assert abs(both["loss"] - out["loss"]) < 1e-6
 
 
-if __name__ == "__main__":      # the 2-process side of the test above, started by accelerate launch
+if __name__ == "__main__":  # the 2-process side of the test above, started by accelerate launch
     trainer = importlib.import_module("04_mica_train")
-    acc = Accelerator(cpu=not torch.cuda.is_available())     # joins the launcher's processes as 04's main does
+    acc = Accelerator(cpu=not torch.cuda.is_available())  # joins the launcher's processes as 04's main does
     weights, out = fixed_update(trainer, sys.argv[1], share=(acc.process_index, acc.num_processes))
     if acc.is_main_process:
         torch.save({"weights": weights, "train_tokens": out["train_tokens"], "loss": out["loss"]}, sys.argv[2])

@@ -1,6 +1,7 @@
 """benchmarks/emobench.py's official mode (05 --emobench-dir): the prompts as sent, the parser, the exact letter
 match, the report per language and category, the generation settings, and 05 end to end on the tiny model. The
 checkout is tests/fixtures/emobench/: the official layout with texts written for these tests."""
+
 import importlib
 import json
 import shutil
@@ -18,18 +19,28 @@ FIX = ROOT / "tests" / "fixtures" / "emobench"
 
 # the fixture's texts, put together by hand as the official code does: system = sys + the layout of utils.py
 # ("\n{statement}```json\n{{\n{conditions}}}\n```\n") filled with response.yaml's base and the task's keys
-SYS_EN = ("You will read a short story and answer questions about one person in it.\n"
-          "Think about how that person sees the situation.\n")
-EU_EN_SYSTEM = (SYS_EN + "\nPick exactly one letter per question. Reply with JSON only:\n```json\n{\n"
-                '"answer_q1": "<letter for Q1>",\n"answer_q2": "<letter for Q2>"\n}\n```\n')
-EU_EN_1_USER = ("Story: Mia's cake sank in the oven, but her little brother ate a slice and asked for another.\n\n"
-                "Q1. Which feeling would Mia end up with?\nA) Shame\nB) Joy\nC) Anger\n\n"
-                "Q2. What makes Mia feel that way?\n"
-                "A) The cake sank\nB) Her brother was hungry\nC) Her brother liked the cake anyway\n")
-EA_ZH_SYSTEM = ("你将读到一个小故事，并回答关于其中一个人的问题。\n请从这个人的角度思考。\n"
-                '\n每个问题只选一个字母。 只用JSON回复：\n```json\n{\n"answer": "<字母>"\n}\n```\n')
-EA_ZH_1_USER = ("故事：小王第二次没通过驾照考试，下一次考试在一个月后。\n\n哪一种Action对小王最有帮助？\n"
-                "A) 放弃学车\nB) 针对出错的部分多练几次\nC) 怪考官\n")
+SYS_EN = (
+    "You will read a short story and answer questions about one person in it.\n"
+    "Think about how that person sees the situation.\n"
+)
+EU_EN_SYSTEM = (
+    SYS_EN + "\nPick exactly one letter per question. Reply with JSON only:\n```json\n{\n"
+    '"answer_q1": "<letter for Q1>",\n"answer_q2": "<letter for Q2>"\n}\n```\n'
+)
+EU_EN_1_USER = (
+    "Story: Mia's cake sank in the oven, but her little brother ate a slice and asked for another.\n\n"
+    "Q1. Which feeling would Mia end up with?\nA) Shame\nB) Joy\nC) Anger\n\n"
+    "Q2. What makes Mia feel that way?\n"
+    "A) The cake sank\nB) Her brother was hungry\nC) Her brother liked the cake anyway\n"
+)
+EA_ZH_SYSTEM = (
+    "你将读到一个小故事，并回答关于其中一个人的问题。\n请从这个人的角度思考。\n"
+    '\n每个问题只选一个字母。 只用JSON回复：\n```json\n{\n"answer": "<字母>"\n}\n```\n'
+)
+EA_ZH_1_USER = (
+    "故事：小王第二次没通过驾照考试，下一次考试在一个月后。\n\n哪一种Action对小王最有帮助？\n"
+    "A) 放弃学车\nB) 针对出错的部分多练几次\nC) 怪考官\n"
+)
 
 
 def items(model="SmolLM2-135M-Instruct"):
@@ -39,11 +50,15 @@ def items(model="SmolLM2-135M-Instruct"):
 def test_the_prompts_as_sent_for_known_items():
     got = items()
     assert len(got) == 8
-    assert got["EU-en-1"]["messages"] == [{"role": "system", "content": EU_EN_SYSTEM},
-                                          {"role": "user", "content": EU_EN_1_USER}]
+    assert got["EU-en-1"]["messages"] == [
+        {"role": "system", "content": EU_EN_SYSTEM},
+        {"role": "user", "content": EU_EN_1_USER},
+    ]
     # EA: the question type as the file gives it, in English inside the Chinese question (as the official code)
-    assert got["EA-zh-1"]["messages"] == [{"role": "system", "content": EA_ZH_SYSTEM},
-                                          {"role": "user", "content": EA_ZH_1_USER}]
+    assert got["EA-zh-1"]["messages"] == [
+        {"role": "system", "content": EA_ZH_SYSTEM},
+        {"role": "user", "content": EA_ZH_1_USER},
+    ]
     # a Qwen (the last part of the model's path names it) gets "/no_think" before the system prompt
     qwen = items("models/Qwen2.5-7B-Instruct")["EU-en-1"]["messages"]
     assert qwen[0]["content"] == "/no_think\n\n" + EU_EN_SYSTEM and qwen[1]["content"] == EU_EN_1_USER
@@ -54,8 +69,10 @@ def test_the_prompts_as_sent_for_known_items():
 def test_the_rendered_prompt_is_the_chat_template_with_its_generation_prompt(tiny_model):
     tok = common.load_tokenizer(tiny_model)
     ids = emobench.official_ids(tok, items()["EU-en-1"]["messages"])
-    assert tok.decode(ids) == (f"<|im_start|>system\n{EU_EN_SYSTEM}<|im_end|>\n"
-                               f"<|im_start|>user\n{EU_EN_1_USER}<|im_end|>\n<|im_start|>assistant\n")
+    assert tok.decode(ids) == (
+        f"<|im_start|>system\n{EU_EN_SYSTEM}<|im_end|>\n"
+        f"<|im_start|>user\n{EU_EN_1_USER}<|im_end|>\n<|im_start|>assistant\n"
+    )
 
 
 @pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
@@ -64,8 +81,12 @@ def test_the_label_names_the_checkouts_commit(tmp_path):
     shutil.copytree(FIX, root)
 
     def git(*argv):
-        return subprocess.run(["git", "-C", str(root), "-c", "user.name=t", "-c", "user.email=t@t", *argv],
-                              capture_output=True, text=True, check=True).stdout.strip()
+        return subprocess.run(
+            ["git", "-C", str(root), "-c", "user.name=t", "-c", "user.email=t@t", *argv],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
 
     git("init", "-q")
     git("add", "-A")
@@ -82,22 +103,30 @@ def test_the_parser():
     # a fenced block is found inside prose; the first one counts
     assert emobench.parse_answer('Sure.\n```json\n{"answer": "C"}\n```\nHope it helps.') == {"answer": "C"}
     assert emobench.parse_answer('```json {"answer": "A"} ``` and ```json {"answer": "B"} ```') == {"answer": "A"}
-    for bad in ('```json\n{"answer": "A"}',          # the fence never closes (cut off at 50 tokens)
-                '{"answer": "A"} because ...',       # not a fence: the whole reply must be JSON
-                "A", '"A"', "[1, 2]", "", '```\n{"answer": "A"}\n```'):
+    for bad in (
+        '```json\n{"answer": "A"}',  # the fence never closes (cut off at 50 tokens)
+        '{"answer": "A"} because ...',  # not a fence: the whole reply must be JSON
+        "A",
+        '"A"',
+        "[1, 2]",
+        "",
+        '```\n{"answer": "A"}\n```',
+    ):
         assert emobench.parse_answer(bad) is None, bad
 
 
 def test_exact_letter_match_both_for_eu_and_unparseable_counted_wrong():
     it = items()
-    eu, ea = it["EU-en-1"], it["EA-en-1"]            # gold: EU B (Joy) and C (the cause), EA B
-    replies = {'{"answer_q1": "B", "answer_q2": "C"}': (1, 1, 1),
-               '{"answer_q1": "B", "answer_q2": "A"}': (1, 0, 0),        # the emotion alone is not enough
-               '{"answer_q1": "A", "answer_q2": "C"}': (0, 1, 0),
-               '{"answer_q1": "b", "answer_q2": "c"}': (0, 0, 0),        # exact: lower case is wrong
-               '{"answer_q1": "B) Joy", "answer_q2": "C"}': (0, 1, 0),
-               '{"answer_q2": "C"}': (0, 1, 0),                          # a missing answer is ""
-               "B and C": (0, 0, 0)}
+    eu, ea = it["EU-en-1"], it["EA-en-1"]  # gold: EU B (Joy) and C (the cause), EA B
+    replies = {
+        '{"answer_q1": "B", "answer_q2": "C"}': (1, 1, 1),
+        '{"answer_q1": "B", "answer_q2": "A"}': (1, 0, 0),  # the emotion alone is not enough
+        '{"answer_q1": "A", "answer_q2": "C"}': (0, 1, 0),
+        '{"answer_q1": "b", "answer_q2": "c"}': (0, 0, 0),  # exact: lower case is wrong
+        '{"answer_q1": "B) Joy", "answer_q2": "C"}': (0, 1, 0),
+        '{"answer_q2": "C"}': (0, 1, 0),  # a missing answer is ""
+        "B and C": (0, 0, 0),
+    }
     got = emobench.official_cases([eu] * len(replies), list(replies))
     assert [(c["emotion_correct"], c["cause_correct"], c["correct"]) for c in got] == list(replies.values())
     assert [c["parsed"] for c in got] == [True] * 6 + [False]
@@ -111,10 +140,16 @@ def fixture_cases():
     """The fixture's 8 items answered: EU-en-1 right, EU-en-2 the cause wrong, EU-zh-1 unparseable, EU-zh-2
     right; EA-en-1 right, EA-en-2 wrong, EA-zh-1 and EA-zh-2 right."""
     it = items()
-    replies = {"EU-en-1": '{"answer_q1": "B", "answer_q2": "C"}', "EU-en-2": '{"answer_q1": "A", "answer_q2": "A"}',
-               "EU-zh-1": "开心", "EU-zh-2": '```json\n{"answer_q1": "A", "answer_q2": "B"}\n```',
-               "EA-en-1": '{"answer": "B"}', "EA-en-2": '{"answer": "B"}', "EA-zh-1": '{"answer": "B"}',
-               "EA-zh-2": '{"answer": "A"}'}
+    replies = {
+        "EU-en-1": '{"answer_q1": "B", "answer_q2": "C"}',
+        "EU-en-2": '{"answer_q1": "A", "answer_q2": "A"}',
+        "EU-zh-1": "开心",
+        "EU-zh-2": '```json\n{"answer_q1": "A", "answer_q2": "B"}\n```',
+        "EA-en-1": '{"answer": "B"}',
+        "EA-en-2": '{"answer": "B"}',
+        "EA-zh-1": '{"answer": "B"}',
+        "EA-zh-2": '{"answer": "A"}',
+    }
     return emobench.official_cases([it[c] for c in replies], list(replies.values()))
 
 
@@ -126,7 +161,7 @@ def test_the_report_per_language_and_category(tmp_path):
     assert s["EU zh"]["accuracy"][0] == 50.0 and s["EU zh"]["unparseable"] == 1
     assert s["EU zh"]["by_category"] == {"complex_emotions": 0.0, "perspective_taking": 100.0}
     assert s["EA en"]["accuracy"][0] == 50.0 and s["EA zh"]["accuracy"][0] == 100.0
-    assert s["EA zh"]["accuracy"][1] == 0.0                      # two right of two: no spread
+    assert s["EA zh"]["accuracy"][1] == 0.0  # two right of two: no spread
     assert s["EA en"]["by_category"] == {"Personal-Self": 100.0, "Social-Others": 0.0}
     table = ev.results_table({"base": {"emobench": s}}, ["emobench"])
     head, _, row = table.splitlines()[:3]
@@ -134,8 +169,10 @@ def test_the_report_per_language_and_category(tmp_path):
     assert "| base | 50.00 ± " in row and "(n=2); 1 unparseable (counted wrong) | " in row
     assert row.endswith("| 100.00 ± 0.00 (n=2) |")
     assert table.splitlines()[-1] == f"EmoBench: official protocol ({FIX}, not a git checkout)"
-    assert emobench.report_lines("base", s)[1] == ("base, EmoBench EU zh accuracy % by category: complex_emotions 0.0, "
-                                                   "perspective_taking 100.0; 1 of 2 replies unparseable")
+    assert emobench.report_lines("base", s)[1] == (
+        "base, EmoBench EU zh accuracy % by category: complex_emotions 0.0, "
+        "perspective_taking 100.0; 1 of 2 replies unparseable"
+    )
 
 
 def test_run_generates_at_the_official_temperature_and_budget(tiny_model, monkeypatch):
@@ -153,14 +190,23 @@ def test_run_generates_at_the_official_temperature_and_budget(tiny_model, monkey
     assert asked["settings"] == (50, 0.6, 1.0)
     assert asked["contexts"] == [emobench.official_ids(tok, it["messages"]) for it in batch]
     assert [c["correct"] for c in cases] == [1] + [0] * 7 and sum(not c["parsed"] for c in cases) == 7
-    assert transcripts[0] == {"case": "EU-en-1", "messages": batch[0]["messages"],
-                              "reply": '{"answer_q1": "B", "answer_q2": "C"}'}
+    assert transcripts[0] == {
+        "case": "EU-en-1",
+        "messages": batch[0]["messages"],
+        "reply": '{"answer_q1": "B", "answer_q2": "C"}',
+    }
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--emobench-dir", "/no/such/EmoBench"], "--emobench-dir /no/such/EmoBench: no src/configs there"),
-    (["--emobench-dir", str(FIX), "--emobench-eu", "x.jsonl"], "--emobench-eu / --emobench-ea are the log-likelihood"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--emobench-dir", "/no/such/EmoBench"], "--emobench-dir /no/such/EmoBench: no src/configs there"),
+        (
+            ["--emobench-dir", str(FIX), "--emobench-eu", "x.jsonl"],
+            "--emobench-eu / --emobench-ea are the log-likelihood",
+        ),
+    ],
+)
 def test_bad_emobench_flags_exit_2(tmp_path, capsys, flags, message):
     with pytest.raises(SystemExit) as e:
         common.run_main(ev.main, ["--suite", "emobench", *flags, "--out-dir", str(tmp_path / "runs")])
@@ -169,8 +215,20 @@ def test_bad_emobench_flags_exit_2(tmp_path, capsys, flags, message):
 
 
 def test_05_runs_the_official_protocol_on_the_tiny_model(tiny_model, tmp_path):
-    p = run_script("05_eval.py", "--model", tiny_model, "--suite", "emobench", "--emobench-dir", FIX,
-                   "--batch-size", "3", "--no-progress", "--out-dir", tmp_path)
+    p = run_script(
+        "05_eval.py",
+        "--model",
+        tiny_model,
+        "--suite",
+        "emobench",
+        "--emobench-dir",
+        FIX,
+        "--batch-size",
+        "3",
+        "--no-progress",
+        "--out-dir",
+        tmp_path,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     run = next(Path(tmp_path).iterdir())
     label = f"EmoBench: official protocol ({FIX}, not a git checkout)"

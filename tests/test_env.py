@@ -1,4 +1,5 @@
 """03_rollout's environment: EMPA state, rules, judges, users and the token-in/token-out rollout."""
+
 import math
 
 import pytest
@@ -33,18 +34,18 @@ def test_hinge_distance(env):
 
 
 def test_episode_rules(env):
-    P0 = [-6, -9, -4]                          # ||P0|| = 11.53
+    P0 = [-6, -9, -4]  # ||P0|| = 11.53
     a = Args()
-    assert env.episode_status(P0, [3.0] * 5, [], 5, a) is None            # before the gate
-    assert env.episode_status(P0, [1.0] * 12, [], 12, a) == "success"     # E_total 12 >= 11.53
+    assert env.episode_status(P0, [3.0] * 5, [], 5, a) is None  # before the gate
+    assert env.episode_status(P0, [1.0] * 12, [], 12, a) == "success"  # E_total 12 >= 11.53
     assert env.episode_status(P0, [0.9] * 12, [], 12, a) is None
-    dEs = [1.0] * 7 + [-0.1] * 5                                          # collapsed: last 5 < 0
+    dEs = [1.0] * 7 + [-0.1] * 5  # collapsed: last 5 < 0
     assert env.episode_status(P0, dEs, [], 12, a) == "failure"
     # stagnant (std of last 5 ||P|| < 0.5) and regressing (>= 6 of last 8 dE < 0, sum < -1)
     states = [[-6, -9, -4]] * 13
     dEs = [0.0] * 4 + [-0.3, -0.3, 0.1, -0.3, -0.3, 0.1, -0.3, -0.3]
     assert env.episode_status(P0, dEs, states, 12, a) == "failure"
-    moving = [[-6, -9, -4 + i] for i in range(13)]                       # not stagnant
+    moving = [[-6, -9, -4 + i] for i in range(13)]  # not stagnant
     assert env.episode_status(P0, dEs, moving, 12, a) is None
     # the regression sum runs over all 8 (MICA's scoring.py): six -0.3 and two +0.5 sum to -0.8, not < -1,
     # although the negatives alone sum to -1.8
@@ -70,21 +71,35 @@ def test_load_scenarios_shipped_sets(env):
     assert not {s["id"] for s in train} & {s["id"] for s in test}
 
 
-@pytest.mark.parametrize("line, message", [
-    ('{"id": "a", "persona": "p", "situation": "s"}', "x.jsonl:2: missing field 'opening'"),
-    ('{"id": 3, "persona": "p", "situation": "s", "opening": "o", "p0": [-1, -1, -1]}',
-     "x.jsonl:2: field 'id' must be str, got int"),
-    ('{"id": "a", "persona": "p", "situation": "s", "opening": "o", "p0": [-1, 2]}', "x.jsonl:2: field 'p0'"),
-    ('{"id": "a", "persona": "p", "situation": "s", "opening": "o", "items": {"C1": 5}}',
-     "x.jsonl:2: field 'items.C1' must be an integer 0-3"),
-    ('{"id": "a", "persona": "p", "situation": "s", "opening": "  ", "p0": [-1, -1, -1]}',
-     "x.jsonl:2: field 'opening' is empty"),
-    ('{"id": "a", "persona": "p", "situation": "s", "opening": "o", "p0": [-1, -1, -1], '
-     '"user_lines": {"better": "hi"}}', "x.jsonl:2: field 'user_lines.better'"),
-    ('{"id": "a", "persona": "p" "situation": "s"}', "x.jsonl:2: not valid JSON"),
-    ('{"id": "ok", "persona": "q", "situation": "s", "opening": "o", "p0": [-1, -1, -1]}',
-     "x.jsonl:2: id 'ok' again (first on line 1)"),
-])
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ('{"id": "a", "persona": "p", "situation": "s"}', "x.jsonl:2: missing field 'opening'"),
+        (
+            '{"id": 3, "persona": "p", "situation": "s", "opening": "o", "p0": [-1, -1, -1]}',
+            "x.jsonl:2: field 'id' must be str, got int",
+        ),
+        ('{"id": "a", "persona": "p", "situation": "s", "opening": "o", "p0": [-1, 2]}', "x.jsonl:2: field 'p0'"),
+        (
+            '{"id": "a", "persona": "p", "situation": "s", "opening": "o", "items": {"C1": 5}}',
+            "x.jsonl:2: field 'items.C1' must be an integer 0-3",
+        ),
+        (
+            '{"id": "a", "persona": "p", "situation": "s", "opening": "  ", "p0": [-1, -1, -1]}',
+            "x.jsonl:2: field 'opening' is empty",
+        ),
+        (
+            '{"id": "a", "persona": "p", "situation": "s", "opening": "o", "p0": [-1, -1, -1], '
+            '"user_lines": {"better": "hi"}}',
+            "x.jsonl:2: field 'user_lines.better'",
+        ),
+        ('{"id": "a", "persona": "p" "situation": "s"}', "x.jsonl:2: not valid JSON"),
+        (
+            '{"id": "ok", "persona": "q", "situation": "s", "opening": "o", "p0": [-1, -1, -1]}',
+            "x.jsonl:2: id 'ok' again (first on line 1)",
+        ),
+    ],
+)
 def test_load_scenarios_errors_name_file_line_field(env, tmp_path, line, message):
     good = '{"id": "ok", "persona": "p", "situation": "s", "opening": "o", "p0": [-1, -2, -3]}'
     path = tmp_path / "x.jsonl"
@@ -95,14 +110,16 @@ def test_load_scenarios_errors_name_file_line_field(env, tmp_path, line, message
 
 
 def test_parse_judge_json(env):
-    ok = ('{"C": {"progress": 1, "negative": 0}, "A": {"progress": 2, "negative": 0}, '
-          '"P": {"progress": 0, "negative": 1}}')
+    ok = (
+        '{"C": {"progress": 1, "negative": 0}, "A": {"progress": 2, "negative": 0}, '
+        '"P": {"progress": 0, "negative": 1}}'
+    )
     assert env.parse_judge_json(ok) == {"C": (1, 0), "A": (2, 0), "P": (0, 1)}
     assert env.parse_judge_json("Sure! ```json\n" + ok + "\n```") == {"C": (1, 0), "A": (2, 0), "P": (0, 1)}
-    assert env.parse_judge_json(ok[:-5]) is None                          # truncated
-    assert env.parse_judge_json(ok.replace('"progress": 2', '"progress": 3')) is None   # out of range
+    assert env.parse_judge_json(ok[:-5]) is None  # truncated
+    assert env.parse_judge_json(ok.replace('"progress": 2', '"progress": 3')) is None  # out of range
     assert env.parse_judge_json(ok.replace('"progress": 2', '"progress": "2"')) is None  # wrong type
-    assert env.parse_judge_json('{"C": {"progress": 1}}') is None          # missing fields
+    assert env.parse_judge_json('{"C": {"progress": 1}}') is None  # missing fields
     assert env.parse_judge_json("no json here") is None and env.parse_judge_json(None) is None
 
 
@@ -110,40 +127,52 @@ def test_scripted_user_follows_trend_and_is_deterministic(env):
     s = {"id": "s", "user_lines": {"better": ["b1", "b2"], "stuck": ["s1", "s2"], "worse": ["w1"]}}
     hist = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "hi"}]
     u = offline.ScriptedUser(seed=7)
-    items = [{"scenario": s, "k": k, "history": hist, "trend": t}
-             for k, t in enumerate(["better", "stuck", "worse"])]
+    items = [{"scenario": s, "k": k, "history": hist, "trend": t} for k, t in enumerate(["better", "stuck", "worse"])]
     a = u.reply(items)
     assert a[0] in ("b1", "b2") and a[1] in ("s1", "s2") and a[2] == "w1"
     assert offline.ScriptedUser(seed=7).reply(items) == a
     # an unused line is preferred over one already said in this dialogue
     said = hist + [{"role": "user", "content": "b1"}, {"role": "assistant", "content": "ok"}]
-    assert all(offline.ScriptedUser(seed=sd).reply([{"scenario": s, "k": 0, "history": said, "trend": "better"}])
-               == ["b2"] for sd in range(5))
+    assert all(
+        offline.ScriptedUser(seed=sd).reply([{"scenario": s, "k": 0, "history": said, "trend": "better"}]) == ["b2"]
+        for sd in range(5)
+    )
 
 
 def test_embed_judge_ranks_validating_above_dismissive_on_affective_axis(env):
     judge = offline.EmbedJudge(common.Path(env.HERE) / "data" / "judge_prototypes.json")
     cases = [
-        ("My dad died last month and I keep replaying our last phone call; I was short with him.",
-         "That sounds so painful. Replaying that last call makes sense when you loved him this much, and "
-         "one short moment doesn't erase what you were to each other.",
-         "Everyone dies eventually. You should just move on and stop dwelling on it."),
-        ("I got passed over for the promotion again and I feel humiliated in front of my team.",
-         "Being passed over again, in front of people you work with every day, would sting anyone. "
-         "It makes sense that you feel humiliated.",
-         "Stop complaining, that's just how work is. Get over it."),
+        (
+            "My dad died last month and I keep replaying our last phone call; I was short with him.",
+            "That sounds so painful. Replaying that last call makes sense when you loved him this much, and "
+            "one short moment doesn't erase what you were to each other.",
+            "Everyone dies eventually. You should just move on and stop dwelling on it.",
+        ),
+        (
+            "I got passed over for the promotion again and I feel humiliated in front of my team.",
+            "Being passed over again, in front of people you work with every day, would sting anyone. "
+            "It makes sense that you feel humiliated.",
+            "Stop complaining, that's just how work is. Get over it.",
+        ),
     ]
     for user, validating, dismissive in cases:
-        out = judge.judge([{"scenario": {}, "history": [{"role": "user", "content": user}], "reply": r}
-                           for r in (validating, dismissive)])
+        out = judge.judge(
+            [
+                {"scenario": {}, "history": [{"role": "user", "content": user}], "reply": r}
+                for r in (validating, dismissive)
+            ]
+        )
         v_good, v_bad = (env.levels_to_v(o["levels"]) for o in out)
         assert v_good[1] > v_bad[1], (user, out)
         assert sum(v_good) > sum(v_bad)
     # deterministic, and an empty reply gains nothing
-    again = judge.judge([{"scenario": {}, "history": [{"role": "user", "content": cases[0][0]}],
-                          "reply": cases[0][1]}])
-    assert again[0]["levels"] == judge.judge([{"scenario": {}, "history": [
-        {"role": "user", "content": cases[0][0]}], "reply": cases[0][1]}])[0]["levels"]
+    again = judge.judge([{"scenario": {}, "history": [{"role": "user", "content": cases[0][0]}], "reply": cases[0][1]}])
+    assert (
+        again[0]["levels"]
+        == judge.judge([{"scenario": {}, "history": [{"role": "user", "content": cases[0][0]}], "reply": cases[0][1]}])[
+            0
+        ]["levels"]
+    )
     empty = judge.judge([{"scenario": {}, "history": [{"role": "user", "content": "hi"}], "reply": ""}])
     assert sum(env.levels_to_v(empty[0]["levels"])) < 0
 
@@ -163,30 +192,36 @@ GOOD = '{"C": {"progress": 2, "negative": 0}, "A": {"progress": 1, "negative": 1
 
 
 def test_llm_judge_retries_malformed_output_then_fails_the_turn(env):
-    case = {"scenario": {"persona": "Ana, 30", "situation": "lost her job"},
-            "history": [{"role": "system", "content": "sys"}, {"role": "user", "content": "I lost my job."}],
-            "reply": "That must be a shock."}
+    case = {
+        "scenario": {"persona": "Ana, 30", "situation": "lost her job"},
+        "history": [{"role": "system", "content": "sys"}, {"role": "user", "content": "I lost my job."}],
+        "reply": "That must be a shock.",
+    }
     fake = FakeBackend(["not json", "```json\n" + GOOD + "\n```"])
     out = env.LLMJudge(fake, retries=2).judge([case])
     assert out[0]["levels"] == {"C": (2, 0), "A": (1, 1), "P": (0, 0)}
-    assert len(fake.asked) == 2                                   # one retry was enough
+    assert len(fake.asked) == 2  # one retry was enough
     prompt = fake.asked[0][0][0]["content"]
     assert "Ana, 30" in prompt and "Supporter: That must be a shock." in prompt and "MDEP-PR" in prompt
-    assert "sys" not in prompt.split("Conversation so far")[1]     # the system prompt is not shown
+    assert "sys" not in prompt.split("Conversation so far")[1]  # the system prompt is not shown
     fake = FakeBackend(["{}", "nope", None])
-    assert env.LLMJudge(fake, retries=2).judge([case]) == [None]   # judge_failed, never a made-up score
+    assert env.LLMJudge(fake, retries=2).judge([case]) == [None]  # judge_failed, never a made-up score
     assert len(fake.asked) == 3
 
 
 def test_llm_user_sees_the_band_not_the_numbers(env):
     fake = FakeBackend(["  I guess that helps a little.  ", ""])
     s = {"persona": "Ben, 40", "situation": "his shop is failing"}
-    hist = [{"role": "system", "content": "policy system prompt"}, {"role": "user", "content": "My shop is failing."},
-            {"role": "assistant", "content": "That sounds stressful."}]
+    hist = [
+        {"role": "system", "content": "policy system prompt"},
+        {"role": "user", "content": "My shop is failing."},
+        {"role": "assistant", "content": "That sounds stressful."},
+    ]
     band = env.state_band(13.37, 27.9) + "; " + env.TREND_TEXT["better"]
-    out = env.LLMUser(fake).reply([{"scenario": s, "history": hist, "band": band},
-                                   {"scenario": s, "history": hist, "band": band}])
-    assert out == ["I guess that helps a little.", None]           # an empty answer is a failure
+    out = env.LLMUser(fake).reply(
+        [{"scenario": s, "history": hist, "band": band}, {"scenario": s, "history": hist, "band": band}]
+    )
+    assert out == ["I guess that helps a little.", None]  # an empty answer is a failure
     conv = fake.asked[0][0]
     assert conv[0]["role"] == "system" and "Ben, 40" in conv[0]["content"] and band in conv[0]["content"]
     assert [m["role"] for m in conv[1:]] == ["assistant", "user"]  # roles swapped, policy system dropped
@@ -199,8 +234,20 @@ def test_judge_and_user_concurrency_flags_bound_the_requests_in_flight(env, faul
     """A served judge / user (vLLM, SGLang): --judge-concurrency 3 and --user-concurrency 2 keep at most
     3 and 2 requests in flight, and use all of them when more are queued (the server counts)."""
     server = fault_server(rate=0.0, delay_s=0.3)
-    args = env.parse_args(["--judge", "api:judge", "--user", "api:user", "--api-base", server.base,
-                           "--judge-concurrency", "3", "--user-concurrency", "2"])
+    args = env.parse_args(
+        [
+            "--judge",
+            "api:judge",
+            "--user",
+            "api:user",
+            "--api-base",
+            server.base,
+            "--judge-concurrency",
+            "3",
+            "--user-concurrency",
+            "2",
+        ]
+    )
     judge, user = env.make_judge(args), env.make_user(args)
     s = {"id": "s", "persona": "Ana, 30", "situation": "lost her job"}
     hist = [{"role": "user", "content": "I lost my job."}]
@@ -209,4 +256,4 @@ def test_judge_and_user_concurrency_flags_bound_the_requests_in_flight(env, faul
     answers = user.reply([{"scenario": s, "k": i, "history": hist, "band": "low"} for i in range(7)])
     assert all(answers)
     assert server.requests == 16 and server.max_active == {"judge": 3, "user": 2}
-    assert env.parse_args(["--user", "api:u"]).user_concurrency is None        # default: --api-concurrency
+    assert env.parse_args(["--user", "api:u"]).user_concurrency is None  # default: --api-concurrency

@@ -7,6 +7,7 @@
    in bf16 (activations and KV cache follow) and keeps LoRA in fp32.
 3. scripts/gpu_check.sh: its syntax, and a dry run that prints commands the scripts accept.
 """
+
 import importlib
 import json
 import math
@@ -21,9 +22,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import JUDGE_OK, ROOT, run_script
-
 import common
+from conftest import JUDGE_OK, ROOT, run_script
 
 
 # ---------------------------------------------------------------------------------------------
@@ -42,23 +42,36 @@ def assert_clean_failure(p, out_dir: Path, *names):
     assert len(lines) == 1 and lines[0].startswith("error: "), p.stderr[-3000:]
     for name in names:
         assert name in lines[0], (name, lines[0])
-    assert not out_dir.exists() or not any(out_dir.iterdir()), list(out_dir.iterdir())    # no run folder
+    assert not out_dir.exists() or not any(out_dir.iterdir()), list(out_dir.iterdir())  # no run folder
 
 
 @pytest.mark.parametrize("case", ["alias", "config_only", "unknown", "hub_id"])
 def test_04_fails_cleanly_on_a_model_it_cannot_load(case, tiny_model, tmp_path):
-    model, says = {       # transformers' and huggingface_hub's own words, in one line with the model's name
-        "alias": ("Qwen2.5-7B-Instruct", ["(Qwen/Qwen2.5-7B-Instruct) could not be loaded",
-                                          "couldn't find them in the cached files",
-                                          "hf download Qwen/Qwen2.5-7B-Instruct"]),
+    model, says = {  # transformers' and huggingface_hub's own words, in one line with the model's name
+        "alias": (
+            "Qwen2.5-7B-Instruct",
+            [
+                "(Qwen/Qwen2.5-7B-Instruct) could not be loaded",
+                "couldn't find them in the cached files",
+                "hf download Qwen/Qwen2.5-7B-Instruct",
+            ],
+        ),
         "config_only": (None, ["could not be loaded", "no file named model.safetensors"]),
         "unknown": ("no-such-model-xyz", ["could not be loaded", "known aliases", "Qwen2.5-7B-Instruct"]),
         "hub_id": ("someone/no-such-model", ["could not be loaded", "hf download someone/no-such-model"]),
     }[case]
     model = model or str(config_only(tiny_model, tmp_path))
     out = tmp_path / "runs"
-    p = run_script("04_mica_train.py", "--model", model, "--out-dir", out, "--steps", "1",
-                   env_extra={"HF_HUB_CACHE": str(tmp_path / "empty-hf-cache"), "OMP_NUM_THREADS": "1"})
+    p = run_script(
+        "04_mica_train.py",
+        "--model",
+        model,
+        "--out-dir",
+        out,
+        "--steps",
+        "1",
+        env_extra={"HF_HUB_CACHE": str(tmp_path / "empty-hf-cache"), "OMP_NUM_THREADS": "1"},
+    )
     assert_clean_failure(p, out, model, *says)
 
 
@@ -74,14 +87,15 @@ def cuda_without_bitsandbytes(monkeypatch):
     """A CUDA machine as the model check sees it (device probe patched), where bitsandbytes does not import."""
     monkeypatch.setattr(common, "pick_device", lambda: torch.device("cuda", 0))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setitem(sys.modules, "bitsandbytes", None)     # `import bitsandbytes` -> ImportError
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # `import bitsandbytes` -> ImportError
 
 
 def test_4bit_without_bitsandbytes_says_how_to_fix_it(cuda_without_bitsandbytes, tiny_model, tmp_path, capsys, trainer):
     out = tmp_path / "runs"
     with pytest.raises(SystemExit) as ei:
-        common.run_main(trainer.main, ["--model", tiny_model, "--out-dir", str(out), "--steps", "1",
-                                       "--load-in-4bit", "auto"])
+        common.run_main(
+            trainer.main, ["--model", tiny_model, "--out-dir", str(out), "--steps", "1", "--load-in-4bit", "auto"]
+        )
     assert ei.value.code == 2
     lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
     assert len(lines) == 1, lines
@@ -93,11 +107,17 @@ def test_4bit_without_bitsandbytes_says_how_to_fix_it(cuda_without_bitsandbytes,
 def test_4bit_check_follows_the_flag(cuda_without_bitsandbytes, tiny_model):
     import argparse
 
-    args = lambda flag: argparse.Namespace(model=tiny_model, adapter=None, load_in_4bit=flag,  # noqa: E731
-                                           trust_remote_code=False)
+    def args(flag):
+        return argparse.Namespace(
+            model=tiny_model,
+            adapter=None,
+            load_in_4bit=flag,
+            trust_remote_code=False,
+        )
+
     with pytest.raises(common.UserError, match=r"--load-in-4bit on loads model .* pip install bitsandbytes"):
         common.check_model_args(args("on"))
-    common.check_model_args(args("off"))                     # no 4-bit: bitsandbytes is not needed
+    common.check_model_args(args("off"))  # no 4-bit: bitsandbytes is not needed
     assert common.use_4bit(args("off")) is False
 
 
@@ -119,10 +139,14 @@ def test_a_cached_alias_loads_offline_and_a_folder_without_weights_says_so(tiny_
     assert config.hidden_size == 32
     for f in (repo / "snapshots" / commit).glob("*.safetensors"):
         f.unlink()
-    with pytest.raises(common.UserError, match=r"model 'Qwen2.5-0.5B-Instruct' \(Qwen/Qwen2.5-0.5B-Instruct\) could "
-                                               r"not be loaded: .*hf download Qwen/Qwen2.5-0.5B-Instruct"):
-        common.from_pretrained(AutoModelForCausalLM.from_pretrained, "Qwen2.5-0.5B-Instruct",
-                               cache_dir=tmp_path / "hub")
+    with pytest.raises(
+        common.UserError,
+        match=r"model 'Qwen2.5-0.5B-Instruct' \(Qwen/Qwen2.5-0.5B-Instruct\) could "
+        r"not be loaded: .*hf download Qwen/Qwen2.5-0.5B-Instruct",
+    ):
+        common.from_pretrained(
+            AutoModelForCausalLM.from_pretrained, "Qwen2.5-0.5B-Instruct", cache_dir=tmp_path / "hub"
+        )
     gguf = tmp_path / "gguf_only"
     shutil.copytree(tiny_model, gguf)
     for f in gguf.glob("*.safetensors"):
@@ -140,20 +164,21 @@ def test_cast_for_kbit_training_keeps_lora_fp32_and_runs_the_rest_in_bf16(tiny_m
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.bfloat16)
     model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
-    assert {p.dtype for p in model.parameters()} == {torch.float32}              # what prepare leaves
-    model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj", "down_proj"],
-                                             task_type="CAUSAL_LM"))
+    assert {p.dtype for p in model.parameters()} == {torch.float32}  # what prepare leaves
+    model = get_peft_model(
+        model, LoraConfig(r=4, target_modules=["q_proj", "v_proj", "down_proj"], task_type="CAUSAL_LM")
+    )
     assert common.cast_for_kbit_training(model) is model
     lora = {n: p.dtype for n, p in model.named_parameters() if "lora_" in n}
     rest = {n: p.dtype for n, p in model.named_parameters() if "lora_" not in n}
-    assert len(lora) == 2 * 3 * 2 and set(lora.values()) == {torch.float32}     # A and B, 3 targets, 2 layers
+    assert len(lora) == 2 * 3 * 2 and set(lora.values()) == {torch.float32}  # A and B, 3 targets, 2 layers
     assert set(rest.values()) == {torch.bfloat16} and any("norm" in n for n in rest)
     assert all(p.requires_grad == ("lora_" in n) for n, p in model.named_parameters())
-    assert model.get_base_model().model.rotary_emb.inv_freq.dtype == torch.float32   # buffers untouched
+    assert model.get_base_model().model.rotary_emb.inv_freq.dtype == torch.float32  # buffers untouched
     ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
     out = model(input_ids=ids, output_hidden_states=True, use_cache=True)
-    assert {h.dtype for h in out.hidden_states} == {torch.bfloat16}               # the residual stream
-    assert out.past_key_values.layers[0].keys.dtype == torch.bfloat16             # the KV cache
+    assert {h.dtype for h in out.hidden_states} == {torch.bfloat16}  # the residual stream
+    assert out.past_key_values.layers[0].keys.dtype == torch.bfloat16  # the KV cache
     # the loss side: log-probs in fp32, gradients reach the fp32 LoRA weights
     logp = common.token_logprobs(model, ids, torch.ones_like(ids), torch.tensor([[0, 0, 1, 1, 1, 1]]))
     assert logp.dtype == torch.float32 and logp.shape == (4,)
@@ -176,24 +201,38 @@ def test_gpu_check_syntax():
 
 def test_gpu_check_dry_run_prints_commands_the_scripts_accept(tmp_path, trainer):
     out = tmp_path / "gpu_check"
-    p = subprocess.run(["bash", str(SCRIPT), "--dry-run"], capture_output=True, text=True, timeout=60,
-                       env={"PATH": "/usr/bin:/bin", "PYTHON": sys.executable, "OUT": str(out)})
+    p = subprocess.run(
+        ["bash", str(SCRIPT), "--dry-run"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={"PATH": "/usr/bin:/bin", "PYTHON": sys.executable, "OUT": str(out)},
+    )
     assert p.returncode == 0, p.stderr
-    assert not out.exists()                                                       # nothing run, nothing written
+    assert not out.exists()  # nothing run, nothing written
     cmds = [ln[2:] for ln in p.stdout.splitlines() if ln.startswith("+ ")]
     assert len(cmds) == 4, p.stdout
     train = shlex.split(cmds[0].split(" 04_mica_train.py ", 1)[1])
-    args = trainer.parse_args(train)                                              # 04 accepts every flag
+    args = trainer.parse_args(train)  # 04 accepts every flag
     assert (args.model, args.steps, args.load_in_4bit, args.judge, args.user) == (
-        common.PACKAGED_SMOLLM2, 2, "on", "self", "self")
+        common.PACKAGED_SMOLLM2,
+        2,
+        "on",
+        "self",
+        "self",
+    )
     assert args.out_dir == str(out)
     bench = importlib.import_module("experiments.benchmark")
     est = shlex.split(cmds[1])
     assert est[1] == "experiments/benchmark.py"
-    a = bench.parse_args([x if x != "PEAK" else "1.0" for x in est[2:]])          # the peak, measured on a GPU
+    a = bench.parse_args([x if x != "PEAK" else "1.0" for x in est[2:]])  # the peak, measured on a GPU
     assert a.estimate and a.estimate_models == common.PACKAGED_SMOLLM2
     assert (a.est_live, a.est_context, a.est_turns, a.est_reply) == (
-        args.scenarios_per_step * args.k, args.max_context, args.max_turns, args.max_new_tokens)   # the run's settings
+        args.scenarios_per_step * args.k,
+        args.max_context,
+        args.max_turns,
+        args.max_new_tokens,
+    )  # the run's settings
     assert "tests/test_distributed.py" in cmds[2]
     upd = bench.parse_args(shlex.split(cmds[3])[2:])
     assert upd.figures == "2" and upd.no_trl
@@ -220,21 +259,32 @@ def test_4bit_qlora_end_to_end_on_a_cpu(tiny_model_64, tmp_path):
     import bitsandbytes as bnb
     from safetensors.torch import load_file
 
-    args = argparse.Namespace(model=tiny_model_64, adapter=None, lora_r=4, lora_alpha=8, trust_remote_code=False,
-                              lora_targets="q_proj,v_proj", load_in_4bit="on", gradient_checkpointing=False)
+    args = argparse.Namespace(
+        model=tiny_model_64,
+        adapter=None,
+        lora_r=4,
+        lora_alpha=8,
+        trust_remote_code=False,
+        lora_targets="q_proj,v_proj",
+        load_in_4bit="on",
+        gradient_checkpointing=False,
+    )
     model, tok = common.load_policy(args)
-    linear = {n: m for n, m in model.named_modules() if n.rsplit(".", 1)[-1] in
-              ("base_layer", "k_proj", "o_proj", "gate_proj", "up_proj", "down_proj")}
+    linear = {
+        n: m
+        for n, m in model.named_modules()
+        if n.rsplit(".", 1)[-1] in ("base_layer", "k_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    }
     assert len(linear) == 2 * 7 and all(isinstance(m, bnb.nn.Linear4bit) for m in linear.values())
     trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
     assert len(trainable) == 2 * 2 * 2 and all("lora_" in n and p.dtype == torch.float32 for n, p in trainable.items())
     ids = torch.tensor([tok("I feel so alone since my dad died.")["input_ids"]])
-    model.eval()                    # as in RL: sample first (bitsandbytes may repack the CPU weights), then train
+    model.eval()  # as in RL: sample first (bitsandbytes may repack the CPU weights), then train
     with torch.no_grad():
         model.generate(input_ids=ids, max_new_tokens=4, do_sample=True)
     model.train()
     out = model(input_ids=ids, output_hidden_states=True)
-    assert {h.dtype for h in out.hidden_states} == {torch.float32}          # the compute dtype on a CPU
+    assert {h.dtype for h in out.hidden_states} == {torch.float32}  # the compute dtype on a CPU
     before = {n: p.detach().clone() for n, p in trainable.items()}
     opt = torch.optim.AdamW(trainable.values(), lr=1e-2)
     logp = common.token_logprobs(model, ids, torch.ones_like(ids), torch.ones_like(ids))
@@ -243,8 +293,25 @@ def test_4bit_qlora_end_to_end_on_a_cpu(tiny_model_64, tmp_path):
     opt.step()
     assert any(not torch.equal(before[n], p) for n, p in trainable.items() if "lora_B" in n)
     # 04 in 4-bit: one step with a checkpoint, then --resume for a second; 05 on a 4-bit base
-    flags = ["--model", tiny_model_64, "--load-in-4bit", "on", "--scenarios-per-step", "1", "--k", "2",
-             "--max-turns", "2", "--max-new-tokens", "6", "--lr", "1e-2", "--save-every", "1", "--no-progress"]
+    flags = [
+        "--model",
+        tiny_model_64,
+        "--load-in-4bit",
+        "on",
+        "--scenarios-per-step",
+        "1",
+        "--k",
+        "2",
+        "--max-turns",
+        "2",
+        "--max-new-tokens",
+        "6",
+        "--lr",
+        "1e-2",
+        "--save-every",
+        "1",
+        "--no-progress",
+    ]
     p = run_script("04_mica_train.py", *flags, "--steps", "1", "--out-dir", tmp_path / "runs")
     assert p.returncode == 0, p.stderr[-3000:]
     run = next((tmp_path / "runs").iterdir())
@@ -255,12 +322,35 @@ def test_4bit_qlora_end_to_end_on_a_cpu(tiny_model_64, tmp_path):
     assert all(math.isfinite(json.loads(x)["loss"]) for x in (run / "metrics.jsonl").read_text().splitlines())
     second = load_file(str(run / "adapter" / "adapter_model.safetensors"))
     assert first.keys() == second.keys() and any(not torch.equal(first[k], second[k]) for k in first)
-    p = run_script("05_eval.py", "--model", tiny_model_64, "--load-in-4bit", "on", "--adapters", run / "adapter",
-                   "--suite", "empa", "--max-cases", "1", "--k", "1", "--max-turns", "1", "--min-turns", "1",
-                   "--max-new-tokens", "6", "--no-progress", "--out-dir", tmp_path / "eval")
+    p = run_script(
+        "05_eval.py",
+        "--model",
+        tiny_model_64,
+        "--load-in-4bit",
+        "on",
+        "--adapters",
+        run / "adapter",
+        "--suite",
+        "empa",
+        "--max-cases",
+        "1",
+        "--k",
+        "1",
+        "--max-turns",
+        "1",
+        "--min-turns",
+        "1",
+        "--max-new-tokens",
+        "6",
+        "--no-progress",
+        "--out-dir",
+        tmp_path / "eval",
+    )
     assert p.returncode == 0, p.stderr[-3000:]
-    models = {json.loads(x)["model"] for x in next((tmp_path / "eval").iterdir()).joinpath("cases.jsonl")
-              .read_text().splitlines()}
+    models = {
+        json.loads(x)["model"]
+        for x in next((tmp_path / "eval").iterdir()).joinpath("cases.jsonl").read_text().splitlines()
+    }
     assert models == {"base", str(run / "adapter")}
 
 
@@ -276,14 +366,31 @@ def test_the_gpu_preset_end_to_end_on_a_cpu(tiny_model, tmp_path, monkeypatch, t
         return real(model, tok, contexts, max_new_tokens, temperature, top_p)
 
     monkeypatch.setattr(common, "generate_batch", judge_answers_json)
-    trainer.main(["--model", tiny_model, "--preset", "gpu", "--steps", "1", "--scenarios-per-step", "1",
-                  "--out-dir", str(tmp_path), "--no-progress"])
+    trainer.main(
+        [
+            "--model",
+            tiny_model,
+            "--preset",
+            "gpu",
+            "--steps",
+            "1",
+            "--scenarios-per-step",
+            "1",
+            "--out-dir",
+            str(tmp_path),
+            "--no-progress",
+        ]
+    )
     run = next(tmp_path.iterdir())
     args = json.loads((run / "args.json").read_text())
     assert (args["min_turns"], args["max_turns"], args["max_new_tokens"], args["max_context"]) == (8, 15, 256, 4096)
-    assert args["collapse_window"] == 5                 # 8-15 turns: a collapse is judged on 5 replies, not 3
-    assert (args["minibatch_size"], args["gradient_checkpointing"], args["judge"], args["user"]) == (32, True, "self",
-                                                                                                   "self")
+    assert args["collapse_window"] == 5  # 8-15 turns: a collapse is judged on 5 replies, not 3
+    assert (args["minibatch_size"], args["gradient_checkpointing"], args["judge"], args["user"]) == (
+        32,
+        True,
+        "self",
+        "self",
+    )
     m = json.loads((run / "metrics.jsonl").read_text())
     assert m["trajectories"] == 4 and m["judge_failures"] == 0 and m["optimizer_steps"] == 1
     assert m["train_tokens"] > 4 * 256 and math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"])
@@ -310,9 +417,20 @@ def test_gpu_check_runs_its_sequence_on_the_cpu(tiny_model_64, tmp_path):
     shapes (one scenario x K=2, 2 turns of 8 tokens: the lines run the same, in a fraction of the time)."""
     out = tmp_path / "gpu_check"
     shapes = {"SCENARIOS": "1", "K": "2", "TURNS": "2", "REPLY": "8", "CONTEXT": "512", "MICRO": "2"}
-    p = subprocess.run(["bash", str(SCRIPT), "--cpu"], capture_output=True, text=True, timeout=600,
-                       env={**os.environ, "PYTHON": sys.executable, "OUT": str(out), "MODEL": tiny_model_64,
-                            "HF_HUB_OFFLINE": "1", **shapes})
+    p = subprocess.run(
+        ["bash", str(SCRIPT), "--cpu"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={
+            **os.environ,
+            "PYTHON": sys.executable,
+            "OUT": str(out),
+            "MODEL": tiny_model_64,
+            "HF_HUB_OFFLINE": "1",
+            **shapes,
+        },
+    )
     assert p.returncode == 0, (p.stdout[-3000:], p.stderr[-3000:])
     train = (out / "train.log").read_text()
     assert train.count("step    ") == 2 and re.search(r"^peak_rss_gb \d", train, re.M)
@@ -320,7 +438,7 @@ def test_gpu_check_runs_its_sequence_on_the_cpu(tiny_model_64, tmp_path):
     given = json.loads((run / "args.json").read_text())
     assert given["load_in_4bit"] == "on" and (run / "adapter").exists()
     assert (given["scenarios_per_step"], given["k"], given["max_turns"], given["max_new_tokens"]) == (1, 2, 2, 8)
-    assert "peak, --judge self" in p.stdout and "1 passed" in p.stdout          # the estimate; one DP test
+    assert "peak, --judge self" in p.stdout and "1 passed" in p.stdout  # the estimate; one DP test
     assert (out / "benchmark" / "benchmark.md").exists() and "gpu_check: done in" in p.stdout
 
 
@@ -335,17 +453,24 @@ def test_the_memory_estimate_of_the_weights_matches_a_loaded_smollm2():
     rows = bench.memory_estimate(shapes, r=16, act=2)
     assert rows[0][0].startswith("base weights, NF4") and rows[1][0].startswith("base weights, embeddings")
     path = common.resolve_model(common.PACKAGED_SMOLLM2)
-    nf4_config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                                    bnb_4bit_compute_dtype=torch.bfloat16)
-    nf4 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, device_map={"": "cpu"},
-                                               quantization_config=nf4_config)
+    nf4_config = BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=torch.bfloat16,
+    )
+    nf4 = AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.bfloat16, device_map={"": "cpu"}, quantization_config=nf4_config
+    )
 
-    def state_bytes(qs):                   # absmax (8-bit, double-quantised), its code, offset, nested state
+    def state_bytes(qs):  # absmax (8-bit, double-quantised), its code, offset, nested state
         tensors = [t for t in (qs.absmax, qs.code, getattr(qs, "offset", None)) if isinstance(t, torch.Tensor)]
         return sum(t.numel() * t.element_size() for t in tensors) + (state_bytes(qs.state2) if qs.state2 else 0)
 
-    loaded = sum(p.numel() * p.element_size() + (state_bytes(p.quant_state) if getattr(p, "quant_state", None) else 0)
-                 for p in nf4.parameters())
+    loaded = sum(
+        p.numel() * p.element_size() + (state_bytes(p.quant_state) if getattr(p, "quant_state", None) else 0)
+        for p in nf4.parameters()
+    )
     assert abs(loaded / (rows[0][2] + rows[1][2]) - 1) < 0.05
     bf16 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
     assert abs(sum(p.numel() * p.element_size() for p in bf16.parameters()) / ((n_linear + n_emb) * 2) - 1) < 0.05

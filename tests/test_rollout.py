@@ -1,4 +1,5 @@
 """The batched token-in/token-out rollout on a tiny random model, with a stub judge."""
+
 import argparse
 import re
 
@@ -26,16 +27,25 @@ class StubJudge:
         return out
 
 
-SCEN = {"id": "s", "persona": "p", "situation": "s", "opening": "I feel so alone since my dad died.",
-        "p0": [-6.0, -9.0, -4.0], "user_lines": {"better": ["That helps."], "stuck": ["Maybe."],
-                                                   "worse": ["You are not listening."]}}
+SCEN = {
+    "id": "s",
+    "persona": "p",
+    "situation": "s",
+    "opening": "I feel so alone since my dad died.",
+    "p0": [-6.0, -9.0, -4.0],
+    "user_lines": {"better": ["That helps."], "stuck": ["Maybe."], "worse": ["You are not listening."]},
+}
 
 
-@pytest.mark.parametrize("reply, ended, user", [
-    ("That sounds hard.", True, "yes it is"),
-    ("That sounds hard.", False, "yes it is"),
-    ("", True, "are you there?"),                              # an empty reply: the model ended at once
-], ids=["ended", "cut", "empty_reply"])
+@pytest.mark.parametrize(
+    "reply, ended, user",
+    [
+        ("That sounds hard.", True, "yes it is"),
+        ("That sounds hard.", False, "yes it is"),
+        ("", True, "are you there?"),  # an empty reply: the model ended at once
+    ],
+    ids=["ended", "cut", "empty_reply"],
+)
 def test_next_user_ids_reproduces_the_template(env, tiny, reply, ended, user):
     _, tok = tiny
     msgs = [{"role": "system", "content": "be kind"}, {"role": "user", "content": "hello there"}]
@@ -57,14 +67,17 @@ def test_next_user_ids_when_the_turn_ends_with_a_token_other_than_eos(env, tiny)
     full = msgs + [{"role": "assistant", "content": "That sounds hard."}, {"role": "user", "content": "yes"}]
     ids += env.next_user_ids(tok, full, "That sounds hard.", tok.decode(ids[-1:]))
     assert tok.decode(ids) == tok.apply_chat_template(full, tokenize=False, add_generation_prompt=True)
-    assert tok.decode(ids).count("<|im_end|>") == 4           # system, user, reply, new user: once each
+    assert tok.decode(ids).count("<|im_end|>") == 4  # system, user, reply, new user: once each
 
 
 def test_rollout_states_rewards_and_spans(env, trainer, tiny):
     model, tok = tiny
     # the REFERENCE worked example: v = (1,3,0), (-1,1,1), (3,-1,1) on P0 = (-6,-9,-4)
-    script = [{"C": (1, 0), "A": (2, 0), "P": (0, 0)}, {"C": (1, 1), "A": (1, 0), "P": (1, 0)},
-              {"C": (2, 0), "A": (1, 1), "P": (1, 0)}]
+    script = [
+        {"C": (1, 0), "A": (2, 0), "P": (0, 0)},
+        {"C": (1, 1), "A": (1, 0), "P": (1, 0)},
+        {"C": (2, 0), "A": (1, 1), "P": (1, 0)},
+    ]
     args = env_args(env, k=3, max_turns=3, min_turns=12, max_new_tokens=6)
     torch.manual_seed(0)
     trajs = env.rollout(model, tok, [SCEN], StubJudge(script), offline.ScriptedUser(0), args)
@@ -79,7 +92,7 @@ def test_rollout_states_rewards_and_spans(env, trainer, tiny):
         # every reply span holds the sampled ids: 1..6 tokens, the eos only as the last one
         for (s, e), cut, msg in zip(tr.spans, tr.truncated, [m for m in tr.messages if m["role"] == "assistant"]):
             assert 1 <= e - s <= 6
-            body = tr.ids[s:e] if cut else tr.ids[s:e - 1]
+            body = tr.ids[s:e] if cut else tr.ids[s : e - 1]
             assert tok.eos_token_id not in body
             assert tok.decode(body, skip_special_tokens=True).strip() == msg["content"]
         # the user's lines follow the trend: turn 1 dE > 0.5 -> better
@@ -97,11 +110,17 @@ def test_failed_judgement_is_flagged_and_left_out(env, trainer, tiny):
     trajs = env.rollout(model, tok, [SCEN], StubJudge(script), offline.ScriptedUser(0), args)
     tr = trajs[0]
     assert tr.judge_failed == [False, True, False]
-    assert tr.states[2] == tr.states[1]                         # the state does not move
-    targs = argparse.Namespace(idr_weights=(1, 1, 1), eps=1.0, truncation_penalty=0.0, reward_weights={"idr": 1.0},
-                               kardia_format=False, care_distance="plain")
+    assert tr.states[2] == tr.states[1]  # the state does not move
+    targs = argparse.Namespace(
+        idr_weights=(1, 1, 1),
+        eps=1.0,
+        truncation_penalty=0.0,
+        reward_weights={"idr": 1.0},
+        kardia_format=False,
+        care_distance="plain",
+    )
     r = trainer.turn_rewards(tr, targs)
-    assert r[1] == pytest.approx((r[0] + r[2]) / 2)             # filled with the mean valid reward
+    assert r[1] == pytest.approx((r[0] + r[2]) / 2)  # filled with the mean valid reward
     ids, attn, mask = trainer.collate(trainer.as_samples(trajs), tok.pad_token_id, "cpu")
     s, e = tr.spans[1]
     assert int(mask[0, s:e].sum()) == 0 and trainer.as_samples([tr])[0].n_tokens() == int(mask[0].sum())
@@ -112,39 +131,58 @@ def test_failed_judgement_is_flagged_and_left_out(env, trainer, tiny):
 def test_truncation_penalty(env, trainer, tiny):
     model, tok = tiny
     args = env_args(env, k=2, max_turns=2, min_turns=12, max_new_tokens=1)
-    trajs = env.rollout(model, tok, [SCEN], StubJudge([{"C": (0, 0), "A": (0, 0), "P": (0, 0)}]),
-                        offline.ScriptedUser(0), args)
+    trajs = env.rollout(
+        model, tok, [SCEN], StubJudge([{"C": (0, 0), "A": (0, 0), "P": (0, 0)}]), offline.ScriptedUser(0), args
+    )
     tr = trajs[0]
-    targs = argparse.Namespace(idr_weights=(1, 1, 1), eps=1.0, truncation_penalty=0.5, reward_weights={"idr": 1.0},
-                               kardia_format=False, care_distance="plain")
+    targs = argparse.Namespace(
+        idr_weights=(1, 1, 1),
+        eps=1.0,
+        truncation_penalty=0.5,
+        reward_weights={"idr": 1.0},
+        kardia_format=False,
+        care_distance="plain",
+    )
     assert any(tr.truncated)
-    expected = [-0.5 * 3 ** 0.5 if cut else 0.0 for cut in tr.truncated]   # half a level-1 turn's IDR, sqrt(3)
+    expected = [-0.5 * 3**0.5 if cut else 0.0 for cut in tr.truncated]  # half a level-1 turn's IDR, sqrt(3)
     assert trainer.turn_rewards(tr, targs) == pytest.approx(expected)
 
 
-@pytest.mark.parametrize("reward, weights, options, penalty", [
-    ({"idr": 1.0}, (1, 1, 1), {}, 0.5 * 3 ** 0.5),          # IDR: a level-1 turn on every axis moves d by sqrt(3)
-    ({"idr": 1.0}, (4, 0, 0), {}, 0.5 * 2.0),                # weighted distance: sqrt(w_C + w_A + w_P)
-    ({"rlver": 1.0}, (1, 1, 1), {}, 0.5 * 0.1),              # RLVER: at most 10 emotion points / 100 a turn
-    ({"care": 1.0}, (1, 1, 1), {}, 0.5),                     # CARE: scores and weights in [0, 1]
-    ({"kardia": 1.0}, (1, 1, 1), {}, 0.5),                   # Kardia-R1: the mean criterion score in [0, 1]
-    ({"kardia": 1.0}, (1, 1, 1), {"kardia_format": True}, 0.5 * 2),  # + r_fmt in {-1, 0}: [-1, 1]
-    ({"idr": 1.0, "rlver": 0.5}, (1, 1, 1), {}, 0.5 * (3 ** 0.5 + 0.05)),   # a sum: weighted like the reward
-    # idr+care with the rubric weighting the distance: 3 w_t sums to 3 whatever --idr-weights say; plain: theirs
-    ({"idr": 1.0, "care": 1.0}, (4, 0, 0), {"care_distance": "weighted"}, 0.5 * (3 ** 0.5 + 1)),
-    ({"idr": 1.0, "care": 1.0}, (4, 0, 0), {}, 0.5 * (2.0 + 1)),
-])
+@pytest.mark.parametrize(
+    "reward, weights, options, penalty",
+    [
+        ({"idr": 1.0}, (1, 1, 1), {}, 0.5 * 3**0.5),  # IDR: a level-1 turn on every axis moves d by sqrt(3)
+        ({"idr": 1.0}, (4, 0, 0), {}, 0.5 * 2.0),  # weighted distance: sqrt(w_C + w_A + w_P)
+        ({"rlver": 1.0}, (1, 1, 1), {}, 0.5 * 0.1),  # RLVER: at most 10 emotion points / 100 a turn
+        ({"care": 1.0}, (1, 1, 1), {}, 0.5),  # CARE: scores and weights in [0, 1]
+        ({"kardia": 1.0}, (1, 1, 1), {}, 0.5),  # Kardia-R1: the mean criterion score in [0, 1]
+        ({"kardia": 1.0}, (1, 1, 1), {"kardia_format": True}, 0.5 * 2),  # + r_fmt in {-1, 0}: [-1, 1]
+        ({"idr": 1.0, "rlver": 0.5}, (1, 1, 1), {}, 0.5 * (3**0.5 + 0.05)),  # a sum: weighted like the reward
+        # idr+care with the rubric weighting the distance: 3 w_t sums to 3 whatever --idr-weights say; plain: theirs
+        ({"idr": 1.0, "care": 1.0}, (4, 0, 0), {"care_distance": "weighted"}, 0.5 * (3**0.5 + 1)),
+        ({"idr": 1.0, "care": 1.0}, (4, 0, 0), {}, 0.5 * (2.0 + 1)),
+    ],
+)
 def test_cutoff_penalty_is_in_each_rewards_units(trainer, reward, weights, options, penalty):
-    args = argparse.Namespace(**{"idr_weights": weights, "truncation_penalty": 0.5, "reward_weights": reward,
-                                 "kardia_format": False, "care_distance": "plain", **options})
+    args = argparse.Namespace(
+        **{
+            "idr_weights": weights,
+            "truncation_penalty": 0.5,
+            "reward_weights": reward,
+            "kardia_format": False,
+            "care_distance": "plain",
+            **options,
+        }
+    )
     assert trainer.cutoff_penalty(args) == pytest.approx(penalty)
 
 
 def test_token_logprobs_match_full_forward(trainer, tiny, env):
     model, tok = tiny
     args = env_args(env, k=2, max_turns=2, min_turns=12, max_new_tokens=5)
-    trajs = env.rollout(model, tok, [SCEN], StubJudge([{"C": (1, 0), "A": (1, 0), "P": (1, 0)}]),
-                        offline.ScriptedUser(0), args)
+    trajs = env.rollout(
+        model, tok, [SCEN], StubJudge([{"C": (1, 0), "A": (1, 0), "P": (1, 0)}]), offline.ScriptedUser(0), args
+    )
     ids, attn, mask = trainer.collate(trainer.as_samples(trajs), tok.pad_token_id, "cpu")
     with torch.no_grad():
         lp = common.token_logprobs(model, ids, attn, mask)
@@ -158,11 +196,12 @@ def test_token_logprobs_in_chunks_equal_in_one_piece(trainer, tiny, env, monkeyp
     same gradients as in one piece."""
     model, tok = tiny
     args = env_args(env, k=2, max_turns=2, min_turns=12, max_new_tokens=5)
-    trajs = env.rollout(model, tok, [SCEN], StubJudge([{"C": (1, 0), "A": (1, 0), "P": (1, 0)}]),
-                        offline.ScriptedUser(0), args)
+    trajs = env.rollout(
+        model, tok, [SCEN], StubJudge([{"C": (1, 0), "A": (1, 0), "P": (1, 0)}]), offline.ScriptedUser(0), args
+    )
     ids, attn, mask = trainer.collate(trainer.as_samples(trajs), tok.pad_token_id, "cpu")
     out = []
-    for chunk in (common.LOGIT_CHUNK, 3 * model.config.vocab_size):       # one piece; 3 rows a chunk
+    for chunk in (common.LOGIT_CHUNK, 3 * model.config.vocab_size):  # one piece; 3 rows a chunk
         monkeypatch.setattr(common, "LOGIT_CHUNK", chunk)
         model.zero_grad()
         lp = common.token_logprobs(model, ids, attn, mask, temperature=0.7)
@@ -180,24 +219,45 @@ def test_emotion_is_kept_and_rlver_rewards_and_end_rule(env, trainer, tiny):
     model, tok = tiny
     # levels of the worked example: v = (1,3,0), (-1,1,1), (3,-1,1) -> sum v = 4, 1, 3
     # change = clip(2.5 * sum v, -10, 10) = 10, 2.5, 7.5;  e = 30 -> 40 -> 42.5 -> 50
-    script = [{"C": (1, 0), "A": (2, 0), "P": (0, 0)}, {"C": (1, 1), "A": (1, 0), "P": (1, 0)},
-              {"C": (2, 0), "A": (1, 1), "P": (1, 0)}]
+    script = [
+        {"C": (1, 0), "A": (2, 0), "P": (0, 0)},
+        {"C": (1, 1), "A": (1, 0), "P": (1, 0)},
+        {"C": (2, 0), "A": (1, 1), "P": (1, 0)},
+    ]
     args = env_args(env, k=2, max_turns=3, min_turns=12, max_new_tokens=4)
     tr = env.rollout(model, tok, [SCEN], StubJudge(script), offline.ScriptedUser(0), args)[0]
     assert tr.emotions == [30.0, 40.0, 42.5, 50.0]
     assert trainer.rlver_emotion_rewards(tr.emotions) == pytest.approx([0.1, 0.025, 0.075])
-    targs = argparse.Namespace(idr_weights=(1, 1, 1), eps=1.0, truncation_penalty=0.0,
-                               reward_weights={"idr": 1.0, "rlver": 0.5}, kardia_format=False, care_distance="plain")
+    targs = argparse.Namespace(
+        idr_weights=(1, 1, 1),
+        eps=1.0,
+        truncation_penalty=0.0,
+        reward_weights={"idr": 1.0, "rlver": 0.5},
+        kardia_format=False,
+        care_distance="plain",
+    )
     assert trainer.turn_rewards(tr, targs) == pytest.approx([2.828 + 0.05, 0.363 + 0.0125, 1.231 + 0.0375], abs=1e-3)
     rec = env.trajectory_record(tr, args)
     assert [t["emotion"] for t in rec["turns"]] == [40.0, 42.5, 50.0] and rec["final_emotion"] == 50.0
     # RLVER's end rule: from 95, +10 reaches 100 at once -> success; from 12, an off-topic reply -> failure
-    hi = env.rollout(model, tok, [SCEN], StubJudge(script), offline.ScriptedUser(0),
-                     env_args(env, k=2, max_turns=3, max_new_tokens=4, emotion_start=95.0, emotion_ends=True))
+    hi = env.rollout(
+        model,
+        tok,
+        [SCEN],
+        StubJudge(script),
+        offline.ScriptedUser(0),
+        env_args(env, k=2, max_turns=3, max_new_tokens=4, emotion_start=95.0, emotion_ends=True),
+    )
     assert all(t.outcome == "success" and t.T == 1 and t.emotions == [95.0, 100.0] for t in hi)
-    off = [{"C": (0, 1), "A": (0, 1), "P": (0, 0)}]                 # sum v = -4 -> change -10
-    lo = env.rollout(model, tok, [SCEN], StubJudge(off), offline.ScriptedUser(0),
-                     env_args(env, k=2, max_turns=3, max_new_tokens=4, emotion_start=12.0, emotion_ends=True))
+    off = [{"C": (0, 1), "A": (0, 1), "P": (0, 0)}]  # sum v = -4 -> change -10
+    lo = env.rollout(
+        model,
+        tok,
+        [SCEN],
+        StubJudge(off),
+        offline.ScriptedUser(0),
+        env_args(env, k=2, max_turns=3, max_new_tokens=4, emotion_start=12.0, emotion_ends=True),
+    )
     assert all(t.outcome == "failure" and t.emotions == [12.0, 2.0] for t in lo)
 
 
@@ -217,105 +277,160 @@ def tiny_rubric_adapter(tiny_model, tmp_path_factory):
     from transformers import AutoModelForCausalLM
 
     out = tmp_path_factory.mktemp("rubric_adapter")
-    m = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model),
-                       LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj"], task_type="CAUSAL_LM"))
+    m = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(tiny_model),
+        LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj"], task_type="CAUSAL_LM"),
+    )
     m.save_pretrained(out)
     return str(out)
 
 
 def test_care_reward_turn_by_turn(trainer):
-    class Fake:   # 1.0 on every criterion that shares a word with the reply, else 0.0
+    class Fake:  # 1.0 on every criterion that shares a word with the reply, else 0.0
         def score(self, items):
             return [[float(any(w in it["reply"].split() for w in c.split())) for c in it["criteria"]] for it in items]
 
     import types
 
-    msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "u1"},
-            {"role": "assistant", "content": "feelings matter"}, {"role": "user", "content": "u2"},
-            {"role": "assistant", "content": "try one step"}]
+    msgs = [
+        {"role": "system", "content": "s"},
+        {"role": "user", "content": "u1"},
+        {"role": "assistant", "content": "feelings matter"},
+        {"role": "user", "content": "u2"},
+        {"role": "assistant", "content": "try one step"},
+    ]
     tr = types.SimpleNamespace(T=2, messages=msgs, shown=["feelings matter", "try one step"])
-    rb = {"weights": {"cognitive": 0.2, "affective": 0.5, "proactive": 0.3},
-          "criteria": {"cognitive": ["situation"], "affective": ["feelings", "warmth"], "proactive": ["step"]}}
+    rb = {
+        "weights": {"cognitive": 0.2, "affective": 0.5, "proactive": 0.3},
+        "criteria": {"cognitive": ["situation"], "affective": ["feelings", "warmth"], "proactive": ["step"]},
+    }
     # turn 1: s = (0, (1 + 0)/2, 0) -> 0.5 * 0.5 = 0.25;  turn 2: s = (0, 0, 1) -> 0.3
     assert trainer.care_turn_rewards(Fake(), [tr], [[rb, rb]]) == [pytest.approx([0.25, 0.3])]
 
 
 def test_kardia_format_and_reward(env, trainer):
-    good = ("<understanding>She lost her job.</understanding> <reasoning>Validate first.</reasoning>"
-            "<emotion>fear</emotion><response>That sounds frightening. What worries you most?</response>")
+    good = (
+        "<understanding>She lost her job.</understanding> <reasoning>Validate first.</reasoning>"
+        "<emotion>fear</emotion><response>That sounds frightening. What worries you most?</response>"
+    )
     assert env.kardia_response(good) == ("That sounds frightening. What worries you most?", True)
-    assert env.kardia_response("<response>Only this.</response>") == ("Only this.", False)   # sections missing
-    assert env.kardia_response(good.replace("What worries you most?", "").replace("That sounds frightening.", ""))[1] \
-        is False                                                                          # empty response
+    assert env.kardia_response("<response>Only this.</response>") == ("Only this.", False)  # sections missing
+    assert (
+        env.kardia_response(good.replace("What worries you most?", "").replace("That sounds frightening.", ""))[1]
+        is False
+    )  # empty response
     assert env.kardia_response("plain reply") == ("plain reply", False)
 
     assert env.kardia_section(good, "emotion") == "fear" and env.kardia_section("plain reply", "emotion") == ""
 
-    class Fake:   # the reply's four axes score 1, 0.5, 0.5, 1; emotion accuracy 1 if "fear" is named, else 0
+    class Fake:  # the reply's four axes score 1, 0.5, 0.5, 1; emotion accuracy 1 if "fear" is named, else 0
         def __init__(self):
             self.items = []
 
         def score(self, items):
             self.items += items
-            return [[1.0, 0.5, 0.5, 1.0] if len(it["criteria"]) == 4 else [float("fear" in it["reply"])]
-                    for it in items]
+            return [
+                [1.0, 0.5, 0.5, 1.0] if len(it["criteria"]) == 4 else [float("fear" in it["reply"])] for it in items
+            ]
 
     import types
 
-    tr = types.SimpleNamespace(T=2, scenario={"persona": "a nurse", "profile": {"MBTI": "INFJ"}},
-                               messages=[{"role": "user", "content": "u"},
-                                         {"role": "assistant", "content": good},
-                                         {"role": "user", "content": "I am scared"},
-                                         {"role": "assistant", "content": "x"}],
-                               shown=["That sounds frightening.", "x"], formatted=[True, False])
+    tr = types.SimpleNamespace(
+        T=2,
+        scenario={"persona": "a nurse", "profile": {"MBTI": "INFJ"}},
+        messages=[
+            {"role": "user", "content": "u"},
+            {"role": "assistant", "content": good},
+            {"role": "user", "content": "I am scared"},
+            {"role": "assistant", "content": "x"},
+        ],
+        shown=["That sounds frightening.", "x"],
+        formatted=[True, False],
+    )
     reply_axes, emotion_axis = trainer.kardia_criteria(tr.scenario, "I am scared")
     assert [c.split(":")[0] for c in reply_axes] == ["Relevance", "Empathy", "Persona consistency", "Safety"]
     assert "MBTI: INFJ" in reply_axes[2]
     assert emotion_axis.startswith("Emotion accuracy") and "I am scared" in emotion_axis
-    assert "(grief)" in trainer.kardia_criteria({"emotion": "grief"}, "...")[1]      # the scenario's emotion wins
+    assert "(grief)" in trainer.kardia_criteria({"emotion": "grief"}, "...")[1]  # the scenario's emotion wins
     judge = Fake()
     # turn 1: (1 + 0.5 + 0.5 + 1 + 1 [fear named]) / 5 = 0.8; turn 2: no sections -> emotion 0, format -1
     assert trainer.kardia_turn_rewards(judge, [tr], use_format=True) == [pytest.approx([0.8, 0.6 - 1.0])]
     assert [it["reply"] for it in judge.items if len(it["criteria"]) == 1] == ["fear", "(no emotion named)"]
     # without the format the emotion is judged on the shown reply itself
     assert trainer.kardia_turn_rewards(Fake(), [tr], use_format=False) == [pytest.approx([0.6, 0.6])]
-    assert env.seen_history(tr)[1]["content"] == "That sounds frightening."   # the user never sees the rest
+    assert env.seen_history(tr)[1]["content"] == "That sounds frightening."  # the user never sees the rest
 
 
 @pytest.mark.parametrize("reward", ["idr", "rlver", "idr+0.5*rlver", "care", "idr+care", "kardia"])
 @pytest.mark.parametrize("advantage", ["mica", "grpo", "reinforce_pp"])
-def test_every_reward_with_every_estimator_one_step(trainer, tiny_model, tiny_rubric_adapter, tmp_path, reward,
-                                                     advantage):
+def test_every_reward_with_every_estimator_one_step(
+    trainer, tiny_model, tiny_rubric_adapter, tmp_path, reward, advantage
+):
     import json
 
-    care = (["--rubric", "uniform"] if reward == "care" else
-            ["--rubric-model", tiny_rubric_adapter, "--rubric-max-new-tokens", "8"] if "care" in reward else
-            ["--kardia-format"] if reward == "kardia" else [])
-    trainer.main(["--model", tiny_model, "--reward", reward, "--advantage", advantage, "--steps", "1",
-                  "--scenarios-per-step", "2", "--k", "2", "--max-turns", "2", "--max-new-tokens", "5",
-                  "--out-dir", str(tmp_path), "--no-progress", "--log-kl-every", "0", *care])
+    care = (
+        ["--rubric", "uniform"]
+        if reward == "care"
+        else ["--rubric-model", tiny_rubric_adapter, "--rubric-max-new-tokens", "8"]
+        if "care" in reward
+        else ["--kardia-format"]
+        if reward == "kardia"
+        else []
+    )
+    trainer.main(
+        [
+            "--model",
+            tiny_model,
+            "--reward",
+            reward,
+            "--advantage",
+            advantage,
+            "--steps",
+            "1",
+            "--scenarios-per-step",
+            "2",
+            "--k",
+            "2",
+            "--max-turns",
+            "2",
+            "--max-new-tokens",
+            "5",
+            "--out-dir",
+            str(tmp_path),
+            "--no-progress",
+            "--log-kl-every",
+            "0",
+            *care,
+        ]
+    )
     run = next(tmp_path.iterdir())
     m = json.loads((run / "metrics.jsonl").read_text())
     assert m["train_tokens"] > 0 and m["loss"] is not None and 0 <= m["final_emotion"] <= 100
     recs = [json.loads(x) for x in (run / "rollouts.jsonl").read_text().splitlines()]
     names = set(trainer.parse_reward_spec(reward))
     assert all(set(t["reward_parts"]) == names for r in recs for t in r["turns"])
-    if reward == "kardia":      # the tiny model never writes the 4 sections: every turn pays the format term
+    if reward == "kardia":  # the tiny model never writes the 4 sections: every turn pays the format term
         assert m["format_ok"] == 0
-        assert all(t["formatted"] is False and (t["reward_parts"]["kardia"] is None or t["reward_parts"]["kardia"] <= 0)
-                   for r in recs for t in r["turns"])
-    if "care" in reward:        # every turn's rubric is recorded; the tiny generator's are all invalid
+        assert all(
+            t["formatted"] is False and (t["reward_parts"]["kardia"] is None or t["reward_parts"]["kardia"] <= 0)
+            for r in recs
+            for t in r["turns"]
+        )
+    if "care" in reward:  # every turn's rubric is recorded; the tiny generator's are all invalid
         assert all(t["rubric"]["weights"]["affective"] == pytest.approx(1 / 3) for r in recs for t in r["turns"])
         assert m["rubric_invalid"] == (0 if reward == "care" else sum(len(r["turns"]) for r in recs))
         for r in recs:
             for t in r["turns"]:
                 if not t["judge_failed"] and t["reward_parts"]["care"] is not None:
                     assert 0 <= t["reward_parts"]["care"] <= 1
-    if reward == "rlver":      # the recorded rewards are the emotion changes / 100, minus the cut-off penalty in
-        for rec in recs:       # RLVER's units: 0.5 (the default fraction) x 0.1 (its largest change in a turn)
+    if reward == "rlver":  # the recorded rewards are the emotion changes / 100, minus the cut-off penalty in
+        for rec in recs:  # RLVER's units: 0.5 (the default fraction) x 0.1 (its largest change in a turn)
             e = [30.0] + [t["emotion"] for t in rec["turns"]]
-            want = [(e[i + 1] - e[i]) / 100 - 0.05 * t["truncated"] for i, t in enumerate(rec["turns"])
-                    if not t["judge_failed"]]
+            want = [
+                (e[i + 1] - e[i]) / 100 - 0.05 * t["truncated"]
+                for i, t in enumerate(rec["turns"])
+                if not t["judge_failed"]
+            ]
             assert [t["reward"] for t in rec["turns"] if not t["judge_failed"]] == pytest.approx(want, abs=1e-4)
 
 
@@ -335,7 +450,7 @@ def test_care_weights_the_distance_and_uniform_is_mica(trainer):
         return (0.6 * max(0, -1 - P[0]) ** 2 + 1.8 * max(0, -1 - P[1]) ** 2 + 0.6 * max(0, -1 - P[2]) ** 2) ** 0.5
 
     assert trainer.reward_parts(tr, args)["idr"] == pytest.approx([d(states[t]) - d(states[t + 1]) for t in range(3)])
-    assert trainer.reward_parts(tr, args)["idr"][0] > 2.828          # the affective move counts more
+    assert trainer.reward_parts(tr, args)["idr"][0] > 2.828  # the affective move counts more
     # --care-distance plain keeps MICA's potential difference: the rewards telescope to d(P0) - d(P_T)
     args.care_distance = "plain"
     plain = trainer.reward_parts(tr, args)["idr"]
@@ -348,21 +463,27 @@ def test_kv_reuse_same_dialogues_fewer_tokens_prefilled(env, tiny):
     model, tok = tiny
     scenarios = [SCEN, {**SCEN, "id": "s2", "opening": "My sister has not spoken to me since the wedding."}]
     fed, runs = [], {}
-    hook = model.register_forward_pre_hook(lambda m, a, kw: fed.append(tuple(kw["input_ids"].shape)),
-                                           with_kwargs=True)
+    hook = model.register_forward_pre_hook(lambda m, a, kw: fed.append(tuple(kw["input_ids"].shape)), with_kwargs=True)
     try:
         for reuse in (False, True):
             fed.clear()
-            args = env_args(env, k=3, max_turns=3, min_turns=12, max_new_tokens=6, temperature=0.0,
-                            kv_reuse=reuse, seed=0)
-            trajs = env.rollout(model, tok, scenarios, StubJudge([{"C": (1, 0), "A": (0, 0), "P": (0, 0)}]),
-                                offline.ScriptedUser(0), args)
+            args = env_args(
+                env, k=3, max_turns=3, min_turns=12, max_new_tokens=6, temperature=0.0, kv_reuse=reuse, seed=0
+            )
+            trajs = env.rollout(
+                model,
+                tok,
+                scenarios,
+                StubJudge([{"C": (1, 0), "A": (0, 0), "P": (0, 0)}]),
+                offline.ScriptedUser(0),
+                args,
+            )
             runs[reuse] = ([tr.ids for tr in trajs], [tr.spans for tr in trajs], list(fed))
     finally:
         hook.remove()
     (ids0, spans0, fed0), (ids1, spans1, fed1) = runs[False], runs[True]
     assert ids1 == ids0 and spans1 == spans0
-    assert all(tr_ids != ids0[0] for tr_ids in ids0[3:])          # two scenarios really differ
+    assert all(tr_ids != ids0[0] for tr_ids in ids0[3:])  # two scenarios really differ
     # turn 1, both: the 2 distinct openings are prefilled once (all but their last token), then 6 rows go on
     L1 = fed0[0][1] + 1
     assert fed0[:2] == fed1[:2] == [(2, L1 - 1), (6, 1)]
@@ -380,8 +501,23 @@ def test_default_update_takes_two_optimizer_steps_and_pi_old_is_not_the_updated_
     import json
 
     # 2 turns: with 1, 3 of the 4 groups are degenerate (all replies cut off) and the first minibatch teaches nothing
-    trainer.main(["--model", tiny_model, "--steps", "2", "--max-turns", "2", "--max-new-tokens", "4", "--lr", "0.05",
-                  "--out-dir", str(tmp_path), "--no-progress"])
+    trainer.main(
+        [
+            "--model",
+            tiny_model,
+            "--steps",
+            "2",
+            "--max-turns",
+            "2",
+            "--max-new-tokens",
+            "4",
+            "--lr",
+            "0.05",
+            "--out-dir",
+            str(tmp_path),
+            "--no-progress",
+        ]
+    )
     m = [json.loads(x) for x in (next(tmp_path.iterdir()) / "metrics.jsonl").read_text().splitlines()]
     assert [x["trajectories"] for x in m] == [16, 16] and [x["optimizer_steps"] for x in m] == [2, 2]
     assert [x["degenerate_groups"] for x in m] == [0, 0]
@@ -393,15 +529,30 @@ def test_minibatches_hold_whole_scenarios_in_the_steps_order(trainer, tiny_model
     """4 scenarios x K=4, the dialogues longest first: minibatches of 8 are scenarios (0, 1) then (2, 3), as the
     rollout ordered them (not the 8 shortest, then the 8 longest); a dialogue with nothing to score is left out;
     inside a minibatch the micro-batches go by length; the schedule steps once."""
-    args = argparse.Namespace(model=tiny_model, adapter=None, lora_r=4, lora_alpha=8, lora_targets="q_proj,v_proj",
-                              load_in_4bit="off", gradient_checkpointing=False, trust_remote_code=False,
-                              minibatch_size=8, micro_batch_size=2, ppo_epochs=1, temperature=1.0, clip_low=0.2,
-                              clip_high=0.28, kl_coef=0.0)
+    args = argparse.Namespace(
+        model=tiny_model,
+        adapter=None,
+        lora_r=4,
+        lora_alpha=8,
+        lora_targets="q_proj,v_proj",
+        load_in_4bit="off",
+        gradient_checkpointing=False,
+        trust_remote_code=False,
+        minibatch_size=8,
+        micro_batch_size=2,
+        ppo_epochs=1,
+        temperature=1.0,
+        clip_low=0.2,
+        clip_high=0.28,
+        kl_coef=0.0,
+    )
     model, tok = common.load_policy(args)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    samples = [trainer.Sample([(5 * i + j) % 90 + 3 for j in range(40 - i)], [(4, 40 - i)],
-                              [None if i == 5 else (-1.0) ** i]) for i in range(16)]     # dialogue 5: its turn failed
+    samples = [
+        trainer.Sample([(5 * i + j) % 90 + 3 for j in range(40 - i)], [(4, 40 - i)], [None if i == 5 else (-1.0) ** i])
+        for i in range(16)
+    ]  # dialogue 5: its turn failed
     seen = []
     cut = trainer.micro_batches
 
@@ -414,7 +565,7 @@ def test_minibatches_hold_whole_scenarios_in_the_steps_order(trainer, tiny_model
     # pi_old for the second minibatch first (the first one's ratio is 1), then the two optimizer steps in order
     assert seen == [list(range(8, 16)), [0, 1, 2, 3, 4, 6, 7], list(range(8, 16))]
     assert out["optimizer_steps"] == 2 and sched.last_epoch == 1
-    assert cut(samples, [0, 1, 2, 3, 4], 2) == [[4, 3], [2, 1], [0]]     # shortest first, for the padding
+    assert cut(samples, [0, 1, 2, 3, 4], 2) == [[4, 3], [2, 1], [0]]  # shortest first, for the padding
 
 
 def test_the_clip_engages_on_the_second_minibatch(trainer, tiny_model):
@@ -422,10 +573,23 @@ def test_the_clip_engages_on_the_second_minibatch(trainer, tiny_model):
     minibatch's ratio leaves [1 - clip_low, 1 + clip_high], and the clip counts those tokens; with one
     minibatch (pi_old = pi) nothing is ever clipped."""
     torch.manual_seed(0)
-    args = argparse.Namespace(model=tiny_model, adapter=None, lora_r=4, lora_alpha=8, lora_targets="q_proj,v_proj",
-                              load_in_4bit="off", gradient_checkpointing=False, trust_remote_code=False,
-                              minibatch_size=4, micro_batch_size=2, ppo_epochs=1, temperature=1.0, clip_low=0.01,
-                              clip_high=0.01, kl_coef=0.0)
+    args = argparse.Namespace(
+        model=tiny_model,
+        adapter=None,
+        lora_r=4,
+        lora_alpha=8,
+        lora_targets="q_proj,v_proj",
+        load_in_4bit="off",
+        gradient_checkpointing=False,
+        trust_remote_code=False,
+        minibatch_size=4,
+        micro_batch_size=2,
+        ppo_epochs=1,
+        temperature=1.0,
+        clip_low=0.01,
+        clip_high=0.01,
+        kl_coef=0.0,
+    )
     out = {}
     for minibatch_size in (8, 4):
         model, tok = common.load_policy(argparse.Namespace(**{**vars(args), "minibatch_size": minibatch_size}))
@@ -436,14 +600,14 @@ def test_the_clip_engages_on_the_second_minibatch(trainer, tiny_model):
         args.minibatch_size = minibatch_size
         out[minibatch_size] = trainer.ppo_update(model, tok, opt, sched, samples, args, Accelerator())
     assert out[8]["optimizer_steps"] == 1 and out[8]["clip_frac"] == 0.0 and out[8]["ratio_max"] == pytest.approx(1.0)
-    assert out[4]["optimizer_steps"] == 2 and out[4]["clip_frac"] > 0       # tokens after the first step
+    assert out[4]["optimizer_steps"] == 2 and out[4]["clip_frac"] > 0  # tokens after the first step
     assert out[4]["ratio_min"] < 0.99 or out[4]["ratio_max"] > 1.01
 
 
 def test_max_new_tokens_default_leaves_room_for_kardias_four_sections(env):
     assert env.parse_args([]).max_new_tokens == 48
     assert env.parse_args(["--kardia-format"]).max_new_tokens == 192
-    assert env.parse_args(["--kardia-format", "--max-new-tokens", "64"]).max_new_tokens == 64   # a flag given wins
+    assert env.parse_args(["--kardia-format", "--max-new-tokens", "64"]).max_new_tokens == 64  # a flag given wins
 
 
 @pytest.mark.parametrize("reward", ["care", "kardia", "idr+care"])
@@ -453,20 +617,27 @@ def test_a_failed_criteria_judge_leaves_its_turn_out_like_a_failed_empa_judge(en
     returns filled with the dialogue's mean valid reward."""
     model, tok = tiny
     args = env_args(env, k=2, max_turns=3, min_turns=12, max_new_tokens=4)
-    trajs = env.rollout(model, tok, [SCEN], StubJudge([{"C": (1, 0), "A": (1, 0), "P": (0, 0)}]),
-                        offline.ScriptedUser(0), args)
-    fail_on = {(0, 1), (1, 2)}                      # (dialogue, turn) where the criteria judge fails
+    trajs = env.rollout(
+        model, tok, [SCEN], StubJudge([{"C": (1, 0), "A": (1, 0), "P": (0, 0)}]), offline.ScriptedUser(0), args
+    )
+    fail_on = {(0, 1), (1, 2)}  # (dialogue, turn) where the criteria judge fails
 
     # one judge item per turn and dimension: Kardia-R1 asks twice a turn (reply, emotion), CARE once per dimension
     per_turn = 2 if reward == "kardia" else len(trainer.sft.UNIFORM_RUBRIC["criteria"])
 
-    class Judge:                                    # scores 0.5 on every criterion, None on the chosen turns
+    class Judge:  # scores 0.5 on every criterion, None on the chosen turns
         def score(self, items):
             turns = [(i, t) for i, tr in enumerate(trajs) for t in range(tr.T) for _ in range(per_turn)]
             return [None if turns[j] in fail_on else [0.5] * len(it["criteria"]) for j, it in enumerate(items)]
 
-    targs = argparse.Namespace(**vars(args), idr_weights=(1, 1, 1), truncation_penalty=0.0, care_distance="plain",
-                               reward_weights=trainer.parse_reward_spec(reward), gamma=0.85)
+    targs = argparse.Namespace(
+        **vars(args),
+        idr_weights=(1, 1, 1),
+        truncation_penalty=0.0,
+        care_distance="plain",
+        reward_weights=trainer.parse_reward_spec(reward),
+        gamma=0.85,
+    )
     for i, tr in enumerate(trajs):
         tr.extra["rubrics"] = [trainer.sft.UNIFORM_RUBRIC] * tr.T
     if "care" in reward:
@@ -476,31 +647,41 @@ def test_a_failed_criteria_judge_leaves_its_turn_out_like_a_failed_empa_judge(en
     for tr, part in zip(trajs, parts):
         tr.extra["care" if "care" in reward else "kardia"] = part
     failed = [trainer.failed_turns(tr, targs) for tr in trajs]
-    assert failed == [[False, True, False], [False, False, True]] and not any(tr.judge_failed[t] for tr in trajs
-                                                                              for t in range(3))
+    assert failed == [[False, True, False], [False, False, True]] and not any(
+        tr.judge_failed[t] for tr in trajs for t in range(3)
+    )
     for tr, F in zip(trajs, failed):
         r = trainer.turn_rewards(tr, targs)
         valid = [x for x, f in zip(r, F) if not f]
-        assert all(x == pytest.approx(sum(valid) / len(valid)) for x, f in zip(r, F) if f)   # filled with the mean
+        assert all(x == pytest.approx(sum(valid) / len(valid)) for x, f in zip(r, F) if f)  # filled with the mean
     samples = trainer.as_samples(trajs, [[1.0] * 3, [1.0] * 3], failed)
     assert [s.A for s in samples] == [[1.0, None, 1.0], [1.0, 1.0, None]]
-    assert [s.n_tokens() for s in samples] == [sum(e - s for (s, e), f in zip(tr.spans, F) if not f)
-                                               for tr, F in zip(trajs, failed)]
-    recs = [trainer.dialogue_record(targs, 1, tr, trainer.turn_rewards(tr, targs), [0.0] * 3, F, None)
-            for tr, F in zip(trajs, failed)]
-    assert sum(t["judge_failed"] for r in recs for t in r["turns"]) == 2                # judge_failures counts them
+    assert [s.n_tokens() for s in samples] == [
+        sum(e - s for (s, e), f in zip(tr.spans, F) if not f) for tr, F in zip(trajs, failed)
+    ]
+    recs = [
+        trainer.dialogue_record(targs, 1, tr, trainer.turn_rewards(tr, targs), [0.0] * 3, F, None)
+        for tr, F in zip(trajs, failed)
+    ]
+    assert sum(t["judge_failed"] for r in recs for t in r["turns"]) == 2  # judge_failures counts them
 
 
 def test_the_rubric_generator_and_its_judge_read_the_same_shown_history(trainer, monkeypatch):
     """--kardia-format: the policy's raw reply has four sections, the person saw only the response. The rubric
     of turn 2 is written for the history as shown, the context the criteria judge scores the reply in."""
-    raw = ("<understanding>u</understanding><reasoning>r</reasoning><emotion>sad</emotion>"
-           "<response>I hear you.</response>")
-    msgs = [{"role": "system", "content": "sys"}, {"role": "user", "content": "I lost my job."},
-            {"role": "assistant", "content": raw}, {"role": "user", "content": "Thanks."},
-            {"role": "assistant", "content": raw}]
-    tr = trainer.env.Trajectory(scenario={}, k=0, ids=[], messages=msgs, spans=[(0, 1), (1, 2)],
-                                shown=["I hear you.", "I hear you."])
+    raw = (
+        "<understanding>u</understanding><reasoning>r</reasoning><emotion>sad</emotion><response>I hear you.</response>"
+    )
+    msgs = [
+        {"role": "system", "content": "sys"},
+        {"role": "user", "content": "I lost my job."},
+        {"role": "assistant", "content": raw},
+        {"role": "user", "content": "Thanks."},
+        {"role": "assistant", "content": raw},
+    ]
+    tr = trainer.env.Trajectory(
+        scenario={}, k=0, ids=[], messages=msgs, spans=[(0, 1), (1, 2)], shown=["I hear you.", "I hear you."]
+    )
     seen = []
 
     def generate(model, tok, contexts, max_new_tokens, temperature, batch_size):

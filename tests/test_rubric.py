@@ -1,5 +1,6 @@
 """CARE's rubric: the one parser, the generator's SFT (01) and teacher labelling (scripts/label_rubrics.py),
 as a user runs them."""
+
 import importlib
 import json
 from pathlib import Path
@@ -9,22 +10,32 @@ import pytest
 from conftest import run_script, write_jsonl
 
 sft = importlib.import_module("01_rubric_sft")
-GOOD = {"weights": {"cognitive": 0.3, "affective": 0.5, "proactive": 0.2},
-        "criteria": {"cognitive": ["Names the missed deadline"], "affective": ["Validates the shame", "Warm"],
-                     "proactive": ["Suggests one email to the manager"]}}
+GOOD = {
+    "weights": {"cognitive": 0.3, "affective": 0.5, "proactive": 0.2},
+    "criteria": {
+        "cognitive": ["Names the missed deadline"],
+        "affective": ["Validates the shame", "Warm"],
+        "proactive": ["Suggests one email to the manager"],
+    },
+}
 
 
 def lines(path):
     return [json.loads(x) for x in Path(path).read_text().splitlines()]
 
 
-@pytest.mark.parametrize("text", [
-    json.dumps(GOOD),
-    "Here is the rubric:\n```json\n" + json.dumps(GOOD, indent=2) + "\n```\nHope it helps {not json}.",
-    "Sure! " + json.dumps(GOOD) + " That's all.",
-    json.dumps({**GOOD, "weights": {"cognitive": 3, "affective": 5, "proactive": 2}}).replace("3,", "0.301,")
-    .replace("5,", "0.5,").replace("2}", "0.2}"),          # sums to 1.001: within tolerance, renormalised
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        json.dumps(GOOD),
+        "Here is the rubric:\n```json\n" + json.dumps(GOOD, indent=2) + "\n```\nHope it helps {not json}.",
+        "Sure! " + json.dumps(GOOD) + " That's all.",
+        json.dumps({**GOOD, "weights": {"cognitive": 3, "affective": 5, "proactive": 2}})
+        .replace("3,", "0.301,")
+        .replace("5,", "0.5,")
+        .replace("2}", "0.2}"),  # sums to 1.001: within tolerance, renormalised
+    ],
+)
 def test_parse_rubric_accepts_valid_fenced_and_wrapped(text):
     rubric, why = sft.parse_rubric(text)
     assert why is None and rubric["criteria"]["affective"] == ["Validates the shame", "Warm"]
@@ -44,35 +55,44 @@ def test_generate_rubrics_greedy_decodes_each_distinct_prompt_once(tiny_model, m
     b = [{"role": "user", "content": "My sister stopped calling me and I do not know why."}]
     rows = []
     real = sft.common.generate_batch
-    monkeypatch.setattr(sft.common, "generate_batch",
-                        lambda m, t, prompts, *a: rows.append(len(prompts)) or real(m, t, prompts, *a))
+    monkeypatch.setattr(
+        sft.common, "generate_batch", lambda m, t, prompts, *a: rows.append(len(prompts)) or real(m, t, prompts, *a)
+    )
     out = sft.generate_rubrics(model, tok, [a, b, a, a], 8, 0.0, batch_size=8)
     assert rows == [2] and out[0] == out[2] == out[3] and out[0][1] != out[1][1]
     alone = sft.generate_rubrics(model, tok, [a, b], 8, 0.0, batch_size=8)
-    assert [o[2] for o in alone] == [out[0][2], out[1][2]]            # the same tokens as decoded in a batch
+    assert [o[2] for o in alone] == [out[0][2], out[1][2]]  # the same tokens as decoded in a batch
     rows.clear()
     sampled = sft.generate_rubrics(model, tok, [a, b, a, a], 8, 1.0, batch_size=8)
     assert rows == [4] and all(len(o[2]) > 0 for o in sampled)
 
 
-@pytest.mark.parametrize("x, reason", [
-    ("no rubric here", "no JSON object found"),
-    (json.dumps(GOOD)[:60], "unbalanced or truncated JSON"),
-    (json.dumps(GOOD)[:-1], "unbalanced or truncated JSON"),        # not "missing 'weights'" (inner object)
-    ("{'weights': 1}", "bad JSON"),
-    ([1, 2], "rubric must be a JSON object, got list"),
-    ({"criteria": GOOD["criteria"]}, "missing 'weights' object"),
-    ({"weights": GOOD["weights"]}, "missing 'criteria' object"),
-    ({**GOOD, "weights": {"cognitive": 0.5, "affective": 0.5}}, "weights: missing dimension 'proactive'"),
-    ({**GOOD, "weights": {"cognitive": -0.2, "affective": 0.7, "proactive": 0.5}}, "weights.cognitive is negative"),
-    ({**GOOD, "weights": {"cognitive": "0.3", "affective": 0.5, "proactive": 0.2}},
-     "weights.cognitive must be a number"),
-    ({**GOOD, "weights": {"cognitive": 0.5, "affective": 0.5, "proactive": 0.5}}, "weights sum to 1.500, not 1"),
-    ({**GOOD, "weights": {**GOOD["weights"], "humour": 0.0}}, "weights: unknown dimension 'humour'"),
-    ({**GOOD, "criteria": {**GOOD["criteria"], "proactive": []}}, "criteria.proactive must be a list of 1-4"),
-    ({**GOOD, "criteria": {**GOOD["criteria"], "proactive": ["a"] * 5}}, "criteria.proactive must be a list of 1-4"),
-    ({**GOOD, "criteria": {**GOOD["criteria"], "cognitive": ["ok", 3]}}, "criteria.cognitive must hold non-empty"),
-])
+@pytest.mark.parametrize(
+    "x, reason",
+    [
+        ("no rubric here", "no JSON object found"),
+        (json.dumps(GOOD)[:60], "unbalanced or truncated JSON"),
+        (json.dumps(GOOD)[:-1], "unbalanced or truncated JSON"),  # not "missing 'weights'" (inner object)
+        ("{'weights': 1}", "bad JSON"),
+        ([1, 2], "rubric must be a JSON object, got list"),
+        ({"criteria": GOOD["criteria"]}, "missing 'weights' object"),
+        ({"weights": GOOD["weights"]}, "missing 'criteria' object"),
+        ({**GOOD, "weights": {"cognitive": 0.5, "affective": 0.5}}, "weights: missing dimension 'proactive'"),
+        ({**GOOD, "weights": {"cognitive": -0.2, "affective": 0.7, "proactive": 0.5}}, "weights.cognitive is negative"),
+        (
+            {**GOOD, "weights": {"cognitive": "0.3", "affective": 0.5, "proactive": 0.2}},
+            "weights.cognitive must be a number",
+        ),
+        ({**GOOD, "weights": {"cognitive": 0.5, "affective": 0.5, "proactive": 0.5}}, "weights sum to 1.500, not 1"),
+        ({**GOOD, "weights": {**GOOD["weights"], "humour": 0.0}}, "weights: unknown dimension 'humour'"),
+        ({**GOOD, "criteria": {**GOOD["criteria"], "proactive": []}}, "criteria.proactive must be a list of 1-4"),
+        (
+            {**GOOD, "criteria": {**GOOD["criteria"], "proactive": ["a"] * 5}},
+            "criteria.proactive must be a list of 1-4",
+        ),
+        ({**GOOD, "criteria": {**GOOD["criteria"], "cognitive": ["ok", 3]}}, "criteria.cognitive must hold non-empty"),
+    ],
+)
 def test_parse_rubric_names_the_reason(x, reason):
     rubric, why = sft.parse_rubric(x)
     assert rubric is None and why.startswith(reason), why
@@ -91,7 +111,7 @@ def test_encode_masks_the_prompt_and_ends_with_the_turn_end(tiny_model, capsys):
     assert sft.parse_rubric(target)[0]["weights"] == pytest.approx(GOOD["weights"])
     n_target = len(ex["ids"]) - n_prompt
     cap = 2 * n_target + 2
-    short = sft.encode(tok, rec, max_len=cap)              # the prompt loses its start, the target stays
+    short = sft.encode(tok, rec, max_len=cap)  # the prompt loses its start, the target stays
     assert len(short["ids"]) == cap and short["labels"][-n_target:] == ex["labels"][-n_target:]
     assert f"the prompt of {n_prompt} tokens is cut to its last {cap - n_target}" in capsys.readouterr().err
     with pytest.raises(common.UserError, match="more than half of --max-len"):
@@ -108,11 +128,16 @@ def test_sft_loss_runs_the_head_on_the_rubric_end_only_and_matches_the_full_loss
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
     tok = common.load_tokenizer(tiny_model)
-    long_ctx = [{"role": "user", "content": "I missed the deadline."}, {"role": "assistant", "content": "Ouch."},
-                {"role": "user", "content": "My manager saw it and said nothing, which is worse somehow."}]
-    batch = [sft.encode(tok, {"messages": long_ctx, "rubric": GOOD}, 4096),
-             sft.encode(tok, {"messages": long_ctx[:1], "rubric": GOOD}, 4096)]
-    assert len(batch[0]["prompt_ids"]) > len(batch[1]["prompt_ids"]) + 10     # rows of different lengths
+    long_ctx = [
+        {"role": "user", "content": "I missed the deadline."},
+        {"role": "assistant", "content": "Ouch."},
+        {"role": "user", "content": "My manager saw it and said nothing, which is worse somehow."},
+    ]
+    batch = [
+        sft.encode(tok, {"messages": long_ctx, "rubric": GOOD}, 4096),
+        sft.encode(tok, {"messages": long_ctx[:1], "rubric": GOOD}, 4096),
+    ]
+    assert len(batch[0]["prompt_ids"]) > len(batch[1]["prompt_ids"]) + 10  # rows of different lengths
     calls = []
     model.register_forward_hook(lambda m, a, kw, out: calls.append(out.logits.shape[1]), with_kwargs=True)
     loss, N = sft.sft_loss(model, batch, tok.pad_token_id, "cpu")
@@ -126,7 +151,7 @@ def test_sft_loss_runs_the_head_on_the_rubric_end_only_and_matches_the_full_loss
     ref = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1))
     ref_grad = torch.autograd.grad(ref, model.lm_head.weight)[0]
     assert N == sum(x != -100 for b in batch for x in b["labels"][1:])
-    assert calls[0] == L - len(batch[1]["prompt_ids"]) + 1 < L            # the head ran on k < L positions
+    assert calls[0] == L - len(batch[1]["prompt_ids"]) + 1 < L  # the head ran on k < L positions
     assert loss.item() == pytest.approx(ref.item(), rel=1e-5)
     assert torch.allclose(grad, ref_grad, rtol=1e-4, atol=1e-7)
 
@@ -138,13 +163,32 @@ def test_length_grouped_batches_cover_everything_once():
     batches = sft.length_grouped_batches(lengths, 2, random.Random(0))
     assert sorted(i for b in batches for i in b) == list(range(10))
     pad = sum(max(lengths[i] for i in b) * len(b) - sum(lengths[i] for i in b) for b in batches)
-    assert pad == 5                                         # neighbours by length: 1 token per batch
+    assert pad == 5  # neighbours by length: 1 token per batch
 
 
 def test_sft_script_trains_evaluates_and_saves(tiny_model, tmp_path):
-    p = run_script("01_rubric_sft.py", "--model", tiny_model, "--steps", "3", "--batch-size", "4",
-                   "--micro-batch-size", "2", "--eval-every", "2", "--eval-limit", "3", "--max-new-tokens", "12",
-                   "--lr", "5e-3", "--out-dir", tmp_path, "--no-progress")
+    p = run_script(
+        "01_rubric_sft.py",
+        "--model",
+        tiny_model,
+        "--steps",
+        "3",
+        "--batch-size",
+        "4",
+        "--micro-batch-size",
+        "2",
+        "--eval-every",
+        "2",
+        "--eval-limit",
+        "3",
+        "--max-new-tokens",
+        "12",
+        "--lr",
+        "5e-3",
+        "--out-dir",
+        tmp_path,
+        "--no-progress",
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     run = next(Path(tmp_path).iterdir())
     m = lines(run / "metrics.jsonl")
@@ -159,16 +203,41 @@ def test_sft_script_trains_evaluates_and_saves(tiny_model, tmp_path):
 
 def test_teacher_labels_dialogues_and_drops_invalid(tmp_path, fault_server):
     server = fault_server(rate=0.0, user_answer="```json\n" + json.dumps(GOOD) + "\n```")
-    dialogs = write_jsonl(tmp_path / "d.jsonl", [
-        {"id": "a", "messages": [{"role": "user", "content": "My boss yelled at me."},
-                                 {"role": "assistant", "content": "That sounds upsetting."},
-                                 {"role": "user", "content": "What should I do tomorrow?"}]},
-        {"id": "b", "dialog": [{"speaker": "seeker", "content": "I feel lost."},
-                               {"speaker": "seeker", "content": "Since the move."},
-                               {"speaker": "supporter", "content": "Moving is hard."}]}])
+    dialogs = write_jsonl(
+        tmp_path / "d.jsonl",
+        [
+            {
+                "id": "a",
+                "messages": [
+                    {"role": "user", "content": "My boss yelled at me."},
+                    {"role": "assistant", "content": "That sounds upsetting."},
+                    {"role": "user", "content": "What should I do tomorrow?"},
+                ],
+            },
+            {
+                "id": "b",
+                "dialog": [
+                    {"speaker": "seeker", "content": "I feel lost."},
+                    {"speaker": "seeker", "content": "Since the move."},
+                    {"speaker": "supporter", "content": "Moving is hard."},
+                ],
+            },
+        ],
+    )
     out = tmp_path / "sup.jsonl"
-    p = run_script("scripts/label_rubrics.py", "--teacher", "api:teacher", "--label", dialogs, "--label-out", out,
-                   "--api-base", server.base, "--api-backoff", "0.01")
+    p = run_script(
+        "scripts/label_rubrics.py",
+        "--teacher",
+        "api:teacher",
+        "--label",
+        dialogs,
+        "--label-out",
+        out,
+        "--api-base",
+        server.base,
+        "--api-backoff",
+        "0.01",
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     recs = lines(out)
     assert [r["id"] for r in recs] == ["a-t1", "a-t2", "b-t1"]
@@ -178,8 +247,19 @@ def test_teacher_labels_dialogues_and_drops_invalid(tmp_path, fault_server):
     # a teacher that never writes a valid rubric: everything dropped, with the count, nothing invalid written
     bad = fault_server(rate=0.0, user_answer='{"weights": {"cognitive": 1}}')
     out2 = tmp_path / "sup2.jsonl"
-    p = run_script("scripts/label_rubrics.py", "--teacher", "api:teacher", "--label", dialogs, "--label-out",
-                   out2, "--api-base", bad.base, "--teacher-retries", "1")
+    p = run_script(
+        "scripts/label_rubrics.py",
+        "--teacher",
+        "api:teacher",
+        "--label",
+        dialogs,
+        "--label-out",
+        out2,
+        "--api-base",
+        bad.base,
+        "--teacher-retries",
+        "1",
+    )
     assert p.returncode == 0 and "labelled 0/3 turns" in p.stdout and "dropped 3" in p.stdout
     assert bad.requests == 3 * 2 and (not out2.exists() or out2.read_text() == "")
 
@@ -191,14 +271,21 @@ def test_parse_scores():
     assert sft.parse_scores('{"score": [1, 2, 3]}', 3) is None and sft.parse_scores(None, 1) is None
 
 
-@pytest.mark.parametrize("record, message", [
-    ({"messages": [{"role": "user", "content": "hi"}], "rubric": {**GOOD, "weights": {"cognitive": 1}}},
-     "d.jsonl:1: field 'rubric': weights: missing dimension 'affective'"),
-    ({"messages": [{"role": "assistant", "content": "hi"}], "rubric": GOOD},
-     "d.jsonl:1: messages must end with a user"),
-    ({"messages": [{"role": "user", "content": "  "}], "rubric": GOOD}, "d.jsonl:1: empty dialogue"),
-    ({"messages": "hi", "rubric": GOOD}, "d.jsonl:1: field 'messages' must be list"),
-])
+@pytest.mark.parametrize(
+    "record, message",
+    [
+        (
+            {"messages": [{"role": "user", "content": "hi"}], "rubric": {**GOOD, "weights": {"cognitive": 1}}},
+            "d.jsonl:1: field 'rubric': weights: missing dimension 'affective'",
+        ),
+        (
+            {"messages": [{"role": "assistant", "content": "hi"}], "rubric": GOOD},
+            "d.jsonl:1: messages must end with a user",
+        ),
+        ({"messages": [{"role": "user", "content": "  "}], "rubric": GOOD}, "d.jsonl:1: empty dialogue"),
+        ({"messages": "hi", "rubric": GOOD}, "d.jsonl:1: field 'messages' must be list"),
+    ],
+)
 def test_bad_supervision_exits_2(tmp_path, record, message):
     data = write_jsonl(tmp_path / "d.jsonl", [record])
     p = run_script("01_rubric_sft.py", "--train", data, "--out-dir", tmp_path / "runs")
@@ -213,7 +300,7 @@ pref = importlib.import_module("02_rubric_pref_rl")
 
 
 def test_care_score_hand_computed():
-    rubric = {"weights": {"cognitive": 0.40, "affective": 0.35, "proactive": 0.25}}   # CARE's conflict case
+    rubric = {"weights": {"cognitive": 0.40, "affective": 0.35, "proactive": 0.25}}  # CARE's conflict case
     s = {"cognitive": [0.5, 0.7], "affective": [0.9], "proactive": [0.2, 0.4, 0.6]}
     # S = 0.40 * 0.6 + 0.35 * 0.9 + 0.25 * 0.4 = 0.24 + 0.315 + 0.1 = 0.655
     assert pref.rubric_score(rubric, s) == pytest.approx(0.655)
@@ -243,23 +330,45 @@ def test_group_advantages():
 
 
 def test_judge_rubrics_with_a_fake_judge():
-    class Fake:   # scores a reply 1 on a criterion when they share the word "feel", else 0
+    class Fake:  # scores a reply 1 on a criterion when they share the word "feel", else 0
         def score(self, items):
             return [[float("feel" in it["reply"] and "feel" in c) for c in it["criteria"]] for it in items]
 
-    pair = {"context": [{"role": "user", "content": "x"}], "chosen_text": "You feel hurt.",
-            "rejected_text": "Call them tomorrow."}
-    rb = {"weights": {"cognitive": 0.2, "affective": 0.5, "proactive": 0.3},
-          "criteria": {"cognitive": ["a"], "affective": ["names how they feel", "b"], "proactive": ["c"]}}
+    pair = {
+        "context": [{"role": "user", "content": "x"}],
+        "chosen_text": "You feel hurt.",
+        "rejected_text": "Call them tomorrow.",
+    }
+    rb = {
+        "weights": {"cognitive": 0.2, "affective": 0.5, "proactive": 0.3},
+        "criteria": {"cognitive": ["a"], "affective": ["names how they feel", "b"], "proactive": ["c"]},
+    }
     out = pref.judge_rubrics(Fake(), [pair, pair], [rb, None])
     assert out[1] is None
     assert out[0]["S_chosen"] == pytest.approx(0.5 * 0.5) and out[0]["S_rejected"] == 0.0
 
 
 def test_pref_rl_script_runs_and_reports(tiny_model, tmp_path):
-    p = run_script("02_rubric_pref_rl.py", "--model", tiny_model, "--steps", "2", "--contexts-per-step", "2",
-                   "--g", "2", "--max-new-tokens", "12", "--report-limit", "3", "--save-every", "1",
-                   "--out-dir", tmp_path, "--no-progress")
+    p = run_script(
+        "02_rubric_pref_rl.py",
+        "--model",
+        tiny_model,
+        "--steps",
+        "2",
+        "--contexts-per-step",
+        "2",
+        "--g",
+        "2",
+        "--max-new-tokens",
+        "12",
+        "--report-limit",
+        "3",
+        "--save-every",
+        "1",
+        "--out-dir",
+        tmp_path,
+        "--no-progress",
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     assert "no --adapter" in p.stderr
     run = next(Path(tmp_path).iterdir())
@@ -276,16 +385,35 @@ def test_pref_rl_script_runs_and_reports(tiny_model, tmp_path):
 
 
 def test_bad_preference_pair_names_the_line(tmp_path):
-    data = write_jsonl(tmp_path / "p.jsonl", [
-        {"prompt": [{"role": "user", "content": "hi"}], "chosen": "a", "rejected": "b"},
-        {"prompt": [{"role": "user", "content": "hi"}], "chosen": [{"role": "user", "content": "a"}], "rejected": "b"}])
+    data = write_jsonl(
+        tmp_path / "p.jsonl",
+        [
+            {"prompt": [{"role": "user", "content": "hi"}], "chosen": "a", "rejected": "b"},
+            {
+                "prompt": [{"role": "user", "content": "hi"}],
+                "chosen": [{"role": "user", "content": "a"}],
+                "rejected": "b",
+            },
+        ],
+    )
     p = run_script("02_rubric_pref_rl.py", "--train", data, "--out-dir", tmp_path / "runs")
     assert p.returncode == 2 and "p.jsonl:2: field 'chosen' must be" in p.stderr, p.stderr[-2000:]
 
 
 def test_pref_rl_report_only(tiny_model, tmp_path):
-    p = run_script("02_rubric_pref_rl.py", "--model", tiny_model, "--report-only", "--report-limit", "2",
-                   "--max-new-tokens", "10", "--out-dir", tmp_path, "--no-progress")
+    p = run_script(
+        "02_rubric_pref_rl.py",
+        "--model",
+        tiny_model,
+        "--report-only",
+        "--report-limit",
+        "2",
+        "--max-new-tokens",
+        "10",
+        "--out-dir",
+        tmp_path,
+        "--no-progress",
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     run = next(Path(tmp_path).iterdir())
     rep = json.loads((run / "report.json").read_text())

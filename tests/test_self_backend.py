@@ -1,6 +1,7 @@
 """--judge self / --user self (the policy's frozen base, its LoRA adapter off, plays the LLM judge and
 user) and thinking models (a <think> part reaches neither; the rollout goes on past turn 2). The
 generator is patched: judge prompts get judge JSON, user prompts a user line, the policy its reply."""
+
 import argparse
 import json
 
@@ -12,10 +13,15 @@ import offline
 from conftest import JUDGE_OK, USER_OK, ok, run_script
 from conftest import env_args as shared_env_args
 
-SCEN = {"id": "s", "persona": "Ana, 30", "situation": "lost her job", "opening": "I feel so alone since my dad died.",
-        "p0": [-6.0, -9.0, -4.0], "user_lines": {"better": ["That helps."], "stuck": ["Maybe."],
-                                                   "worse": ["You are not listening."]}}
-LEVELS = {"C": (1, 0), "A": (1, 0), "P": (0, 0)}                      # JUDGE_OK's levels
+SCEN = {
+    "id": "s",
+    "persona": "Ana, 30",
+    "situation": "lost her job",
+    "opening": "I feel so alone since my dad died.",
+    "p0": [-6.0, -9.0, -4.0],
+    "user_lines": {"better": ["That helps."], "stuck": ["Maybe."], "worse": ["You are not listening."]},
+}
+LEVELS = {"C": (1, 0), "A": (1, 0), "P": (0, 0)}  # JUDGE_OK's levels
 # Qwen3's rule, cut down to ChatML: earlier replies lose their thinking, and with enable_thinking=False
 # the generation prompt holds an empty <think></think>
 THINKING_TEMPLATE = (
@@ -25,7 +31,8 @@ THINKING_TEMPLATE = (
     "{{ '<|im_start|>' + m['role'] + '\\n' + c + '<|im_end|>\\n' }}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
     "{% if enable_thinking is defined and enable_thinking is false %}{{ '<think>\\n\\n</think>\\n\\n' }}{% endif %}"
-    "{% endif %}")
+    "{% endif %}"
+)
 
 
 def env_args(env, **over):
@@ -38,8 +45,9 @@ def tiny_lora(tiny):
     from peft import LoraConfig, get_peft_model
 
     base, tok = tiny
-    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
-                                            task_type="CAUSAL_LM"))
+    model = get_peft_model(
+        base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    )
     with torch.no_grad():
         for n, p in model.named_parameters():
             if "lora_B" in n:
@@ -65,8 +73,13 @@ class FakeGenerator:
 
     def install(self, monkeypatch, env):
         monkeypatch.setattr(common, "generate_batch", self)
-        monkeypatch.setattr(env.TurnCache, "generate", lambda cache, model, tokenizer, contexts, args: self(
-            model, tokenizer, contexts, args.max_new_tokens, args.temperature, args.top_p))
+        monkeypatch.setattr(
+            env.TurnCache,
+            "generate",
+            lambda cache, model, tokenizer, contexts, args: self(
+                model, tokenizer, contexts, args.max_new_tokens, args.temperature, args.top_p
+            ),
+        )
         return self
 
     def __call__(self, model, tokenizer, contexts, max_new_tokens, temperature=0.0, top_p=1.0):
@@ -93,11 +106,11 @@ def test_self_judge_and_user_rollout_with_the_adapter_off_while_they_speak(env, 
     fake = FakeGenerator(model, tok).install(monkeypatch, env)
     args = env_args(env, judge="self", user="self", k=2, max_turns=3, min_turns=12, max_new_tokens=8)
     judge, user = env.make_judge(args, (model, tok)), env.make_user(args, (model, tok))
-    assert judge.backend.kind == user.backend.kind == "self" and judge.backend.model is model   # no weights loaded
+    assert judge.backend.kind == user.backend.kind == "self" and judge.backend.model is model  # no weights loaded
     model.train()
     trajs = env.rollout(model, tok, [SCEN], judge, user, args)
     assert [(tr.T, tr.outcome) for tr in trajs] == [(3, "timeout")] * 2
-    assert all(tr.levels == [LEVELS] * 3 for tr in trajs)                    # the JSON protocol, parsed
+    assert all(tr.levels == [LEVELS] * 3 for tr in trajs)  # the JSON protocol, parsed
     assert all([m["content"] for m in tr.messages if m["role"] == "user"][1:] == [USER_OK] * 2 for tr in trajs)
     # one batched call per turn each; judge and user: adapter off, eval mode, no grad; the policy: adapter on
     assert [c[0] for c in fake.calls] == ["policy", "judge", "user"] * 2 + ["policy", "judge"]
@@ -110,7 +123,7 @@ def test_self_judge_and_user_rollout_with_the_adapter_off_while_they_speak(env, 
     # afterwards: the adapter back on, train mode back, requires_grad as it was
     assert not any(m.disable_adapters for m in lora_layers(model)) and model.training
     assert all(p.requires_grad == ("lora" in n) for n, p in model.named_parameters())
-    assert common.api_counts(judge, user) == {}                              # no endpoint counters for self
+    assert common.api_counts(judge, user) == {}  # no endpoint counters for self
 
 
 def test_adapters_off_gives_the_base_logits_for_a_peft_model_and_a_wrapped_base(tiny_model):
@@ -128,7 +141,7 @@ def test_adapters_off_gives_the_base_logits_for_a_peft_model_and_a_wrapped_base(
         for n, p in wrapped.named_parameters():
             if "lora_B" in n:
                 p.normal_(0, 0.5)
-                p.requires_grad_(False)                                     # an adapter loaded for inference
+                p.requires_grad_(False)  # an adapter loaded for inference
         adapted = wrapped(x).logits
         assert not torch.allclose(adapted, base)
         for holder in (wrapped, plain):
@@ -147,8 +160,8 @@ def test_malformed_judge_json_is_masked_and_only_the_api_judge_is_asked_again(en
 
     def answer(text, asked):
         if "Supporter: reply A" in text:
-            return "I would rate this reply as quite good overall."                   # no JSON at all
-        return '{"C": {"progress": 1}}' if asked == 0 else JUDGE_OK                   # invalid, then valid
+            return "I would rate this reply as quite good overall."  # no JSON at all
+        return '{"C": {"progress": 1}}' if asked == 0 else JUDGE_OK  # invalid, then valid
 
     def run(judge_spec, **over):
         fake = FakeGenerator(model, tok, policy=lambda b: f"reply {'AB'[b]}", judge=answer).install(monkeypatch, env)
@@ -168,7 +181,7 @@ def test_malformed_judge_json_is_masked_and_only_the_api_judge_is_asked_again(en
     got_api, _ = run("api:judge", api_base=server.base, api_retries=0, api_backoff=0.0)
     p0 = SCEN["p0"]
     assert got_api == [([True, True], [p0, p0, p0]), ([False, False], [p0, [-5.0, -8.0, -4.0], [-4.0, -7.0, -4.0]])]
-    assert sorted(asked_api.values()) == [2, 2, 3, 3]                                  # retries=2: up to 3 asks
+    assert sorted(asked_api.values()) == [2, 2, 3, 3]  # retries=2: up to 3 asks
     assert got_self == [([True, True], [p0, p0, p0])] * 2 and sorted(fake.asked.values()) == [1, 1, 1, 1]
 
 
@@ -181,8 +194,9 @@ def test_self_backend_with_real_generation_on_the_tiny_model(env, tiny_lora):
     judge, user = env.make_judge(args, (model, tok)), env.make_user(args, (model, tok))
     hist = [{"role": "user", "content": "I lost my job."}]
     assert judge.judge([{"scenario": SCEN, "history": hist, "reply": "That is hard."}]) == [None]
-    answers = user.reply([{"scenario": SCEN, "k": 0, "history": hist + [{"role": "assistant", "content": "Oh."}],
-                           "band": "low"}])
+    answers = user.reply(
+        [{"scenario": SCEN, "k": 0, "history": hist + [{"role": "assistant", "content": "Oh."}], "band": "low"}]
+    )
     assert len(answers) == 1 and (answers[0] is None or isinstance(answers[0], str))
     assert not any(m.disable_adapters for m in lora_layers(model))
 
@@ -193,14 +207,14 @@ def test_thinking_reply_goes_on_past_turn_2_and_only_the_answer_is_seen(env, tin
     thought = "<think>\nShe is grieving; ask about her dad.\n</think>\n\n"
     answer = "That sounds so hard. What happened?"
     prompt = tok.decode(common.render_ids(tok, [{"role": "user", "content": "hi"}]))
-    assert prompt.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")          # enable_thinking=False
+    assert prompt.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")  # enable_thinking=False
     fake = FakeGenerator(model, tok, policy=lambda b: thought + answer).install(monkeypatch, env)
     args = env_args(env, judge="self", user="self", k=2, max_turns=3, min_turns=12, max_new_tokens=64)
     trajs = env.rollout(model, tok, [SCEN], env.make_judge(args, (model, tok)), env.make_user(args, (model, tok)), args)
     reply_ids = tok(thought + answer, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
     for tr in trajs:
         assert tr.T == 3 and tr.outcome == "timeout" and tr.shown == [answer] * 3
-        assert all(tr.ids[a:b] == reply_ids for a, b in tr.spans)          # trained on what was generated
+        assert all(tr.ids[a:b] == reply_ids for a, b in tr.spans)  # trained on what was generated
         assert [m["content"] for m in tr.messages if m["role"] == "assistant"] == [thought + answer] * 3
     seen = [t for c in fake.kinds("judge") + fake.kinds("user") for t in c[4]]
     assert len(seen) == 2 * 5 and all("grieving" not in t and answer in t for t in seen)
@@ -208,14 +222,17 @@ def test_thinking_reply_goes_on_past_turn_2_and_only_the_answer_is_seen(env, tin
     assert all("grieving" in t for t in fake.kinds("policy")[2][4])
 
 
-@pytest.mark.parametrize("text, shown", [
-    ("<think>a</think>answer", "answer"),
-    ("<think>\na\n</think>\n\nanswer <think>b</think>more", "answer more"),
-    ("reasoning the template opened</think>\n\nanswer", "answer"),
-    ("answer <think>cut off at the cap", "answer"),
-    ("<think>only thinking, cut off", ""),
-    ("no thinking at all", "no thinking at all"),
-])
+@pytest.mark.parametrize(
+    "text, shown",
+    [
+        ("<think>a</think>answer", "answer"),
+        ("<think>\na\n</think>\n\nanswer <think>b</think>more", "answer more"),
+        ("reasoning the template opened</think>\n\nanswer", "answer"),
+        ("answer <think>cut off at the cap", "answer"),
+        ("<think>only thinking, cut off", ""),
+        ("no thinking at all", "no thinking at all"),
+    ],
+)
 def test_strip_thinking(text, shown):
     assert common.strip_thinking(text) == shown
 
@@ -228,9 +245,12 @@ def test_next_user_ids_under_a_template_that_drops_thinking(env, tiny_lora, ende
     reply = "<think>hm</think>answer"
     full = msgs + [{"role": "assistant", "content": reply}, {"role": "user", "content": "yes it is"}]
     extra = env.next_user_ids(tok, full, reply, "<|im_end|>" if ended else None)
-    assert tok.decode(extra) == ("\n" if ended else "<|im_end|>\n") + \
-        "<|im_start|>user\nyes it is<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
-    with pytest.raises(common.UserError, match="does not keep earlier turns"):   # a reply it does not write
+    assert (
+        tok.decode(extra)
+        == ("\n" if ended else "<|im_end|>\n")
+        + "<|im_start|>user\nyes it is<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    )
+    with pytest.raises(common.UserError, match="does not keep earlier turns"):  # a reply it does not write
         env.next_user_ids(tok, full, "<think>hm</think>another answer", "<|im_end|>" if ended else None)
 
 
@@ -250,10 +270,29 @@ def test_flags_help_and_errors(env, capsys):
 
 
 def test_rollout_script_with_self_judge_and_user(tiny_model, tmp_path):
-    p = run_script("03_rollout.py", "--model", tiny_model, "--num-scenarios", "1", "--k", "2", "--judge", "self",
-                   "--user", "self", "--max-new-tokens", "6", "--max-turns", "2", "--no-progress", "--quiet",
-                   "--out-dir", tmp_path, timeout=300)
+    p = run_script(
+        "03_rollout.py",
+        "--model",
+        tiny_model,
+        "--num-scenarios",
+        "1",
+        "--k",
+        "2",
+        "--judge",
+        "self",
+        "--user",
+        "self",
+        "--max-new-tokens",
+        "6",
+        "--max-turns",
+        "2",
+        "--no-progress",
+        "--quiet",
+        "--out-dir",
+        tmp_path,
+        timeout=300,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     recs = [json.loads(line) for d in tmp_path.iterdir() for line in (d / "rollouts.jsonl").read_text().splitlines()]
-    assert len(recs) == 2 and all(t["judge_failed"] for r in recs for t in r["turns"])   # junk JSON: masked
+    assert len(recs) == 2 and all(t["judge_failed"] for r in recs for t in r["turns"])  # junk JSON: masked
     assert "judge failed on" in p.stdout

@@ -9,6 +9,7 @@
    judge on it: the requests reach it, the judge's unparsable answers are counted as failures, nothing crashes.
    And what docs/evaluation.md says of it: a field outside the OpenAI schema (the official EQ-Bench 3 harness's
    min_p) is answered HTTP 422."""
+
 import json
 import os
 import re
@@ -32,16 +33,20 @@ import merge_adapter  # noqa: E402
 
 import common  # noqa: E402
 
-needs_serve = pytest.mark.skipif(not is_serve_available(), reason="`transformers serve` needs its serving extras "
-                                 "(fastapi, uvicorn, openai): pip install -r requirements.txt (make install)")
+needs_serve = pytest.mark.skipif(
+    not is_serve_available(),
+    reason="`transformers serve` needs its serving extras "
+    "(fastapi, uvicorn, openai): pip install -r requirements.txt (make install)",
+)
 
 
 def random_adapter(model, out, targets=("q_proj", "v_proj", "down_proj")):
     """A LoRA adapter (r 4, alpha 8) with random non-zero B matrices on `model`, saved into `out`."""
     from peft import LoraConfig, get_peft_model
 
-    peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=list(targets),
-                                                  task_type="CAUSAL_LM"))
+    peft_model = get_peft_model(
+        model, LoraConfig(r=4, lora_alpha=8, target_modules=list(targets), task_type="CAUSAL_LM")
+    )
     torch.manual_seed(1)
     for n, p in peft_model.named_parameters():
         if "lora_B" in n:
@@ -80,8 +85,14 @@ def test_the_merged_model_computes_base_plus_adapter(tiny_model, adapter, merged
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    assert sorted(os.listdir(merged)) == ["chat_template.jinja", "config.json", "generation_config.json",
-                                          "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
+    assert sorted(os.listdir(merged)) == [
+        "chat_template.jinja",
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
     base = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
     out = AutoModelForCausalLM.from_pretrained(merged)
     assert out.dtype == torch.float32 and not hasattr(out, "peft_config")
@@ -94,15 +105,22 @@ def test_the_merged_model_computes_base_plus_adapter(tiny_model, adapter, merged
     assert torch.equal(out.model.layers[1].self_attn.k_proj.weight, base.model.layers[1].self_attn.k_proj.weight)
     # the logits: the merged model equals base + adapter through peft (to float rounding on any BLAS), not the base
     tok = AutoTokenizer.from_pretrained(merged)
-    ids = tok.apply_chat_template([{"role": "user", "content": "I feel so alone since my dad died."}],
-                                  add_generation_prompt=True, tokenize=True, return_dict=False)
+    ids = tok.apply_chat_template(
+        [{"role": "user", "content": "I feel so alone since my dad died."}],
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=False,
+    )
     assert ids == AutoTokenizer.from_pretrained(tiny_model).apply_chat_template(
-        [{"role": "user", "content": "I feel so alone since my dad died."}], add_generation_prompt=True,
-        tokenize=True, return_dict=False)                           # the same tokens and template
+        [{"role": "user", "content": "I feel so alone since my dad died."}],
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=False,
+    )  # the same tokens and template
     plain = logits(base, ids)
     adapted = logits(PeftModel.from_pretrained(base, adapter), ids)
     torch.testing.assert_close(logits(out, ids), adapted, atol=1e-4, rtol=1e-4)
-    assert (adapted - plain).abs().max() > 0.05                      # the adapter changes what the model says
+    assert (adapted - plain).abs().max() > 0.05  # the adapter changes what the model says
 
 
 def test_an_adapter_trained_on_a_4bit_base_merges_into_its_full_precision_weights(tiny_model_64, tmp_path):
@@ -111,39 +129,53 @@ def test_an_adapter_trained_on_a_4bit_base_merges_into_its_full_precision_weight
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    args = argparse.Namespace(model=tiny_model_64, adapter=None, lora_r=4, lora_alpha=8, trust_remote_code=False,
-                              lora_targets="q_proj,v_proj", load_in_4bit="on", gradient_checkpointing=False)
-    model, _ = common.load_policy(args)                               # QLoRA: NF4 base, fp32 LoRA
+    args = argparse.Namespace(
+        model=tiny_model_64,
+        adapter=None,
+        lora_r=4,
+        lora_alpha=8,
+        trust_remote_code=False,
+        lora_targets="q_proj,v_proj",
+        load_in_4bit="on",
+        gradient_checkpointing=False,
+    )
+    model, _ = common.load_policy(args)  # QLoRA: NF4 base, fp32 LoRA
     torch.manual_seed(1)
     for n, p in model.named_parameters():
         if "lora_B" in n:
             p.data.normal_(0, 0.5)
     model.save_pretrained(tmp_path / "adapter")
-    assert merge_adapter.base_of(tmp_path / "adapter") == tiny_model_64     # the full-precision base is named
+    assert merge_adapter.base_of(tmp_path / "adapter") == tiny_model_64  # the full-precision base is named
     merge_adapter.main([str(tmp_path / "adapter"), str(tmp_path / "merged")])
     out = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
     assert getattr(out.config, "quantization_config", None) is None and out.dtype == torch.float32
     base = AutoModelForCausalLM.from_pretrained(tiny_model_64, dtype=torch.float32)
     ids = list(range(5, 25))
-    torch.testing.assert_close(logits(out, ids), logits(PeftModel.from_pretrained(base, tmp_path / "adapter"), ids),
-                               atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(
+        logits(out, ids), logits(PeftModel.from_pretrained(base, tmp_path / "adapter"), ids), atol=1e-4, rtol=1e-4
+    )
 
 
 def test_merge_errors_are_one_line(tiny_model, tiny_model_64, adapter, tmp_path):
-    quantised = tmp_path / "base-bnb-4bit"                            # a base folder stored in 4-bit
+    quantised = tmp_path / "base-bnb-4bit"  # a base folder stored in 4-bit
     shutil.copytree(tiny_model, quantised)
     cfg = json.loads((quantised / "config.json").read_text())
     cfg["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "nf4"}
     (quantised / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(common.UserError, match=re.escape(f"base {quantised} is stored quantised (bitsandbytes); "
-                                                         "a merge needs its full-precision weights: pass --base")):
+    with pytest.raises(
+        common.UserError,
+        match=re.escape(
+            f"base {quantised} is stored quantised (bitsandbytes); "
+            "a merge needs its full-precision weights: pass --base"
+        ),
+    ):
         merge_adapter.main([adapter, str(tmp_path / "out"), "--base", str(quantised)])
     with pytest.raises(common.UserError, match=re.escape(f"{tiny_model}: no adapter_config.json there")):
         merge_adapter.main([tiny_model, str(tmp_path / "out")])
     with pytest.raises(common.UserError, match=re.escape(f"cannot be loaded onto base {tiny_model_64} (RuntimeError")):
-        merge_adapter.main([adapter, str(tmp_path / "out"), "--base", tiny_model_64])   # 64 wide, the adapter 32
+        merge_adapter.main([adapter, str(tmp_path / "out"), "--base", tiny_model_64])  # 64 wide, the adapter 32
     assert not (tmp_path / "out").exists()
-    p = run_script("scripts/merge_adapter.py", adapter, tmp_path)      # an existing OUT: exit 2, one line
+    p = run_script("scripts/merge_adapter.py", adapter, tmp_path)  # an existing OUT: exit 2, one line
     assert p.returncode == 2 and p.stderr.strip() == f"error: {tmp_path} exists already: name a new folder"
 
 
@@ -161,8 +193,12 @@ class Served:
         return self.log.read_text(errors="replace").count(f'"POST /v1/chat/completions HTTP/1.1" {status}')
 
     def post(self, **body) -> dict:
-        req = urllib.request.Request(self.base + "/chat/completions", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"}, method="POST")
+        req = urllib.request.Request(
+            self.base + "/chat/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+            method="POST",
+        )
         with urllib.request.urlopen(req, timeout=60) as resp:
             return json.loads(resp.read())
 
@@ -175,8 +211,17 @@ def served(merged, tmp_path_factory):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     log = tmp_path_factory.mktemp("serve") / "serve.log"
-    cmd = [str(Path(sys.executable).with_name("transformers")), "serve", merged, "--host", "127.0.0.1",
-           "--port", str(port), "--device", "cpu"]
+    cmd = [
+        str(Path(sys.executable).with_name("transformers")),
+        "serve",
+        merged,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--device",
+        "cpu",
+    ]
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     with open(log, "w") as sink:
         proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, env=env)
@@ -207,17 +252,19 @@ FAST = ["--api-retries", "0", "--judge-retries", "0", "--max-new-tokens", "6", "
 
 @needs_serve
 def test_the_server_answers_the_openai_schema_and_refuses_min_p(served):
-    r = served.post(model=served.model, messages=[{"role": "user", "content": "I feel so alone."}], max_tokens=8,
-                    temperature=0)
+    r = served.post(
+        model=served.model, messages=[{"role": "user", "content": "I feel so alone."}], max_tokens=8, temperature=0
+    )
     assert isinstance(r["choices"][0]["message"]["content"], str) and r["usage"]["completion_tokens"] <= 8
     print(f"served model answered: {r['choices'][0]['message']['content']!r}")
     # what the official EQ-Bench 3 harness sends the tested model (temperature 0.7, min_p 0.1): refused
     with pytest.raises(urllib.error.HTTPError) as e:
-        served.post(model=served.model, messages=[{"role": "user", "content": "hi"}], max_tokens=8,
-                    temperature=0.7, min_p=0.1)
+        served.post(
+            model=served.model, messages=[{"role": "user", "content": "hi"}], max_tokens=8, temperature=0.7, min_p=0.1
+        )
     assert e.value.code == 422
     assert json.loads(e.value.read()) == {"detail": "Unexpected fields in the request: {'min_p'}"}
-    with pytest.raises(urllib.error.HTTPError) as e:                # pinned: another model name is refused
+    with pytest.raises(urllib.error.HTTPError) as e:  # pinned: another model name is refused
         served.post(model="other", messages=[{"role": "user", "content": "hi"}], max_tokens=8)
     assert e.value.code == 400
 
@@ -225,17 +272,36 @@ def test_the_server_answers_the_openai_schema_and_refuses_min_p(served):
 @needs_serve
 def test_a_04_step_with_judge_and_user_on_the_server(tiny_model, served, tmp_path):
     before = served.answered()
-    p = run_script("04_mica_train.py", "--model", tiny_model, "--steps", "1", "--scenarios-per-step", "1", "--k", "2",
-                   "--judge", f"api:{served.model}", "--user", f"api:{served.model}", "--api-base", served.base,
-                   *FAST, "--max-turns", "2", "--out-dir", tmp_path)
+    p = run_script(
+        "04_mica_train.py",
+        "--model",
+        tiny_model,
+        "--steps",
+        "1",
+        "--scenarios-per-step",
+        "1",
+        "--k",
+        "2",
+        "--judge",
+        f"api:{served.model}",
+        "--user",
+        f"api:{served.model}",
+        "--api-base",
+        served.base,
+        *FAST,
+        "--max-turns",
+        "2",
+        "--out-dir",
+        tmp_path,
+    )
     assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr[-3000:]
     run = next(tmp_path.iterdir())
     m = json.loads((run / "metrics.jsonl").read_text())
     turns = [t for r in map(json.loads, (run / "rollouts.jsonl").read_text().splitlines()) for t in r["turns"]]
-    assert len(turns) == 4                                               # 2 dialogues x 2 turns, each judged
+    assert len(turns) == 4  # 2 dialogues x 2 turns, each judged
     # every call answered (HTTP 200, none failed); the user's second message is the served model's text; the
     # tiny random judge writes no JSON: each of its turns is counted as failed, and the update is skipped
-    assert served.answered() - before == 4 + 2                      # 4 judged turns, 2 second user turns
+    assert served.answered() - before == 4 + 2  # 4 judged turns, 2 second user turns
     assert (m["judge_api_failed_calls"], m["user_api_failed_calls"], m["user_failures"]) == (0, 0, 0)
     assert m["judge_failures"] == sum(t["judge_failed"] for t in turns) == 4 and m["empty_updates"] == 1
     assert all(t["user"] for t in turns)
@@ -249,14 +315,33 @@ def test_05_eqbench3_official_protocol_with_its_judge_on_the_server(tiny_model, 
     minutes on 2 cores), which the column says."""
     before = served.answered()
     fixture = Path(__file__).resolve().parent / "fixtures" / "eqbench3"
-    p = run_script("05_eval.py", "--model", tiny_model, "--suite", "eqbench3", "--eqbench3-dir", fixture,
-                   "--judge", f"api:{served.model}", "--api-base", served.base, *FAST, "--max-cases", "2",
-                   "--eqbench3-tokens", "60", "--eqbench3-judge-tokens", "64", "--out-dir", tmp_path)
+    p = run_script(
+        "05_eval.py",
+        "--model",
+        tiny_model,
+        "--suite",
+        "eqbench3",
+        "--eqbench3-dir",
+        fixture,
+        "--judge",
+        f"api:{served.model}",
+        "--api-base",
+        served.base,
+        *FAST,
+        "--max-cases",
+        "2",
+        "--eqbench3-tokens",
+        "60",
+        "--eqbench3-judge-tokens",
+        "64",
+        "--out-dir",
+        tmp_path,
+    )
     assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr[-3000:]
     run = next(tmp_path.iterdir())
     cases = [json.loads(x) for x in (run / "cases.jsonl").read_text().splitlines()]
     judged = [c for c in cases if c["judge_prompt"] is not None]
-    assert len(cases) == 2 and judged, [c["failed"] for c in cases]          # a reply of 100 characters: judged
+    assert len(cases) == 2 and judged, [c["failed"] for c in cases]  # a reply of 100 characters: judged
     # every judge request reached the server and was answered; the tiny random judge's text holds no score:
     # each judged task is counted as failed, none scored
     assert served.answered() - before == len(judged)

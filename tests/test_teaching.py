@@ -1,5 +1,6 @@
 """The teaching path: 04's presets (device-aware defaults) and its curves, 05's held-out comparison of the
 trained adapter with the base, and scripts/pipeline.py running all the stages (subprocess, tiny random model)."""
+
 import importlib
 import json
 import statistics
@@ -27,45 +28,87 @@ def test_presets_follow_the_device_and_flags_given_win(monkeypatch):
     cpu = trainer.parse_args([])
     assert (cpu.lr, cpu.max_turns, cpu.max_new_tokens, cpu.judge, cpu.user) == (1e-3, 3, 48, "embed", "scripted")
     assert "preset cpu (auto: no CUDA)" in cpu.preset_note
-    monkeypatch.setattr(common, "pick_device", lambda: torch.device("cuda", 0))   # a GPU, as the probe sees it
+    monkeypatch.setattr(common, "pick_device", lambda: torch.device("cuda", 0))  # a GPU, as the probe sees it
     gpu = trainer.parse_args([])
-    assert (gpu.scenarios_per_step, gpu.k, gpu.minibatch_size) == (16, 4, 32)     # 2 optimizer steps a rollout
+    assert (gpu.scenarios_per_step, gpu.k, gpu.minibatch_size) == (16, 4, 32)  # 2 optimizer steps a rollout
     assert (gpu.min_turns, gpu.max_turns, gpu.max_new_tokens, gpu.lr) == (8, 15, 256, 1e-5)
     assert gpu.gradient_checkpointing and (gpu.judge, gpu.user) == ("self", "self")
     assert "preset gpu (auto: CUDA found)" in gpu.preset_note
     given = trainer.parse_args(["--lr", "3e-5", "--judge", "embed", "--max-turns", "10"])
     assert (given.lr, given.judge, given.max_turns, given.user) == (3e-5, "embed", 10, "self")
     assert "--lr 1e-05 (given: 3e-05)" in given.preset_note and "--max-turns 15 (given: 10)" in given.preset_note
-    cpu_on_gpu = trainer.parse_args(["--preset", "cpu"])                           # asked for: the reference
+    cpu_on_gpu = trainer.parse_args(["--preset", "cpu"])  # asked for: the reference
     assert (cpu_on_gpu.lr, cpu_on_gpu.max_turns, cpu_on_gpu.judge) == (1e-3, 3, "embed")
     demo = trainer.parse_args(["--preset", "demo", "--steps", "3"])
     assert trainer.PRESETS["demo"] == dict(steps=4, log_kl_every=2, save_every=4)
     assert (demo.steps, demo.log_kl_every, demo.save_every) == (3, 2, 4)
     assert "--steps 4 (given: 3)" in demo.preset_note
-    assert not hasattr(demo, "heldout_scenarios")                                 # the comparison is 05's now
+    assert not hasattr(demo, "heldout_scenarios")  # the comparison is 05's now
 
 
 VERDICTS = ("ahead beyond the spread", "behind beyond the spread", "not separated", "too few scenarios to tell")
 
 
 def test_train_run_draws_its_curves_and_05_compares_base_and_trained_held_out(tiny_model, tmp_path):
-    p = run_script("04_mica_train.py", "--model", tiny_model, "--steps", "2", "--scenarios-per-step", "2",
-                   "--k", "2", "--minibatch-size", "2", "--save-every", "1", "--log-kl-every", "1", "--lr", "1e-2",
-                   "--out-dir", tmp_path / "train", *TINY)
+    p = run_script(
+        "04_mica_train.py",
+        "--model",
+        tiny_model,
+        "--steps",
+        "2",
+        "--scenarios-per-step",
+        "2",
+        "--k",
+        "2",
+        "--minibatch-size",
+        "2",
+        "--save-every",
+        "1",
+        "--log-kl-every",
+        "1",
+        "--lr",
+        "1e-2",
+        "--out-dir",
+        tmp_path / "train",
+        *TINY,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     run = only_run(tmp_path / "train")
     png = (run / "curves.png").read_bytes()
-    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000          # a real picture, five panels
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000  # a real picture, five panels
     # 05 compares the adapter with the base on 3 held-out scenarios x K=2, paired by scenario, k and seed
     adapter = str(run / "adapter")
-    q = run_script("05_eval.py", "--model", tiny_model, "--suite", "empa", "--adapters", adapter,
-                   "--max-cases", "3", "--k", "2", "--max-turns", "2", "--min-turns", "1", "--collapse-window", "2",
-                   "--max-context", "2048", "--max-new-tokens", "6", "--no-progress", "--out-dir", tmp_path / "eval")
+    q = run_script(
+        "05_eval.py",
+        "--model",
+        tiny_model,
+        "--suite",
+        "empa",
+        "--adapters",
+        adapter,
+        "--max-cases",
+        "3",
+        "--k",
+        "2",
+        "--max-turns",
+        "2",
+        "--min-turns",
+        "1",
+        "--collapse-window",
+        "2",
+        "--max-context",
+        "2048",
+        "--max-new-tokens",
+        "6",
+        "--no-progress",
+        "--out-dir",
+        tmp_path / "eval",
+    )
     assert q.returncode == 0, q.stderr[-3000:]
     ev_run = only_run(tmp_path / "eval")
     cases = [json.loads(x) for x in (ev_run / "cases.jsonl").read_text().splitlines()]
     by = {(c["model"], c["case"]): c for c in cases if c["suite"] == "empa" and not c.get("failed")}
-    assert sorted(m for m, _ in by) == sorted(["base"] * 6 + [adapter] * 6)     # 3 scenarios x K=2 each
+    assert sorted(m for m, _ in by) == sorted(["base"] * 6 + [adapter] * 6)  # 3 scenarios x K=2 each
     scenarios = sorted({c.split("#")[0] for _, c in by})
     assert len(scenarios) == 3
     comparison = json.loads((ev_run / "results.json").read_text())["comparison"][adapter]
@@ -74,16 +117,18 @@ def test_train_run_draws_its_curves_and_05_compares_base_and_trained_held_out(ti
         diff, (lo, hi) = s["diff"], s["ci"]
         assert (s["scenarios"], s["dialogues"]) == (3, 6) and lo <= diff <= hi
         # the paired difference, averaged within each scenario first (the unit), then over the scenarios
-        per_scenario = [statistics.mean(by[adapter, f"{sc}#{k}"][key] - by["base", f"{sc}#{k}"][key]
-                                        for k in range(2)) for sc in scenarios]
+        per_scenario = [
+            statistics.mean(by[adapter, f"{sc}#{k}"][key] - by["base", f"{sc}#{k}"][key] for k in range(2))
+            for sc in scenarios
+        ]
         assert abs(diff - statistics.mean(per_scenario)) < 1e-9
-        assert abs(diff - (s["adapter"] - s["base"])) < 1e-9                 # paired, K each: the same mean
+        assert abs(diff - (s["adapter"] - s["base"])) < 1e-9  # paired, K each: the same mean
         assert s["verdict"].startswith(VERDICTS)
-        if lo < hi:            # a spread to stand on: the verdict follows the interval
+        if lo < hi:  # a spread to stand on: the verdict follows the interval
             assert (s["verdict"] == "not separated") == (lo <= 0 <= hi)
         else:
             assert s["verdict"] == "too few scenarios to tell (3, spread 0.000)"
-    assert comparison["naturalness"]["base"] < 0                          # a mean log-likelihood
+    assert comparison["naturalness"]["base"] < 0  # a mean log-likelihood
     assert f"held out: {adapter} vs base on 3 scenarios, 6 dialogues paired" in q.stdout
     ci_lines = [line for line in q.stdout.splitlines() if "95% t CI over 3 scenarios" in line]
     assert len(ci_lines) == 4 == q.stdout.count("95% t CI over 3 scenarios")
@@ -93,11 +138,15 @@ def test_train_run_draws_its_curves_and_05_compares_base_and_trained_held_out(ti
         assert (ev_run / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and (ev_run / name).stat().st_size > 5_000
     case = q.stdout.split("one held-out dialogue, ")[1].split(" ")[0]
     assert case.split("#")[0] in scenarios
-    base_turns = [t for t in (json.loads(x) for x in (ev_run / "transcripts.jsonl").read_text().splitlines())
-                  if (t["model"], t["case"]) == ("base", case)][0]["turns"]
+    base_turns = [
+        t
+        for t in (json.loads(x) for x in (ev_run / "transcripts.jsonl").read_text().splitlines())
+        if (t["model"], t["case"]) == ("base", case)
+    ][0]["turns"]
     rows = [ln for ln in q.stdout.splitlines() if ln.startswith("d(P_")]
-    assert [r.split(" | ")[0].strip() for r in rows] == [f"d(P_{tu['t']}) = {tu['distance']}, naturalness "
-                                                        f"{tu['naturalness']:.2f}" for tu in base_turns]
+    assert [r.split(" | ")[0].strip() for r in rows] == [
+        f"d(P_{tu['t']}) = {tu['distance']}, naturalness {tu['naturalness']:.2f}" for tu in base_turns
+    ]
     # 04 drew its credit picture at the first and the last step, from the A_turn / A_group it logged
     assert sorted(x.name for x in run.glob("credit_step*.png")) == ["credit_step1.png", "credit_step2.png"]
     turns = [tu for x in (run / "rollouts.jsonl").read_text().splitlines() for tu in json.loads(x)["turns"]]
@@ -106,8 +155,8 @@ def test_train_run_draws_its_curves_and_05_compares_base_and_trained_held_out(ti
 
 def test_t_interval_on_hand_computed_numbers():
     ev = importlib.import_module("05_eval")
-    m, half = ev.t_interval([1.0, 2.0, 3.0])     # mean 2, sample sd 1, half-width t_{0.975, 2} / sqrt(3)
-    assert abs(m - 2.0) < 1e-12 and abs(half - 4.303 / 3 ** 0.5) < 1e-12
+    m, half = ev.t_interval([1.0, 2.0, 3.0])  # mean 2, sample sd 1, half-width t_{0.975, 2} / sqrt(3)
+    assert abs(m - 2.0) < 1e-12 and abs(half - 4.303 / 3**0.5) < 1e-12
     assert ev.t_interval([0.5]) == (0.5, None)
 
 
@@ -124,26 +173,32 @@ def test_pipeline_runs_the_five_stages_and_summarises(tiny_model, tmp_path):
     mica = next(out.glob("04-mica-*"))
     args = json.loads((mica / "args.json").read_text())
     assert args["reward"] == "idr+care" and args["rubric_model"].endswith("adapter")
-    assert "02-pref" in args["rubric_model"]                       # 04 used 02's generator
-    rubrics = [t.get("rubric") for x in (mica / "rollouts.jsonl").read_text().splitlines()
-               for t in json.loads(x)["turns"]]
+    assert "02-pref" in args["rubric_model"]  # 04 used 02's generator
+    rubrics = [
+        t.get("rubric") for x in (mica / "rollouts.jsonl").read_text().splitlines() for t in json.loads(x)["turns"]
+    ]
     assert rubrics and all(r is not None for r in rubrics)
     summary = (out / "summary.md").read_text()
     rows = [line for line in summary.splitlines() if line.startswith("| 0")]
-    assert [r.split(" | ")[0] for r in rows] == ["| 01 rubric SFT", "| 02 rubric preference RL",
-                                                 "| 04 MICA, idr+care", "| 05 evaluation"]
-    assert all(r.count(" | ") == 3 and r.rstrip(" |").endswith(".png") for r in rows)   # folder, number, picture
+    assert [r.split(" | ")[0] for r in rows] == [
+        "| 01 rubric SFT",
+        "| 02 rubric preference RL",
+        "| 04 MICA, idr+care",
+        "| 05 evaluation",
+    ]
+    assert all(r.count(" | ") == 3 and r.rstrip(" |").endswith(".png") for r in rows)  # folder, number, picture
     assert "EMPA EPM-Index" in summary and "95% CI" in summary
     assert summary in p.stdout + "\n"
-    page = (mica / "rollouts.html").read_text()                   # the training dialogues as one page
+    page = (mica / "rollouts.html").read_text()  # the training dialogues as one page
     assert page.startswith("<!DOCTYPE html>") and "<svg" in page and "rollouts.html" in summary
 
 
 def test_pipeline_stops_at_the_failed_stage(tmp_path):
-    p = run_script("scripts/pipeline.py", "--model", str(tmp_path / "no-such-model"), "--budget", "tiny",
-                   "--out-dir", tmp_path)
+    p = run_script(
+        "scripts/pipeline.py", "--model", str(tmp_path / "no-such-model"), "--budget", "tiny", "--out-dir", tmp_path
+    )
     assert p.returncode != 0 and "stage 01 (01_rubric_sft.py) failed with exit code 2" in p.stderr
-    assert not list(only_run(tmp_path).glob("01-sft-*"))            # the stage left no run folder
+    assert not list(only_run(tmp_path).glob("01-sft-*"))  # the stage left no run folder
 
 
 if __name__ == "__main__":
