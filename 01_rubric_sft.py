@@ -106,6 +106,16 @@ def parse_rubric(x, tol=0.02) -> tuple[dict | None, str | None]:
     return {"weights": {d: weights[d] / total for d in DIMS}, "criteria": criteria}, None
 
 
+def rubric_score(rubric: dict, s: dict) -> float:
+    """CARE's S(y) of one reply under a rubric: s[d] = the judge's scores of the reply on dimension d's
+    criteria (02's preference reward and 04's --reward care both score replies so)."""
+    # S(y) = sum_d w_d * (1/|C_d|) sum_{c in C_d} s(y, c)
+    S = 0.0
+    for d in DIMS:
+        S += rubric["weights"][d] * sum(s[d]) / len(s[d])
+    return S
+
+
 def dominant(rubric: dict) -> str:
     return max(DIMS, key=lambda d: rubric["weights"][d])
 

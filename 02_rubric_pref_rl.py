@@ -74,17 +74,8 @@ GEN_BATCH = 16  # contexts per generate call
 
 
 # ---------------------------------------------------------------------------------------------
-# The equations: rubric score, preference reward, group advantage, the clipped loss
+# The equations: preference reward, group advantage, the clipped loss (S(y): 01's rubric_score)
 # ---------------------------------------------------------------------------------------------
-def rubric_score(rubric: dict, s: dict) -> float:
-    """s[d] = the judge's scores of one reply on dimension d's criteria."""
-    # S(y) = sum_d w_d * (1/|C_d|) sum_{c in C_d} s(y, c)
-    S = 0.0
-    for d in DIMS:
-        S += rubric["weights"][d] * sum(s[d]) / len(s[d])
-    return S
-
-
 def preference_reward(
     S_chosen, S_rejected, valid: bool, margin_coef: float, margin_tau: float, use_margin=True, use_format=True
 ) -> dict:
@@ -394,7 +385,7 @@ def judge_rubrics(judge, pairs: list[dict], rubrics: list[dict | None]) -> list[
         s = {"chosen": next(scores), "rejected": next(scores)} if rb is not None else {}
         ok = rb is not None and s["chosen"] is not None and s["rejected"] is not None
         out.append(
-            {"S_chosen": rubric_score(rb, s["chosen"]), "S_rejected": rubric_score(rb, s["rejected"]), "s": s}
+            {"S_chosen": sft.rubric_score(rb, s["chosen"]), "S_rejected": sft.rubric_score(rb, s["rejected"]), "s": s}
             if ok
             else None
         )

@@ -539,8 +539,8 @@ def public_args(args) -> dict:
     return {k: ("<redacted>" if k == "api_key" and v else v) for k, v in vars(args).items()}
 
 
-def add_run_args(p: argparse.ArgumentParser, run_name: str, resume: str | None = None, save_every=None):
-    """--seed, --out-dir, --run-name, --no-progress; --resume (with its help) and --save-every."""
+def add_run_args(p: argparse.ArgumentParser, run_name: str, resume: str | None = None, save_every=None, report=False):
+    """--seed, --out-dir, --run-name, --no-progress; --resume (with its help), --save-every and --report-to."""
     g = p.add_argument_group("run")
     g.add_argument("--seed", type=int, default=0, help="random seed (sampling, data order, the scripted user)")
     g.add_argument("--out-dir", default="runs", help="each run writes into its own folder under this")
@@ -555,7 +555,26 @@ def add_run_args(p: argparse.ArgumentParser, run_name: str, resume: str | None =
             default=save_every,
             help="write <run>/checkpoint.pt every N steps (and at the last)",
         )
+    if report:
+        g.add_argument(
+            "--report-to",
+            choices=["none", "tensorboard", "wandb", "trackio"],
+            default="none",
+            help="also log every step's metrics and the configuration through accelerate's tracker (tensorboard "
+            "writes <run>/tensorboard/; wandb and trackio need their package installed)",
+        )
     return g
+
+
+def flags_given(parser: argparse.ArgumentParser, args) -> dict:
+    """The flags whose value differs from the parser's default (the preset's, where one is set), as the run's
+    header line shows them; --resume and the API key left out."""
+    defaults = vars(parser.parse_args([]))
+    return {
+        k: v
+        for k, v in public_args(args).items()
+        if k in defaults and v != defaults[k] and k not in ("resume", "api_key")
+    }
 
 
 def open_run(args, logs=()) -> Path:
@@ -566,9 +585,9 @@ def open_run(args, logs=()) -> Path:
         check((run_dir / "args.json").exists(), f"--resume {run_dir}: not a run folder (no args.json)")
         saved = json.loads((run_dir / "args.json").read_text())
         for k, v in public_args(args).items():
-            if k not in ("resume", "out_dir", "run_name") and json.dumps(saved.get(k), default=str) != json.dumps(
-                v, default=str
-            ):
+            if k not in ("resume", "out_dir", "run_name", "flags_given", "preset_note") and json.dumps(
+                saved.get(k), default=str
+            ) != json.dumps(v, default=str):
                 print(f"warning: --resume with {k} = {v!r}; the run started with {saved.get(k)!r}", file=sys.stderr)
         for name in logs:
             repair_jsonl_tail(run_dir / name)
@@ -578,9 +597,7 @@ def open_run(args, logs=()) -> Path:
         run_dir = Path(args.out_dir) / (f"{args.run_name}-{stamp}" + (f"-{n}" if n else ""))
         with contextlib.suppress(FileExistsError):
             run_dir.mkdir(parents=True)
-            saved = public_args(args)
-            print("| arg | value |\n|---|---|\n" + "\n".join(f"| {k} | {v} |" for k, v in saved.items()))
-            atomic_write(run_dir / "args.json", json.dumps(saved, indent=2, default=str))
+            atomic_write(run_dir / "args.json", json.dumps(public_args(args), indent=2, default=str))
             return run_dir
     raise UserError(f"could not create a run folder under {args.out_dir}")
 
@@ -626,10 +643,26 @@ def load_checkpoint(run_dir: Path, model, optimizer, scheduler) -> dict | None:
 
 
 class MetricsLogger:
-    """log(step, metrics): one line to stdout and one JSON line to <run>/metrics.jsonl (append-only)."""
+    """log(step, metrics): one line to stdout, one JSON line to <run>/metrics.jsonl (append-only) and, with
+    --report-to, the same to accelerate's tracker (tensorboard: <run>/tensorboard/), which also gets the run's
+    configuration (`config`) at the start. finish() closes the tracker."""
 
-    def __init__(self, run_dir: Path):
-        self.path, self.last_step = Path(run_dir) / "metrics.jsonl", None
+    def __init__(self, run_dir: Path, report_to="none", config=None):
+        from accelerate.tracking import LOGGER_TYPE_TO_CLASS
+
+        self.path, self.last_step, self.tracker = Path(run_dir) / "metrics.jsonl", None, None
+        if report_to != "none":
+            tracker_class = LOGGER_TYPE_TO_CLASS[report_to]
+            if tracker_class.requires_logging_directory:
+                self.tracker = tracker_class(report_to, Path(run_dir))  # tensorboard: <run>/tensorboard/
+            else:
+                self.tracker = tracker_class("empathy-rl", name=Path(run_dir).name)  # wandb, trackio: a project
+            self.tracker.start()
+            # the tracker's configuration table takes numbers, strings and booleans: anything else as text
+            plain = (int, float, str, bool)
+            self.tracker.store_init_configuration(
+                {k: v if isinstance(v, plain) else json.dumps(v, default=str) for k, v in (config or {}).items()}
+            )
 
     def log(self, step: int, metrics: dict):
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in metrics.items()}
@@ -638,7 +671,13 @@ class MetricsLogger:
             + " | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in clean.items())
         )
         append_jsonl(self.path, {"step": step, **clean})
+        if self.tracker is not None:
+            self.tracker.log({k: v for k, v in clean.items() if isinstance(v, (int, float))}, step=step)
         self.last_step = step
+
+    def finish(self):
+        if self.tracker is not None:
+            self.tracker.finish()
 
 
 def checkpoint_on_error(run_dir: Path, model, optimizer, scheduler, logger, start: int, extra=None):

@@ -1,7 +1,7 @@
 """plots.py: every figure of the project, each drawn from files a run folder already holds.
 
   curves(run_dir, keys)          <run>/metrics.jsonl -> curves.png, one panel per metric (01, 02, 04)
-  credit(run_dir, step)          <run>/rollouts.jsonl -> credit_step<N>.png, how MICA assigned credit (04)
+  credit(run_dir, step)          <run>/rollouts.jsonl -> credit_step<N>.png, how the estimator assigned credit (04)
   rubric_weights(run_dir)        <run>/report.json -> weights_by_turn.png, weights_by_emotion.png (02)
   comparison, trajectories, series                  05's held-out pictures (results.json, transcripts.jsonl)
 
@@ -80,25 +80,25 @@ def curves(run_dir: Path, keys: dict) -> Path | None:
 
 def credit(run_dir: Path, step: int) -> Path:
     """credit_step<N>.png from rollouts.jsonl: the K dialogues of the step's first scenario, one panel each,
-    per turn the reward r_t, the return G_t, MICA's A_turn and A_group, and the mixed A (cut-off turns
-    marked x, failed turns left out of the loss shaded)."""
+    per turn the reward r_t, the return G_t, the estimator's own terms as it returned them (MICA: A_turn and
+    A_group; none for GRPO and REINFORCE++) and the advantage A (cut-off turns marked x, failed turns left out
+    of the loss shaded)."""
     plt = pyplot()
     records = last_lines_by(
         [r for r in common.read_jsonl(Path(run_dir) / "rollouts.jsonl") if r["step"] == step],
         lambda r: (r["scenario_id"], r["k"]),
     )
     dialogues = [r for r in records if r["scenario_id"] == records[0]["scenario_id"]]
+    estimator = json.loads((Path(run_dir) / "args.json").read_text()).get("advantage", "the estimator")
     fig, axes = plt.subplots(1, len(dialogues), figsize=(3.4 * len(dialogues), 3.2), squeeze=False, sharey=True)
     for ax, rec in zip(axes[0], dialogues):
         t = [turn["t"] for turn in rec["turns"]]
-        for key, label in (
-            ("reward", "r_t"),
-            ("G", "G_t"),
-            ("A_turn", "A_turn"),
-            ("A_group", "A_group"),
-            ("advantage", "A"),
-        ):
-            ax.plot(t, [turn[key] for turn in rec["turns"]], marker="o", markersize=3, label=label)
+        series = {"r_t": [turn["reward"] for turn in rec["turns"]], "G_t": [turn["G"] for turn in rec["turns"]]}
+        for name in rec["turns"][0]["terms"] if rec["turns"] else []:
+            series[name] = [turn["terms"][name] for turn in rec["turns"]]
+        series["A"] = [turn["advantage"] for turn in rec["turns"]]
+        for label, values in series.items():
+            ax.plot(t, values, marker="o", markersize=3, label=label)
         for turn in rec["turns"]:
             if turn["truncated"]:
                 ax.plot(turn["t"], turn["reward"], "kx")
@@ -113,7 +113,7 @@ def credit(run_dir: Path, step: int) -> Path:
         ax.tick_params(labelsize=7)
     axes[0][0].legend(fontsize=7)
     fig.suptitle(
-        f"{Path(run_dir).name}, step {step}, scenario {dialogues[0]['scenario_id']}: how MICA assigned credit",
+        f"{Path(run_dir).name}, step {step}, scenario {dialogues[0]['scenario_id']}: how {estimator} assigned credit",
         fontsize=9,
     )
     fig.tight_layout()

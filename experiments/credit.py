@@ -215,12 +215,9 @@ def rollout(theta, scenario: dict, rng: random.Random, args):
 # The main loop: train one estimator from one seed (rollouts, 04's advantages, a policy-gradient step)
 # ---------------------------------------------------------------------------------------------
 def advantages(estimator: dict, batch_rewards, gamma) -> list:
-    """batch_rewards[s][k][t] -> A[s][k][t] with 04's own functions."""
-    if estimator["kind"] == "mica":
-        return [trainer.mica_advantages(r, estimator["alpha"], gamma) for r in batch_rewards]
-    if estimator["kind"] == "grpo":
-        return [trainer.grpo_advantages(r) for r in batch_rewards]
-    return trainer.reinforce_pp_advantages(batch_rewards, gamma)
+    """batch_rewards[s][k][t] -> A[s][k][t] with 04's own estimator, by its name in 04's ADVANTAGES."""
+    args = argparse.Namespace(alpha=estimator.get("alpha"), gamma=gamma)
+    return trainer.ADVANTAGES[estimator["kind"]](batch_rewards, args)[0]
 
 
 def pg_update(theta, groups, advs, lr: float) -> None:

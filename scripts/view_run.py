@@ -5,9 +5,10 @@ What it shows
   A header (the run, its steps and dialogues, per step the mean return and the share of cut-off turns), a
   step selector (the last step first), and for every dialogue of the step: scenario, k, outcome, distances
   and return; each turn's user message and policy reply with the judge's v, the state (C, A, P), the
-  distance, the user's emotion, the reward (and its parts), the advantages A, A_turn, A_group and the
-  rubric's weights where the run wrote them; cut-off and judge-failed turns are marked. Per dialogue small
-  charts: the state and the distance from P0 at turn 0, and the credit (reward, A_turn, A_group, A by turn).
+  distance, the user's emotion, the reward (and its parts), the advantage A, the estimator's terms (MICA:
+  A_turn, A_group) and the rubric's weights where the run wrote them; cut-off and judge-failed turns are
+  marked. Per dialogue small charts: the state and the distance from P0 at turn 0, and the credit (reward, the
+  estimator's terms, A by turn).
   With CARE rubrics, the mean rubric weights by turn and by the user's emotion band (F < 10, C >= 10,
   B >= 40, A >= 70, S >= 100; the emotion the user was in when the rubric was written, i.e. before the
   reply: the previous turn's, and for turn 1 the run's --emotion-start from args.json, else 03's 30).
@@ -47,7 +48,7 @@ COLORS = {
     "reward": "#9ca3af",
     "A_turn": "#7c3aed",
     "A_group": "#0891b2",
-    "A (mixed)": "#111111",
+    "advantage": "#111111",
 }
 
 
@@ -290,14 +291,12 @@ def render_turn(turn: dict) -> str:
     ]
     if isinstance(turn.get("reward_parts"), dict):
         kv.append(("reward parts", ", ".join(f"{esc(k)} {num(v)}" for k, v in turn["reward_parts"].items())))
-    for key, label in (
-        ("advantage", "A"),
-        ("A_turn", "A_turn"),
-        ("A_group", "A_group"),
-        ("naturalness", "naturalness"),
-    ):
-        if key in turn:
-            kv.append((label, num(turn[key])))
+    if "advantage" in turn:
+        kv.append(("A", num(turn["advantage"])))
+    for name, value in (turn.get("terms") or {}).items():  # the estimator's own terms (MICA: A_turn, A_group)
+        kv.append((esc(name), num(value)))
+    if "naturalness" in turn:
+        kv.append(("naturalness", num(turn["naturalness"])))
     w = rubric_weights(turn)
     if w is not None:
         kv.append(("rubric w (C, A, P)", vec(w)))
@@ -345,16 +344,10 @@ def dialogue_charts(rec: dict) -> str:
     state = [(d, [s[j] if j < len(s) else None for s in states]) for j, (d, _) in enumerate(DIMS)]
     dist = [("distance", [rec.get("initial_distance")] + [t.get("distance") for t in turns])]
     xs = [t.get("t", i + 1) if is_num(t.get("t")) else i + 1 for i, t in enumerate(turns)]
-    credit = [
-        (label, [t.get(key) for t in turns])
-        for key, label in (
-            ("reward", "reward"),
-            ("A_turn", "A_turn"),
-            ("A_group", "A_group"),
-            ("advantage", "A (mixed)"),
-        )
-        if any(key in t for t in turns)
-    ]
+    terms = list(dict.fromkeys(name for t in turns for name in (t.get("terms") or {})))
+    credit = [("reward", [t.get("reward") for t in turns])] if any("reward" in t for t in turns) else []
+    credit += [(name, [(t.get("terms") or {}).get(name) for t in turns]) for name in terms]
+    credit += [("advantage", [t.get("advantage") for t in turns])] if any("advantage" in t for t in turns) else []
     return (
         line_chart("state after each turn", xs0, state, "C, A, P")
         + line_chart("distance to the goal", xs0, dist, "d(P)")
@@ -392,7 +385,7 @@ def line_chart(title: str, xs: list, series: list[tuple[str, list]], y_label: st
     legend = []
     for name, ys in series:
         color = COLORS.get(name, "#444")
-        width = 2.2 if name == "A (mixed)" else 1.5
+        width = 2.2 if name == "advantage" else 1.5
         for seg in segments(list(zip(xs, ys))):
             pts = " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in seg)
             out.append(f'<polyline points="{pts}" fill="none" stroke="{color}" stroke-width="{width}"/>')

@@ -1,5 +1,6 @@
 """The reward and advantage equations of 04_mica_train against hand-computed numbers."""
 
+import argparse
 import math
 
 import pytest
@@ -15,6 +16,16 @@ def approx(xs, ys, tol=1e-4):
             approx(x, y, tol)
         else:
             assert abs(x - y) < tol, (xs, ys)
+
+
+def mica(trainer, group, alpha, gamma):
+    """04's registered MICA estimator on one scenario group (rewards[k][t]) -> A[k][t]; also its terms."""
+    A, terms = trainer.ADVANTAGES["mica"]([group], argparse.Namespace(alpha=alpha, gamma=gamma))
+    return A[0]
+
+
+def grpo(trainer, group):
+    return trainer.ADVANTAGES["grpo"]([group], argparse.Namespace())[0][0]
 
 
 def test_idr_reference_worked_example(trainer):
@@ -44,43 +55,50 @@ def test_mica_unequal_lengths_single_reacher_zero_variance(trainer):
     # turn 1: G = 2, 2 -> zero variance -> 0, 0;  turn 2: reached by k2 only -> 0
     # group: r = 1, 2, 3, 0, 1, 2 -> mean 1.5, std sqrt(5.5/6) = 0.957427 -> A_group = (r - 1.5) / 0.957427
     # A = 0.4 A_turn + 0.6 A_group: k0 0.6 * -0.522233 = -0.313340; k1 0.4 * 1.224745 + 0.6 * 1.566699 = 1.429916
-    A = trainer.mica_advantages([[1.0, 2.0], [3.0], [0.0, 1.0, 2.0]], alpha=0.4, gamma=0.5)
+    A = mica(trainer, [[1.0, 2.0], [3.0], [0.0, 1.0, 2.0]], alpha=0.4, gamma=0.5)
     approx(A, [[-0.313340, 0.313340], [1.429916], [-1.429916, -0.313340, 0.313340]])
+    # the registered estimator returns its two terms, the ones the run logs and the credit picture draws
+    _, terms = trainer.ADVANTAGES["mica"](
+        [[[1.0, 2.0], [3.0], [0.0, 1.0, 2.0]]], argparse.Namespace(alpha=0.4, gamma=0.5)
+    )
+    assert sorted(terms) == ["A_group", "A_turn"]
+    approx(terms["A_turn"][0], [[0.0, 0.0], [1.224745], [-1.224745, 0.0, 0.0]])
+    approx(terms["A_group"][0], [[-0.522233, 0.522233], [1.566699], [-1.566699, -0.522233, 0.522233]])
 
 
 def test_mica_alpha_extremes(trainer):
     r = [[1.0, 2.0], [3.0], [0.0, 1.0, 2.0]]
-    approx(trainer.mica_advantages(r, 1.0, 0.5), [[0, 0], [1.224745], [-1.224745, 0, 0]])  # turn-level only
+    approx(mica(trainer, r, 1.0, 0.5), [[0, 0], [1.224745], [-1.224745, 0, 0]])  # turn-level only
     approx(
-        trainer.mica_advantages(r, 0.0, 0.5),  # group-level only
+        mica(trainer, r, 0.0, 0.5),  # group-level only
         [[-0.522233, 0.522233], [1.566699], [-1.566699, -0.522233, 0.522233]],
     )
     # the sample std (ddof = 1) would give 1 and 1.430194 here: sqrt(N / (N - 1)) larger std, smaller A
 
 
 def test_mica_degenerate_groups(trainer):
-    assert trainer.mica_advantages([[0.5, 0.5], [0.5, 0.5]], 0.4, 0.85) == [[0.0, 0.0], [0.0, 0.0]]
-    assert trainer.mica_advantages([[1.0]], 0.4, 0.85) == [[0.0]]  # a single reward: 0
-    assert trainer.mica_advantages([[], [1.0, 2.0]], 0.4, 1.0)[0] == []  # an empty trajectory
-    A = trainer.mica_advantages([[1.0, 2.0], [1.0, 2.0]], 0.4, 1.0)
+    assert mica(trainer, [[0.5, 0.5], [0.5, 0.5]], 0.4, 0.85) == [[0.0, 0.0], [0.0, 0.0]]
+    assert mica(trainer, [[1.0]], 0.4, 0.85) == [[0.0]]  # a single reward: 0
+    assert mica(trainer, [[], [1.0, 2.0]], 0.4, 1.0)[0] == []  # an empty trajectory
+    A = mica(trainer, [[1.0, 2.0], [1.0, 2.0]], 0.4, 1.0)
     approx(A, [[-0.6, 0.6]] * 2)  # turn-level 0; group r = 1, 2, 1, 2: std 0.5 -> +-1
 
 
 def test_grpo_outcome_on_every_turn(trainer):
     # R = 3, 3, 3+... -> R = [3, 6, 0]: mean 3, std 3 -> A = 0, 1, -1 on every turn
-    A = trainer.grpo_advantages([[1.0, 2.0], [6.0], [0.0, 0.0, 0.0]])
+    A = grpo(trainer, [[1.0, 2.0], [6.0], [0.0, 0.0, 0.0]])
     approx(A, [[0.0, 0.0], [1.0], [-1.0, -1.0, -1.0]])
-    assert trainer.grpo_advantages([[2.0], [2.0]]) == [[0.0], [0.0]]
-    assert trainer.grpo_advantages([[2.0, 1.0]]) == [[0.0, 0.0]]
+    assert grpo(trainer, [[2.0], [2.0]]) == [[0.0], [0.0]]
+    assert grpo(trainer, [[2.0, 1.0]]) == [[0.0, 0.0]]
 
 
 def test_reinforce_pp_whitens_over_the_batch(trainer):
     # gamma 1: G = [[3, 2]], [[1], [0]]  -> flat [3, 2, 1, 0]: mean 1.5, std 1.290994
-    A = trainer.reinforce_pp_advantages([[[1.0, 2.0]], [[1.0], [0.0]]], gamma=1.0)
+    A = trainer.ADVANTAGES["reinforce_pp"]([[[1.0, 2.0]], [[1.0], [0.0]]], argparse.Namespace(gamma=1.0))[0]
     s = math.sqrt(5 / 3)
     approx(A, [[[1.5 / s, 0.5 / s]], [[-0.5 / s], [-1.5 / s]]])
     # no per-prompt grouping: the same trajectory in a better batch gets a lower advantage
-    A2 = trainer.reinforce_pp_advantages([[[1.0, 2.0]], [[5.0], [5.0]]], gamma=1.0)
+    A2 = trainer.ADVANTAGES["reinforce_pp"]([[[1.0, 2.0]], [[5.0], [5.0]]], argparse.Namespace(gamma=1.0))[0]
     assert A2[0][0][0] < A[0][0][0]
 
 

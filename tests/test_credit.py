@@ -77,11 +77,13 @@ def test_validation_wears_out_and_advice_waits_for_understanding():
 
 def test_advantages_are_04s():
     rewards = [[[1.0, 0.0, 2.0], [0.5, 0.5]], [[0.0, 1.0], [2.0, 2.0, 2.0]]]
-    assert credit.advantages({"kind": "mica", "alpha": 0.4}, rewards, 0.85) == [
-        trainer.mica_advantages(r, 0.4, 0.85) for r in rewards
-    ]
-    assert credit.advantages({"kind": "grpo"}, rewards, 0.85) == [trainer.grpo_advantages(r) for r in rewards]
-    assert credit.advantages({"kind": "reinforce_pp"}, rewards, 0.85) == trainer.reinforce_pp_advantages(rewards, 0.85)
+    for estimator in ({"kind": "mica", "alpha": 0.4}, {"kind": "grpo"}, {"kind": "reinforce_pp"}):
+        args = argparse.Namespace(alpha=estimator.get("alpha"), gamma=0.85)
+        assert credit.advantages(estimator, rewards, 0.85) == trainer.ADVANTAGES[estimator["kind"]](rewards, args)[0]
+    # MICA at alpha 0.4 by hand on the first group's first dialogue's last turn: G = (2), (-, -) -> only k0
+    # reached turn 2: A_turn 0; A_group = (2 - mean) / std over r = 1, 0, 2, 0.5, 0.5 (mean 0.8, std 0.678233)
+    A = credit.advantages({"kind": "mica", "alpha": 0.4}, rewards, 0.85)
+    assert abs(A[0][0][2] - 0.6 * (2 - 0.8) / (0.678233 + 1e-6)) < 1e-5
 
 
 def test_quick_run_prints_a_row_per_estimator_and_draws_the_curves(tmp_path):

@@ -1,9 +1,10 @@
 """Data-parallel training: 04 under `accelerate launch` with 2 CPU processes (gloo).
 
-1. A 2-step run: both ranks end with the same adapter (04 writes each rank's weight sum), the sum is the
-   saved adapter's, and the metrics count every rank's trajectories.
+1. A 2-step run of 04's main: both ranks end with the same adapter (this file, run by the launcher, runs 04's
+   main on each rank and writes that rank's adapter weight sum), the sum is the saved adapter's, and the
+   metrics count every rank's trajectories.
 2. One update split over 2 processes equals the same update in one process (token-mean over all
-   ranks' tokens, summed gradients): this file run by torchrun is the 2-process side.
+   ranks' tokens, summed gradients): this file run by the launcher is the 2-process side.
 """
 
 import argparse
@@ -58,9 +59,12 @@ def launch(args, timeout=300):
 
 
 def test_two_processes_keep_one_adapter_and_log_every_trajectory(tiny_model, tmp_path, trainer):
+    out = tmp_path / "runs"
     p = launch(
         [
-            ROOT / "04_mica_train.py",
+            Path(__file__),
+            "train",
+            tmp_path,
             "--model",
             tiny_model,
             "--steps",
@@ -74,16 +78,16 @@ def test_two_processes_keep_one_adapter_and_log_every_trajectory(tiny_model, tmp
             "--lr",
             "1e-2",
             "--out-dir",
-            tmp_path,
+            out,
             *TINY,
         ]
     )
     assert p.returncode == 0, p.stderr[-3000:]
-    runs = [d for d in tmp_path.iterdir() if d.is_dir()]
+    runs = [d for d in out.iterdir() if d.is_dir()]
     assert len(runs) == 1, runs  # one run folder: rank 0's
     run = runs[0]
-    dp = json.loads((run / "data_parallel.json").read_text())
-    assert dp["world_size"] == 2 and len(dp["adapter_sums"]) == 2 and len(set(dp["adapter_sums"])) == 1
+    sums = [json.loads((tmp_path / f"adapter_sum_rank{r}.json").read_text()) for r in (0, 1)]
+    assert sums[0] == sums[1]  # both processes ended with the same adapter
     # the sum is that of the adapter rank 0 saved
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
@@ -91,7 +95,7 @@ def test_two_processes_keep_one_adapter_and_log_every_trajectory(tiny_model, tmp
     base = AutoModelForCausalLM.from_pretrained(tiny_model)
     saved = PeftModel.from_pretrained(base, str(run / "adapter"), is_trainable=True)
     trainable = [p for p in saved.parameters() if p.requires_grad]
-    assert abs(sum(float(p.detach().double().sum()) for p in trainable) - dp["adapter_sums"][0]) < 1e-9
+    assert abs(sum(float(p.detach().double().sum()) for p in trainable) - sums[0]) < 1e-9
     # metrics: each rank rolled out 1 scenario x K=2; the log counts all 4 trajectories of a step
     metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     rollouts = [json.loads(x) for x in (run / "rollouts.jsonl").read_text().splitlines()]
@@ -125,10 +129,8 @@ def fixed_update(trainer, model_path, share=(0, 1)):
         trust_remote_code=False,
         minibatch_size=64,
         micro_batch_size=1,
-        ppo_epochs=1,
+        update_epochs=1,
         temperature=1.0,
-        clip_low=0.2,
-        clip_high=0.28,
         kl_coef=0.0,
     )
     torch.manual_seed(0)
@@ -154,7 +156,9 @@ def fixed_update(trainer, model_path, share=(0, 1)):
         )
         advs.append([adv])
     r, w = share
-    out = trainer.ppo_update(model, tok, opt, sched, trainer.as_samples(trajs[r::w], advs[r::w]), args, Accelerator())
+    out = trainer.policy_update(
+        model, tok, opt, sched, trainer.as_samples(trajs[r::w], advs[r::w]), args, Accelerator()
+    )
     weights = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
     return weights, out
 
@@ -171,10 +175,26 @@ def test_one_update_over_two_processes_equals_one_process(tiny_model, tmp_path, 
     assert abs(both["loss"] - out["loss"]) < 1e-6
 
 
-if __name__ == "__main__":  # the 2-process side of the test above, started by accelerate launch
+def adapter_sum(model) -> float:
+    return sum(float(p.detach().double().sum()) for p in model.parameters() if p.requires_grad)
+
+
+if __name__ == "__main__":  # the 2-process side of the tests above, started by accelerate launch
     trainer = importlib.import_module("04_mica_train")
-    acc = Accelerator(cpu=not torch.cuda.is_available())  # joins the launcher's processes as 04's main does
-    weights, out = fixed_update(trainer, sys.argv[1], share=(acc.process_index, acc.num_processes))
-    if acc.is_main_process:
-        torch.save({"weights": weights, "train_tokens": out["train_tokens"], "loss": out["loss"]}, sys.argv[2])
-    acc.end_training()
+    if sys.argv[1] == "train":  # 04's main on this rank; then this rank's adapter weight sum
+        out, loop, trained = Path(sys.argv[2]), trainer.train_loop, []
+
+        def train_loop(run, start):
+            loop(run, start)
+            trained.append(run.model)
+
+        trainer.train_loop = train_loop
+        trainer.main(sys.argv[3:])
+        rank = int(os.environ["RANK"])
+        (out / f"adapter_sum_rank{rank}.json").write_text(json.dumps(adapter_sum(trained[0])))
+    else:
+        acc = Accelerator(cpu=not torch.cuda.is_available())  # joins the launcher's processes as 04's main does
+        weights, out = fixed_update(trainer, sys.argv[1], share=(acc.process_index, acc.num_processes))
+        if acc.is_main_process:
+            torch.save({"weights": weights, "train_tokens": out["train_tokens"], "loss": out["loss"]}, sys.argv[2])
+        acc.end_training()

@@ -4,6 +4,7 @@ Each test runs the scripts as a user would (subprocess) on the tiny random model
 user live on a loopback server (conftest.FaultServer) that injects faults at a set rate."""
 
 import json
+import math
 import os
 import random
 import signal
@@ -122,7 +123,7 @@ def test_training_completes_through_faults_and_logs_the_counts(tiny_model, tmp_p
         "judge_failures",
         "user_failures",
         "degenerate_groups",
-        "empty_updates",
+        "optimizer_steps",
         "nonfinite_grads",
     ):
         assert key in m[0], key
@@ -430,7 +431,7 @@ def test_all_equal_rewards_are_counted_and_teach_nothing(tiny_model, tmp_path, f
         "api:judge",
         "--api-base",
         server.base,
-        "--truncation-penalty",
+        "--cutoff-penalty",
         "0",
         "--out-dir",
         tmp_path,
@@ -438,8 +439,8 @@ def test_all_equal_rewards_are_counted_and_teach_nothing(tiny_model, tmp_path, f
     )
     assert p.returncode == 0, p.stderr[-3000:]
     for m in lines(only_run(tmp_path) / "metrics.jsonl"):
-        assert m["degenerate_groups"] == 2 and m["nonfinite_advantages"] == 0
-        assert m["loss"] == 0.0 and (m["empty_updates"], m["nonfinite_grads"], m["optimizer_steps"]) == (0, 0, 1)
+        assert m["degenerate_groups"] == 2
+        assert m["loss"] == 0.0 and (m["nonfinite_grads"], m["optimizer_steps"]) == (0, 1)
 
 
 # the schedule steps without an optimizer step on purpose (it follows the training steps): torch warns of that
@@ -461,10 +462,8 @@ def test_nothing_to_score_skips_the_update_without_nan(trainer, env, tiny_model)
         trust_remote_code=False,
         minibatch_size=4,
         micro_batch_size=2,
-        ppo_epochs=1,
+        update_epochs=1,
         temperature=1.0,
-        clip_low=0.2,
-        clip_high=0.28,
         kl_coef=0.0,
     )
     model, tok = common.load_policy(args, trainable=True)
@@ -477,10 +476,11 @@ def test_nothing_to_score_skips_the_update_without_nan(trainer, env, tiny_model)
     empty = env.Trajectory(
         scenario={}, k=1, ids=list(ids), messages=[], spans=[(len(ids), len(ids))], vs=[[0.0, 0.0, 0.0]]
     )  # an empty reply: no tokens
-    out = trainer.ppo_update(
+    out = trainer.policy_update(
         model, tok, opt, sched, trainer.as_samples([failed, empty], [[1.0], [-1.0]]), args, Accelerator()
     )
-    assert (out["empty_updates"], out["optimizer_steps"], out["train_tokens"]) == (1, 0, 0)
+    assert (out["optimizer_steps"], out["train_tokens"]) == (0, 0)
+    assert all(math.isnan(out[k]) for k in ("loss", "clip_frac", "grad_norm"))  # nothing measured: NaN, not 0
     assert sched.last_epoch == 1  # the schedule still follows the steps
     assert all(torch.isfinite(p).all() for p in model.parameters())
     # a non-finite reward (e.g. a broken custom judge) is replaced, so no NaN reaches the advantages
@@ -497,15 +497,15 @@ def test_nothing_to_score_skips_the_update_without_nan(trainer, env, tiny_model)
     targs = argparse.Namespace(
         idr_weights=(1, 1, 1),
         eps=1.0,
-        truncation_penalty=0.0,
+        cutoff_penalty=0.0,
         reward_weights={"idr": 1.0},
         kardia_format=False,
         care_distance="plain",
     )
-    r = trainer.turn_rewards(tr, targs)
-    assert all(x == x and abs(x) < 1e9 for x in r)
-    A = trainer.mica_advantages([r, [0.5, 0.1]], 0.4, 0.85)
-    assert all(a == a and abs(a) < 1e9 for row in A for a in row)
+    r, failed = trainer.turn_rewards(trainer.reward_parts([tr], targs, None)[0], tr, targs)
+    assert all(x == x and abs(x) < 1e9 for x in r) and failed == [False, True]  # the non-finite turn: failed
+    A, _ = trainer.ADVANTAGES["mica"]([[r, [0.5, 0.1]]], argparse.Namespace(alpha=0.4, gamma=0.85))
+    assert all(a == a and abs(a) < 1e9 for row in A[0] for a in row)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -103,6 +103,11 @@ def test_rollout_states_rewards_and_spans(env, trainer, tiny):
     assert int(attn.sum()) == sum(len(tr.ids) for tr in trajs)
 
 
+def rewards_of(trainer, tr, targs, graders=None):
+    """04's training reward per turn of one dialogue: its --reward parts by name, then turn_rewards."""
+    return trainer.turn_rewards(trainer.reward_parts([tr], targs, graders)[0], tr, targs)[0]
+
+
 def test_failed_judgement_is_flagged_and_left_out(env, trainer, tiny):
     model, tok = tiny
     script = [{"C": (1, 0), "A": (2, 0), "P": (0, 0)}, None, {"C": (2, 0), "A": (1, 1), "P": (1, 0)}]
@@ -114,12 +119,12 @@ def test_failed_judgement_is_flagged_and_left_out(env, trainer, tiny):
     targs = argparse.Namespace(
         idr_weights=(1, 1, 1),
         eps=1.0,
-        truncation_penalty=0.0,
+        cutoff_penalty=0.0,
         reward_weights={"idr": 1.0},
         kardia_format=False,
         care_distance="plain",
     )
-    r = trainer.turn_rewards(tr, targs)
+    r = rewards_of(trainer, tr, targs)
     assert r[1] == pytest.approx((r[0] + r[2]) / 2)  # filled with the mean valid reward
     ids, attn, mask = trainer.collate(trainer.as_samples(trajs), tok.pad_token_id, "cpu")
     s, e = tr.spans[1]
@@ -128,7 +133,7 @@ def test_failed_judgement_is_flagged_and_left_out(env, trainer, tiny):
     assert rec["turns"][1]["judge_failed"] and rec["turns"][1]["v"] is None
 
 
-def test_truncation_penalty(env, trainer, tiny):
+def test_cutoff_penalty(env, trainer, tiny):
     model, tok = tiny
     args = env_args(env, k=2, max_turns=2, min_turns=12, max_new_tokens=1)
     trajs = env.rollout(
@@ -138,14 +143,14 @@ def test_truncation_penalty(env, trainer, tiny):
     targs = argparse.Namespace(
         idr_weights=(1, 1, 1),
         eps=1.0,
-        truncation_penalty=0.5,
+        cutoff_penalty=0.5,
         reward_weights={"idr": 1.0},
         kardia_format=False,
         care_distance="plain",
     )
     assert any(tr.truncated)
     expected = [-0.5 * 3**0.5 if cut else 0.0 for cut in tr.truncated]  # half a level-1 turn's IDR, sqrt(3)
-    assert trainer.turn_rewards(tr, targs) == pytest.approx(expected)
+    assert rewards_of(trainer, tr, targs) == pytest.approx(expected)
 
 
 @pytest.mark.parametrize(
@@ -167,7 +172,7 @@ def test_cutoff_penalty_is_in_each_rewards_units(trainer, reward, weights, optio
     args = argparse.Namespace(
         **{
             "idr_weights": weights,
-            "truncation_penalty": 0.5,
+            "cutoff_penalty": 0.5,
             "reward_weights": reward,
             "kardia_format": False,
             "care_distance": "plain",
@@ -231,12 +236,12 @@ def test_emotion_is_kept_and_rlver_rewards_and_end_rule(env, trainer, tiny):
     targs = argparse.Namespace(
         idr_weights=(1, 1, 1),
         eps=1.0,
-        truncation_penalty=0.0,
+        cutoff_penalty=0.0,
         reward_weights={"idr": 1.0, "rlver": 0.5},
         kardia_format=False,
         care_distance="plain",
     )
-    assert trainer.turn_rewards(tr, targs) == pytest.approx([2.828 + 0.05, 0.363 + 0.0125, 1.231 + 0.0375], abs=1e-3)
+    assert rewards_of(trainer, tr, targs) == pytest.approx([2.828 + 0.05, 0.363 + 0.0125, 1.231 + 0.0375], abs=1e-3)
     rec = env.trajectory_record(tr, args)
     assert [t["emotion"] for t in rec["turns"]] == [40.0, 42.5, 50.0] and rec["final_emotion"] == 50.0
     # RLVER's end rule: from 95, +10 reaches 100 at once -> success; from 12, an off-topic reply -> failure
@@ -299,13 +304,16 @@ def test_care_reward_turn_by_turn(trainer):
         {"role": "user", "content": "u2"},
         {"role": "assistant", "content": "try one step"},
     ]
-    tr = types.SimpleNamespace(T=2, messages=msgs, shown=["feelings matter", "try one step"])
     rb = {
         "weights": {"cognitive": 0.2, "affective": 0.5, "proactive": 0.3},
         "criteria": {"cognitive": ["situation"], "affective": ["feelings", "warmth"], "proactive": ["step"]},
     }
+    tr = types.SimpleNamespace(
+        T=2, messages=msgs, shown=["feelings matter", "try one step"], extra={"rubrics": [rb, rb]}
+    )
     # turn 1: s = (0, (1 + 0)/2, 0) -> 0.5 * 0.5 = 0.25;  turn 2: s = (0, 0, 1) -> 0.3
-    assert trainer.care_turn_rewards(Fake(), [tr], [[rb, rb]]) == [pytest.approx([0.25, 0.3])]
+    graders = trainer.Graders(criteria_judge=Fake())
+    assert trainer.care_rewards([tr], argparse.Namespace(), graders) == [pytest.approx([0.25, 0.3])]
 
 
 def test_kardia_format_and_reward(env, trainer):
@@ -354,10 +362,12 @@ def test_kardia_format_and_reward(env, trainer):
     assert "(grief)" in trainer.kardia_criteria({"emotion": "grief"}, "...")[1]  # the scenario's emotion wins
     judge = Fake()
     # turn 1: (1 + 0.5 + 0.5 + 1 + 1 [fear named]) / 5 = 0.8; turn 2: no sections -> emotion 0, format -1
-    assert trainer.kardia_turn_rewards(judge, [tr], use_format=True) == [pytest.approx([0.8, 0.6 - 1.0])]
+    fmt = argparse.Namespace(kardia_format=True)
+    assert trainer.kardia_rewards([tr], fmt, trainer.Graders(criteria_judge=judge)) == [pytest.approx([0.8, 0.6 - 1.0])]
     assert [it["reply"] for it in judge.items if len(it["criteria"]) == 1] == ["fear", "(no emotion named)"]
     # without the format the emotion is judged on the shown reply itself
-    assert trainer.kardia_turn_rewards(Fake(), [tr], use_format=False) == [pytest.approx([0.6, 0.6])]
+    plain = argparse.Namespace(kardia_format=False)
+    assert trainer.kardia_rewards([tr], plain, trainer.Graders(criteria_judge=Fake())) == [pytest.approx([0.6, 0.6])]
     assert env.seen_history(tr)[1]["content"] == "That sounds frightening."  # the user never sees the rest
 
 
@@ -434,6 +444,51 @@ def test_every_reward_with_every_estimator_one_step(
             assert [t["reward"] for t in rec["turns"] if not t["judge_failed"]] == pytest.approx(want, abs=1e-4)
 
 
+def test_a_new_estimator_is_one_function_and_one_entry(trainer, tiny_model, tmp_path, monkeypatch):
+    """A fork's estimator, registered by name in the test: one 04 step runs it, rollouts.jsonl holds its A and
+    its own term for every turn, and the credit picture draws them."""
+    import json
+
+    def sign_of_return(rewards, args):
+        """A = +1 where the return-to-go G_t is above the group's mean return-to-go at t, else -1."""
+        A, G_all = [], []
+        for group in rewards:
+            G = [trainer.discounted_returns(r, args.gamma) for r in group]
+            A.append([[1.0 if g > 0 else -1.0 for g in G_k] for G_k in G])
+            G_all.append(G)
+        return A, {"G_sign_source": G_all}
+
+    monkeypatch.setitem(trainer.ADVANTAGES, "sign_of_return", sign_of_return)
+    trainer.main(
+        [
+            "--model",
+            tiny_model,
+            "--advantage",
+            "sign_of_return",
+            "--steps",
+            "1",
+            "--scenarios-per-step",
+            "2",
+            "--k",
+            "2",
+            "--max-turns",
+            "2",
+            "--max-new-tokens",
+            "5",
+            "--out-dir",
+            str(tmp_path),
+            "--no-progress",
+        ]
+    )
+    run = next(tmp_path.iterdir())
+    turns = [t for x in (run / "rollouts.jsonl").read_text().splitlines() for t in json.loads(x)["turns"]]
+    assert len(turns) >= 4
+    for t in turns:  # the logged return G and the estimator's A and term, turn by turn
+        assert t["terms"] == {"G_sign_source": t["G"]}
+        assert t["advantage"] == (1.0 if t["G"] > 0 else -1.0)
+    assert (run / "credit_step1.png").stat().st_size > 5_000
+
+
 def test_care_weights_the_distance_and_uniform_is_mica(trainer):
     import types
 
@@ -441,7 +496,7 @@ def test_care_weights_the_distance_and_uniform_is_mica(trainer):
     args = argparse.Namespace(idr_weights=(1, 1, 1), eps=1.0, reward_weights={"idr": 1.0}, care_distance="weighted")
     uniform = {"weights": {d: 1 / 3 for d in trainer.DIMS}}
     tr = types.SimpleNamespace(T=3, states=states, extra={"rubrics": [uniform] * 3})
-    assert trainer.reward_parts(tr, args)["idr"] == pytest.approx([2.828, 0.363, 1.231], abs=1e-3)
+    assert trainer.reward_parts([tr], args, None)[0]["idr"] == pytest.approx([2.828, 0.363, 1.231], abs=1e-3)
     # affective-heavy rubric: w = 3 * (0.2, 0.6, 0.2) = (0.6, 1.8, 0.6); turn 1 moves A by +3
     aff = {"weights": {"cognitive": 0.2, "affective": 0.6, "proactive": 0.2}}
     tr.extra["rubrics"] = [aff] * 3
@@ -449,11 +504,13 @@ def test_care_weights_the_distance_and_uniform_is_mica(trainer):
     def d(P):
         return (0.6 * max(0, -1 - P[0]) ** 2 + 1.8 * max(0, -1 - P[1]) ** 2 + 0.6 * max(0, -1 - P[2]) ** 2) ** 0.5
 
-    assert trainer.reward_parts(tr, args)["idr"] == pytest.approx([d(states[t]) - d(states[t + 1]) for t in range(3)])
-    assert trainer.reward_parts(tr, args)["idr"][0] > 2.828  # the affective move counts more
+    assert trainer.reward_parts([tr], args, None)[0]["idr"] == pytest.approx(
+        [d(states[t]) - d(states[t + 1]) for t in range(3)]
+    )
+    assert trainer.reward_parts([tr], args, None)[0]["idr"][0] > 2.828  # the affective move counts more
     # --care-distance plain keeps MICA's potential difference: the rewards telescope to d(P0) - d(P_T)
     args.care_distance = "plain"
-    plain = trainer.reward_parts(tr, args)["idr"]
+    plain = trainer.reward_parts([tr], args, None)[0]["idr"]
     assert plain == pytest.approx([2.828, 0.363, 1.231], abs=1e-3) and sum(plain) == pytest.approx(9.899495 - 5.477226)
 
 
@@ -540,10 +597,8 @@ def test_minibatches_hold_whole_scenarios_in_the_steps_order(trainer, tiny_model
         trust_remote_code=False,
         minibatch_size=8,
         micro_batch_size=2,
-        ppo_epochs=1,
+        update_epochs=1,
         temperature=1.0,
-        clip_low=0.2,
-        clip_high=0.28,
         kl_coef=0.0,
     )
     model, tok = common.load_policy(args)
@@ -561,14 +616,14 @@ def test_minibatches_hold_whole_scenarios_in_the_steps_order(trainer, tiny_model
         return cut(samples_, mb, size)
 
     monkeypatch.setattr(trainer, "micro_batches", recording)
-    out = trainer.ppo_update(model, tok, opt, sched, samples, args, Accelerator())
+    out = trainer.policy_update(model, tok, opt, sched, samples, args, Accelerator())
     # pi_old for the second minibatch first (the first one's ratio is 1), then the two optimizer steps in order
     assert seen == [list(range(8, 16)), [0, 1, 2, 3, 4, 6, 7], list(range(8, 16))]
     assert out["optimizer_steps"] == 2 and sched.last_epoch == 1
     assert cut(samples, [0, 1, 2, 3, 4], 2) == [[4, 3], [2, 1], [0]]  # shortest first, for the padding
 
 
-def test_the_clip_engages_on_the_second_minibatch(trainer, tiny_model):
+def test_the_clip_engages_on_the_second_minibatch(trainer, tiny_model, monkeypatch):
     """Two minibatches of one rollout with advantages +-1: the first step moves the policy, the second
     minibatch's ratio leaves [1 - clip_low, 1 + clip_high], and the clip counts those tokens; with one
     minibatch (pi_old = pi) nothing is ever clipped."""
@@ -584,12 +639,12 @@ def test_the_clip_engages_on_the_second_minibatch(trainer, tiny_model):
         trust_remote_code=False,
         minibatch_size=4,
         micro_batch_size=2,
-        ppo_epochs=1,
+        update_epochs=1,
         temperature=1.0,
-        clip_low=0.01,
-        clip_high=0.01,
         kl_coef=0.0,
     )
+    monkeypatch.setattr(trainer, "CLIP_LOW", 0.01)  # a narrow clip: the first step's move leaves it
+    monkeypatch.setattr(trainer, "CLIP_HIGH", 0.01)
     out = {}
     for minibatch_size in (8, 4):
         model, tok = common.load_policy(argparse.Namespace(**{**vars(args), "minibatch_size": minibatch_size}))
@@ -598,7 +653,7 @@ def test_the_clip_engages_on_the_second_minibatch(trainer, tiny_model):
         ids = tok("I feel so alone since my dad died. That sounds really painful.")["input_ids"]
         samples = [trainer.Sample(ids, [(4, len(ids))], [1.0 if i % 2 else -1.0]) for i in range(8)]
         args.minibatch_size = minibatch_size
-        out[minibatch_size] = trainer.ppo_update(model, tok, opt, sched, samples, args, Accelerator())
+        out[minibatch_size] = trainer.policy_update(model, tok, opt, sched, samples, args, Accelerator())
     assert out[8]["optimizer_steps"] == 1 and out[8]["clip_frac"] == 0.0 and out[8]["ratio_max"] == pytest.approx(1.0)
     assert out[4]["optimizer_steps"] == 2 and out[4]["clip_frac"] > 0  # tokens after the first step
     assert out[4]["ratio_min"] < 0.99 or out[4]["ratio_max"] > 1.01
@@ -633,25 +688,19 @@ def test_a_failed_criteria_judge_leaves_its_turn_out_like_a_failed_empa_judge(en
     targs = argparse.Namespace(
         **vars(args),
         idr_weights=(1, 1, 1),
-        truncation_penalty=0.0,
+        cutoff_penalty=0.0,
         care_distance="plain",
         reward_weights=trainer.parse_reward_spec(reward),
         gamma=0.85,
     )
     for i, tr in enumerate(trajs):
         tr.extra["rubrics"] = [trainer.sft.UNIFORM_RUBRIC] * tr.T
-    if "care" in reward:
-        parts = trainer.care_turn_rewards(Judge(), trajs, [[trainer.sft.UNIFORM_RUBRIC] * tr.T for tr in trajs])
-    else:
-        parts = trainer.kardia_turn_rewards(Judge(), trajs, use_format=False)
-    for tr, part in zip(trajs, parts):
-        tr.extra["care" if "care" in reward else "kardia"] = part
-    failed = [trainer.failed_turns(tr, targs) for tr in trajs]
-    assert failed == [[False, True, False], [False, False, True]] and not any(
+    parts = trainer.reward_parts(trajs, targs, trainer.Graders(criteria_judge=Judge()))
+    rewards, failed = zip(*[trainer.turn_rewards(p, tr, targs) for p, tr in zip(parts, trajs)])
+    assert list(failed) == [[False, True, False], [False, False, True]] and not any(
         tr.judge_failed[t] for tr in trajs for t in range(3)
     )
-    for tr, F in zip(trajs, failed):
-        r = trainer.turn_rewards(tr, targs)
+    for r, F in zip(rewards, failed):
         valid = [x for x, f in zip(r, F) if not f]
         assert all(x == pytest.approx(sum(valid) / len(valid)) for x, f in zip(r, F) if f)  # filled with the mean
     samples = trainer.as_samples(trajs, [[1.0] * 3, [1.0] * 3], failed)
@@ -660,7 +709,7 @@ def test_a_failed_criteria_judge_leaves_its_turn_out_like_a_failed_empa_judge(en
         sum(e - s for (s, e), f in zip(tr.spans, F) if not f) for tr, F in zip(trajs, failed)
     ]
     recs = [
-        trainer.dialogue_record(targs, 1, tr, trainer.turn_rewards(tr, targs), [0.0] * 3, F, None)
+        trainer.dialogue_record(targs, 1, tr, rewards_of(trainer, tr, targs), [0.0] * 3, F, None)
         for tr, F in zip(trajs, failed)
     ]
     assert sum(t["judge_failed"] for r in recs for t in r["turns"]) == 2  # judge_failures counts them
@@ -690,6 +739,6 @@ def test_the_rubric_generator_and_its_judge_read_the_same_shown_history(trainer,
 
     monkeypatch.setattr(trainer.sft, "generate_rubrics", generate)
     args = argparse.Namespace(rubric="adaptive", rubric_max_new_tokens=8)
-    rubrics, invalid = trainer.turn_rubrics(None, None, [tr], args)
+    invalid = trainer.write_rubrics([tr], trainer.Graders(), args)
     assert seen[1] == [msgs[1], {"role": "assistant", "content": "I hear you."}, msgs[3]]
-    assert seen[0] == [msgs[1]] and invalid == 2 and rubrics == [[trainer.sft.UNIFORM_RUBRIC] * 2]
+    assert seen[0] == [msgs[1]] and invalid == 2 and tr.extra["rubrics"] == [trainer.sft.UNIFORM_RUBRIC] * 2

@@ -303,7 +303,7 @@ def test_care_score_hand_computed():
     rubric = {"weights": {"cognitive": 0.40, "affective": 0.35, "proactive": 0.25}}  # CARE's conflict case
     s = {"cognitive": [0.5, 0.7], "affective": [0.9], "proactive": [0.2, 0.4, 0.6]}
     # S = 0.40 * 0.6 + 0.35 * 0.9 + 0.25 * 0.4 = 0.24 + 0.315 + 0.1 = 0.655
-    assert pref.rubric_score(rubric, s) == pytest.approx(0.655)
+    assert pref.sft.rubric_score(rubric, s) == pytest.approx(0.655)
 
 
 def test_preference_reward_terms_and_ablations():

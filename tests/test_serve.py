@@ -303,7 +303,7 @@ def test_a_04_step_with_judge_and_user_on_the_server(tiny_model, served, tmp_pat
     # tiny random judge writes no JSON: each of its turns is counted as failed, and the update is skipped
     assert served.answered() - before == 4 + 2  # 4 judged turns, 2 second user turns
     assert (m["judge_api_failed_calls"], m["user_api_failed_calls"], m["user_failures"]) == (0, 0, 0)
-    assert m["judge_failures"] == sum(t["judge_failed"] for t in turns) == 4 and m["empty_updates"] == 1
+    assert m["judge_failures"] == sum(t["judge_failed"] for t in turns) == 4 and m["optimizer_steps"] == 0
     assert all(t["user"] for t in turns)
     print(f"served user said: {turns[1]['user'][:60]!r}")
 

@@ -36,13 +36,13 @@ def test_presets_follow_the_device_and_flags_given_win(monkeypatch):
     assert "preset gpu (auto: CUDA found)" in gpu.preset_note
     given = trainer.parse_args(["--lr", "3e-5", "--judge", "embed", "--max-turns", "10"])
     assert (given.lr, given.judge, given.max_turns, given.user) == (3e-5, "embed", 10, "self")
-    assert "--lr 1e-05 (given: 3e-05)" in given.preset_note and "--max-turns 15 (given: 10)" in given.preset_note
+    assert given.flags_given == {"lr": 3e-5, "judge": "embed", "max_turns": 10}  # against the preset's defaults
     cpu_on_gpu = trainer.parse_args(["--preset", "cpu"])  # asked for: the reference
     assert (cpu_on_gpu.lr, cpu_on_gpu.max_turns, cpu_on_gpu.judge) == (1e-3, 3, "embed")
     demo = trainer.parse_args(["--preset", "demo", "--steps", "3"])
     assert trainer.PRESETS["demo"] == dict(steps=4, log_kl_every=2, save_every=4)
     assert (demo.steps, demo.log_kl_every, demo.save_every) == (3, 2, 4)
-    assert "--steps 4 (given: 3)" in demo.preset_note
+    assert demo.flags_given == {"preset": "demo", "steps": 3} and "preset demo (asked" in demo.preset_note
     assert not hasattr(demo, "heldout_scenarios")  # the comparison is 05's now
 
 
@@ -74,6 +74,10 @@ def test_train_run_draws_its_curves_and_05_compares_base_and_trained_held_out(ti
     )
     assert p.returncode == 0, p.stderr[-3000:]
     run = only_run(tmp_path / "train")
+    # a quiet console: one header line (the folder, the preset, the flags given), then one line per step
+    header, *rest = [line for line in p.stdout.splitlines() if line.strip()]
+    assert header.startswith(f"run folder {run} | preset cpu (auto: no CUDA") and "flags given: --steps 2 " in header
+    assert [line.split(" | ")[0] for line in rest[:2]] == ["step    1", "step    2"]
     png = (run / "curves.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000  # a real picture, five panels
     # 05 compares the adapter with the base on 3 held-out scenarios x K=2, paired by scenario, k and seed

@@ -64,7 +64,8 @@ def dialogue(step, sid, k, turns):
 
 
 def records():
-    """2 steps x 2 dialogues: a judge-failed turn, a cut-off turn, rubrics and A_turn / A_group on some turns."""
+    """2 steps x 2 dialogues: a judge-failed turn, a cut-off turn, rubrics, and the estimator's terms A_turn and
+    A_group on some turns."""
     return [
         dialogue(
             1,
@@ -82,8 +83,7 @@ def records():
                     35.0,
                     0.8123,
                     rubric=rubric(0.5, 0.3, 0.2),
-                    A_turn=1.2345,
-                    A_group=0.5432,
+                    terms={"A_turn": 1.2345, "A_group": 0.5432},
                 ),
                 turn(
                     2,
@@ -122,8 +122,7 @@ def records():
                     72.5,
                     0.9876,
                     rubric=rubric(0.1, 0.1, 0.8),
-                    A_turn=-0.75,
-                    A_group=0.125,
+                    terms={"A_turn": -0.75, "A_group": 0.125},
                 )
             ],
         ),
@@ -232,8 +231,9 @@ def test_the_page_shows_every_turn_escaped_marked_and_numbered(tmp_path):
             assert t["user"] in got and t["assistant"] in got
             for key in ("distance", "reward", "advantage", "emotion"):
                 assert fmt(t[key]) in got, (key, t[key], got)
-            for key in ("A_turn", "A_group"):  # on some turns only
-                assert (f"{key} " in got) == (key in t) and (key not in t or f"{key} {fmt(t[key])}" in got)
+            terms = t.get("terms", {})
+            for key in ("A_turn", "A_group"):  # the estimator's terms, on some turns only
+                assert (f"{key} " in got) == (key in terms) and (key not in terms or f"{key} {fmt(terms[key])}" in got)
             for x in t["state"]:
                 assert fmt(x) in got
             assert ("cut off" in got) == t["truncated"]
