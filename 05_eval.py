@@ -9,7 +9,7 @@ What it does
               the IDR return d(P0) - d(P_T), the collapse share, the cut-off share and the replies'
               naturalness (their mean per-token log-likelihood under the base, the adapter off), with a 95% t
               interval over scenarios (a scenario's K dialogues are not independent) and a verdict line each
-              (under 3 scenarios, or with no spread: too few scenarios to tell).
+              (under 3 scenarios: too few scenarios to tell; equal differences: no spread).
     eqbench3  benchmarks/eqbench3.py: with --eqbench3-dir EQ-Bench 3's official rubric protocol (its texts read
               from that checkout, --judge an LLM, --iterations), else this project's variant (offline: a proxy),
               not comparable with EQ-Bench 3: fixed user turns, replies capped at --max-new-tokens.
@@ -50,7 +50,7 @@ Equations (docs/reference.md sections 3, 4, 6; r0 = ||P0||, rho_max = sqrt(12), 
              dialogues averaged first), tasks, profiles, items; none below 2 units
 
 Choices and departures (numbered as in docs/evaluation.md, where each is in full)
-  1. S_proj's u_t = v* (--s-proj step: -P_{t-1}/||P_{t-1}||); R_pen counts levels (--r-pen points).
+  1. S_proj's u_t = v* (S_PROJ; "step": -P_{t-1}/||P_{t-1}||); R_pen counts levels (R_PEN; "points").
   2. tau undefined (P_T = P0): its index is 0; no index is clamped.  3. Judge-failed turns are left out; a
      case with no judged turn, or whose user failed, is excluded and counted.  4-6. SAGE, EQ-Bench 3 (without
      --eqbench3-dir not comparable with it; offline a PROXY) and EmoBench: their departures in benchmarks/.
@@ -65,7 +65,6 @@ GPU:  python 05_eval.py --model Qwen2.5-7B-Instruct --adapters runs/mica-A/adapt
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib
 import json
 import math
@@ -88,6 +87,9 @@ env = importlib.import_module("03_rollout")  # the environment: scenarios, judge
 HERE = Path(__file__).resolve().parent
 SUITES = ("empa", "eqbench3", "sage", "emobench")
 RHO_MAX, ALPHA_S, BETA = math.sqrt(12), 1.5, 1.2
+# two readings the EMPA paper leaves open (docs/evaluation.md, choice 1); epm_index also takes the others
+R_PEN = "levels"  # R_pen counts a turn's negative levels ("points": their points, NEGATIVE_POINTS)
+S_PROJ = "goal"  # S_proj's direction u_t: the goal v* = -P0/||P0|| ("step": -P_{t-1}/||P_{t-1}||)
 EPM_KEYS = (
     "EPM",
     "Outcome",
@@ -226,8 +228,7 @@ def naturalness(model, tok, trajs, batch_size: int) -> list[list[float | None]]:
     dialogue's context: what the replies have become, beside the reward (None for an empty reply)."""
     # nat_t = (1/|y_t|) sum_{i in y_t} log pi_base(y_i | the dialogue before token i)
     out = []
-    base_only = model.disable_adapter() if hasattr(model, "disable_adapter") else contextlib.nullcontext()
-    with base_only:
+    with common.adapters_off(model):
         for j in range(0, len(trajs), batch_size):
             part = trajs[j : j + batch_size]
             ids, attn, mask = common.right_pad(
@@ -332,15 +333,19 @@ def compare_with_base(records: list[dict], adapters: list[str]) -> tuple[list[st
                 continue
             b, t = [by["base", c][key] for c in both], [by[a, c][key] for c in both]
 
-            def over_scenarios(value):  # a scenario's K dialogues averaged first: the scenarios are the units
-                return t_interval([statistics.mean(value(c) for c in both if c.split("#")[0] == s) for s in scenarios])
+            def per_scenario(value):  # a scenario's K dialogues averaged first: the scenarios are the units
+                return [statistics.mean(value(c) for c in both if c.split("#")[0] == s) for s in scenarios]
 
-            diff, half = over_scenarios(lambda c: by[a, c][key] - by["base", c][key])  # the paired difference
-            lo, hi = (diff - half, diff + half) if half is not None else (diff, diff)
-            few = len(scenarios) < 3 or not half  # a verdict needs a spread: 3+ scenarios, not all equal
+            diffs = per_scenario(lambda c: by[a, c][key] - by["base", c][key])  # the paired difference
+            diff, half = t_interval(diffs)
+            flat = min(diffs) == max(diffs)  # no spread: every scenario's difference is the same
+            lo, hi = (diff - half, diff + half) if half is not None and not flat else (diff, diff)
+            # a verdict needs a spread to stand on: 3+ scenarios whose differences are not all equal
             verdict = (
-                f"too few scenarios to tell ({len(scenarios)}, spread {half or 0:.3f})"
-                if few
+                f"too few scenarios to tell ({len(scenarios)})"
+                if len(scenarios) < 3
+                else f"no spread over {len(scenarios)} scenarios: every scenario's difference is {diff:+.3f}"
+                if flat
                 else "ahead beyond the spread"
                 if (lo > 0 if higher else hi < 0)
                 else "behind beyond the spread"
@@ -357,8 +362,8 @@ def compare_with_base(records: list[dict], adapters: list[str]) -> tuple[list[st
                 "adapter": statistics.mean(t),
                 "diff": diff,
                 "ci": [lo, hi],
-                "base_ci": over_scenarios(lambda c: by["base", c][key]),
-                "adapter_ci": over_scenarios(lambda c: by[a, c][key]),
+                "base_ci": t_interval(per_scenario(lambda c: by["base", c][key])),
+                "adapter_ci": t_interval(per_scenario(lambda c: by[a, c][key])),
                 "scenarios": len(scenarios),
                 "dialogues": len(both),
                 "verdict": verdict,
@@ -414,9 +419,7 @@ def empa_cases(model, tok, scenarios, judge, user, args) -> tuple[list[dict], li
             ),
         }
         if judged:
-            case.update(
-                epm_index(tr.scenario["p0"], [v for v, _ in judged], [lv for _, lv in judged], args.r_pen, args.s_proj)
-            )
+            case.update(epm_index(tr.scenario["p0"], [v for v, _ in judged], [lv for _, lv in judged], R_PEN, S_PROJ))
         cases.append(case)
         transcripts.append({"case": case["case"], **rec})
     return cases, transcripts
@@ -564,7 +567,7 @@ def write_results(run_dir: Path, args) -> str:
             f"before turn {args.min_turns}, collapse window {args.collapse_window}, the regression sum over all "
             f"8 dE, values rounded to 2 decimals first); this project's scenarios "
             f"({Path(args.scenarios).name}), judge prompt (judge {args.judge}) and K = {args.k} dialogues per "
-            f"scenario (the benchmark plays one: --k 1). R_pen counts negative {args.r_pen} per turn; tau's "
+            f"scenario (the benchmark plays one: --k 1). R_pen counts negative {R_PEN} per turn; tau's "
             "index is 0 where P_T = P0.",
         ]
     md += ["", "```", *compared, "```"] if compared else []
@@ -667,15 +670,6 @@ def parse_args(argv=None):
         default=8,
         help="cases generated together (EmoBench log-likelihood: options scored "
         "together after their shared prompt); saved after each batch",
-    )
-    g.add_argument(
-        "--r-pen", choices=["levels", "points"], default="levels", help="EPM R_pen counts negative levels or points"
-    )
-    g.add_argument(
-        "--s-proj",
-        choices=["goal", "step"],
-        default="goal",
-        help="EPM S_proj direction u_t: goal v* = -P0/||P0||, or step -P_{t-1}/||P_{t-1}||",
     )
     for flag, name, what in (
         (

@@ -146,26 +146,30 @@ def rubric_weights(run_dir: Path, dims) -> list[Path]:
 
 # ---- 05's held-out pictures -------------------------------------------------------------------
 def comparison(comparison: dict, measures, path: Path) -> Path:
-    """comparison.png: per measure, the base and each adapter, their means with the 95% t interval over
-    scenarios (written to a temporary file, then renamed)."""
+    """comparison.png: per measure, one row per adapter, its paired difference from the base (adapter - base,
+    each scenario's dialogues averaged first) with the 95% t interval over scenarios and a line at 0, as the
+    verdict reads it (an interval clear of 0 on the better side: ahead beyond the spread); the verdict beside."""
     plt = pyplot()
     adapters = list(comparison)
-    fig, axes = plt.subplots(1, len(measures), figsize=(4.2 * len(measures), 3.4), squeeze=False)
-    for ax, (key, label, higher) in zip(axes[0], measures):
-        first = comparison[adapters[0]][key]
-        points = [("base", first["base_ci"])] + [
-            (Path(a).parent.name or a, comparison[a][key]["adapter_ci"]) for a in adapters
-        ]
-        for x, (name, (mean, half)) in enumerate(points):
-            ax.errorbar([x], [mean], yerr=[[half or 0.0], [half or 0.0]], fmt="o", capsize=5)
-        ax.set_xticks(range(len(points)), [name for name, _ in points], fontsize=7, rotation=15)
-        ax.set_title(f"{label} ({'higher' if higher else 'lower'} is better)", fontsize=9)
-        ax.tick_params(labelsize=7)
-    fig.suptitle(
-        f"held out: mean and 95% t interval over {first['scenarios']} scenarios "
-        f"({first['dialogues']} dialogues a model)",
-        fontsize=9,
+    fig, axes = plt.subplots(
+        1, len(measures), figsize=(4.2 * len(measures), 1.9 + 0.45 * len(adapters)), squeeze=False, sharey=True
     )
+    for ax, (key, label, higher) in zip(axes[0], measures):
+        for y, a in enumerate(adapters):
+            s = comparison[a].get(key)  # None: a measure this adapter's records lack
+            if s is None:
+                continue
+            lo, hi = s["ci"]
+            ax.errorbar([s["diff"]], [y], xerr=[[s["diff"] - lo], [hi - s["diff"]]], fmt="o", capsize=5, color=f"C{y}")
+            said = s["verdict"].split(":")[0]  # "no spread over N scenarios: every ..." up to its colon
+            said += "" if "scenarios" in said else f" ({s['scenarios']} scenarios)"
+            ax.text(0.5, y - 0.22, said, transform=ax.get_yaxis_transform(), ha="center", va="bottom", fontsize=6)
+        ax.axvline(0, color="0.5", linewidth=0.8)
+        ax.set_title(f"{label}: adapter - base ({'right' if higher else 'left'} of 0 is better)", fontsize=8)
+        ax.tick_params(labelsize=7)
+    axes[0][0].set_yticks(range(len(adapters)), [Path(a).parent.name or a for a in adapters], fontsize=7)
+    axes[0][0].set_ylim(len(adapters) - 0.4, -0.6)  # the first adapter on top, room for its verdict
+    fig.suptitle("held out: each adapter's paired difference from the base, 95% t interval over scenarios", fontsize=9)
     fig.tight_layout()
     return save(fig, path)
 

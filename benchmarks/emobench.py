@@ -39,7 +39,8 @@ Departures from the official code, and where it had to be read (official mode; d
      "/no_think" before the system prompt, as model.py does.
   4. 05 resumes, samples (--max-cases) and batches; the official code saves results/ and a leaderboard.
   The loglik mode is this project's: each option scored by its mean log-probability (no generation, no parse).
-A support module: it imports common.py, never a stage; 05 hands it the model and the batch.
+A support module: it imports common.py and its package (benchmarks.checkout), never a stage; 05 hands it
+the model and the batch.
 """
 
 from __future__ import annotations
@@ -50,18 +51,26 @@ import json
 import re
 import statistics
 import string
-import subprocess
 from pathlib import Path
 
 import torch
 import yaml
 
+import benchmarks
 import common
 
 HERE = Path(__file__).resolve().parents[1]
 TEXTS = json.loads((HERE / "data" / "prompts.json").read_text(encoding="utf-8"))
 LOGLIK = "option log-likelihood (not the official protocol)"
 LANGUAGES = ("en", "zh")  # the official code's languages (main.py LANGS); it reads no other
+# what the official protocol reads from --emobench-dir (its label's commit covers these)
+OFFICIAL_FILES = (
+    "src/configs/prompts.yaml",
+    "src/configs/response.yaml",
+    "src/utils.py",
+    "data/EU.jsonl",
+    "data/EA.jsonl",
+)
 LETTERS = string.ascii_uppercase  # the choices' letters, "A) ..." (data.py rank_choices)
 TEMPERATURE, MAX_NEW_TOKENS = 0.6, 50  # the official API models' temperature, its HF models' budget
 NO_THINK = "/no_think\n\n"  # Qwen's switch, before the system prompt when the model's name has "qwen"
@@ -151,21 +160,13 @@ def answer_layout(path: Path) -> str:
 
 
 def protocol_label(root: Path) -> str:
-    """ "official protocol (PATH at commit C)" when PATH is a git checkout (its top folder), "with local
-    changes" when its tracked files differ; else "official protocol (PATH, not a git checkout)"."""
-
-    def git(*argv):
-        try:
-            out = subprocess.run(["git", "-C", str(root), *argv], capture_output=True, text=True, timeout=30)
-        except (OSError, subprocess.TimeoutExpired):
-            return None
-        return out.stdout.strip() if out.returncode == 0 else None
-
-    top = git("rev-parse", "--show-toplevel")
-    if top is None or Path(top).resolve() != root.resolve():
+    """ "official protocol (PATH at commit C)" when PATH is the official checkout (benchmarks.checkout's rule on
+    OFFICIAL_FILES), "with local changes" when one of them differs; else "official protocol (PATH, not a git
+    checkout)"."""
+    found = benchmarks.checkout(root, OFFICIAL_FILES)
+    if found is None:
         return f"official protocol ({root}, not a git checkout)"
-    changed = " with local changes" if git("status", "--porcelain", "--untracked-files=no") else ""
-    return f"official protocol ({root} at commit {git('rev-parse', 'HEAD')}{changed})"
+    return f"official protocol ({root} at commit {found[0]}{' with local changes' if found[1] else ''})"
 
 
 def official_messages(texts: dict, item: dict, kind: str, model_name: str) -> list[dict]:

@@ -44,7 +44,8 @@ Where the official code is broken, ambiguous or depends on an API, and what this
      generate: temperature, then min_p; top_p 1, top_k off), the messages rendered by its chat template with
      no system prompt (the harness sends none). A reply gets 12,000 tokens, fewer with --eqbench3-tokens, or
      the room left under --max-context; the column then says "reply budget lowered to N tokens". A turn with
-     no room left fails the task ("context limit"), as an endpoint's refusal does there.
+     no room left fails the task ("context limit"), as an endpoint's refusal does there; 05's cell counts
+     them ("N failed (M at the context limit)").
   2. A reply is the decoded text cut as the harness's client cuts it (after a closing </think> or
      </reasoning> when both tags are there) and stripped of surrounding whitespace (the harness keeps what
      the endpoint sent). An api: judge's answer gets the same cut, then the strip the harness applies; an
@@ -66,13 +67,15 @@ Where the official code is broken, ambiguous or depends on an API, and what this
 This project's variant (no --eqbench3-dir; not comparable with EQ-Bench 3)
   - load reads scenario_prompts.txt tolerantly (`####### 1` counts; kinds: ids 401-420 or an "analysis"
     category, a "draft" category); the raw turns are sent; replies are capped at --max-new-tokens, and later
-    turns that do not fit --max-context are not played; no debrief.
+    turns that do not fit --max-context are not played (the task judged on those before; 05's cell: "N ended
+    at the context limit"); no debrief.
   - An LLM judge gets this project's prompt (data/prompts.json "eqbench3_judge") and six criteria per kind:
     score = 5 * the mean over tasks of the mean of the task's criterion scores.
   - Offline (the embed judge) it is a PROXY: per axis clip(10 + 5 (progress - negative), 0, 20), each criterion
     the mean of its stand-in axis over the replies; analysis tasks are not scored (nothing offline can judge
     them).
-A support module: it imports common.py, never a stage; 05 hands it the model, the judge and the flags.
+A support module: it imports common.py and its package (benchmarks.checkout), never a stage; 05 hands it
+the model, the judge and the flags.
 """
 
 from __future__ import annotations
@@ -82,10 +85,10 @@ import functools
 import json
 import re
 import statistics
-import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+import benchmarks
 import common
 
 HERE = Path(__file__).resolve().parents[1]
@@ -119,6 +122,7 @@ REPLY_TOKENS, TEMPERATURE, MIN_P = 12_000, 0.7, 0.1  # each scenario turn
 DEBRIEF_TEMPERATURE = 0.5  # the debrief: no min_p, the same token budget
 JUDGE_TOKENS, JUDGE_TEMPERATURE = 8_000, 0.0
 MIN_REPLY_CHARS = 100  # the guard: some scenario reply this long (stripped), or not judged
+AT_LIMIT = "context limit"  # an official task failed so: a turn with no room left under --max-context
 REASONING_KEY = "chain_of_thought_reasoning"
 FILES = {
     "prompts": "scenario_prompts.txt",
@@ -346,22 +350,12 @@ def output_format(reasoning: str, criteria: list[str]) -> str:
 
 
 def git_commit(folder: Path) -> str:
-    """`git -C PATH rev-parse HEAD` (12 characters, "+ local changes" when a file the protocol reads differs from
-    it: the leaderboard files and pages the harness keeps beside them may be absent)."""
-    run = ["git", "-C", str(folder)]
-    read = [f"data/{name}" for name in FILES.values()] + ["core/benchmark.py"]
-    try:
-        top, head = subprocess.run(
-            run + ["rev-parse", "--show-toplevel", "HEAD"], capture_output=True, text=True, timeout=30, check=True
-        ).stdout.splitlines()
-        changed = subprocess.run(
-            run + ["status", "--porcelain", "--", *read], capture_output=True, text=True, timeout=30, check=True
-        ).stdout.strip()
-    except (OSError, subprocess.SubprocessError, ValueError):
+    """The checkout's commit, 12 characters, "+ local changes" when a file the protocol reads differs from it (the
+    leaderboard files and pages the harness keeps beside them may be absent); benchmarks.checkout's rule."""
+    found = benchmarks.checkout(folder, [f"data/{name}" for name in FILES.values()] + ["core/benchmark.py"])
+    if found is None:
         return "no commit (not a git checkout)"
-    if Path(top).resolve() != folder.resolve():  # a folder inside another repository
-        return "no commit (not a git checkout)"
-    return head[:12] + (" + local changes" if changed else "")
+    return found[0][:12] + (" + local changes" if found[1] else "")
 
 
 def kind_of(sid: str) -> str:
@@ -677,7 +671,7 @@ def respond(model, tok, asks: dict, runs: list, args, temperature: float, min_p,
         ids = common.render_ids(tok, messages)
         budget = min(args.eqbench3_tokens, args.max_context - len(ids))
         if budget <= 0:
-            runs[j]["failed"] = f"context limit ({what} does not fit --max-context {args.max_context})"
+            runs[j]["failed"] = f"{AT_LIMIT} ({what} does not fit --max-context {args.max_context})"
             continue
         budgets.setdefault(budget, []).append((j, ids))
     out = {}
@@ -707,11 +701,13 @@ def summary(cases: list[dict], t_interval) -> dict:
             "budget": min((c["reply_budget"] for c in official if c.get("reply_budget")), default=None),
             "judge_budget": min(c.get("judge_budget", JUDGE_TOKENS) for c in official),
         }
+        s["context_limit"] = sum(str(c.get("failed") or "").startswith(AT_LIMIT) for c in official)  # failed so
         if ok:
             s.update(rubric_score([c["rubric"] for c in ok]))
     else:
         scored = [c for c in ok if "score" in c]  # offline, analysis tasks are kept but not scored
         s = {"n": len(scored), "unscored": len(ok) - len(scored), "proxy": any(c.get("proxy") for c in cases)}
+        s["context_limit"] = sum(bool(c.get("context_limit")) for c in scored)  # judged on the turns that fit
         if scored:
             s["score"] = t_interval([c["score"] for c in scored])
     scored = [c for c in ok if "score" in c]
@@ -746,13 +742,16 @@ def column(summaries: dict, official_dir=None) -> str:
 
 
 def cell(s: dict, fmt) -> str:
-    """05's EQ-Bench 3 cell for one model."""
-    failed = f"; {s['failed']} failed" if s.get("failed") else ""
+    """05's EQ-Bench 3 cell for one model, with how many tasks reached the context limit (official: failed so;
+    the variant: judged on the turns that fit)."""
+    failed, limit = f"; {s['failed']} failed" if s.get("failed") else "", s["context_limit"]
     if "protocol" in s:
         runs = f", {s['iterations']} iterations" if s["iterations"] > 1 else ""
+        failed += f" ({limit} at the context limit)" if limit else ""
         return (f"{s['score']:.2f} (n={s['n']} scored{runs})" if s["n"] else "-") + failed
     unscored = f"; {s['unscored']} analysis not scored (needs an LLM judge)" if s.get("unscored") else ""
-    return (fmt(s["score"], s["n"]) if s["n"] else "-") + failed + unscored
+    ended = f"; {limit} ended at the context limit" if limit else ""
+    return (fmt(s["score"], s["n"]) if s["n"] else "-") + failed + ended + unscored
 
 
 def notes(summaries: dict, official_dir=None) -> list[str]:

@@ -40,15 +40,18 @@ Where the official code is broken or silent, and what this file does (docs/evalu
   5. Sampling: the official calls set none, so an endpoint's defaults: temperature 1, top-p 1 (the OpenAI
      API's), for the tested model and the simulator alike; a reply gets REPLY_TOKENS new tokens (the
      longest published reply, GPT-4.1's, is 1,992 characters), or what room is left under --max-context,
-     and a dialogue with no room left ends (`ended`: context limit). --max-new-tokens and --judge are not
-     used; --sage-turns is the number of replies (10, the official).
+     and a dialogue with no room left ends (`ended`: context limit), scored at its emotion as it stands, like
+     one the protocol ended; 05's cell says how many did. --max-new-tokens and --judge are not used;
+     --sage-turns is the number of replies (10, the official).
 This project's variant (no --sage-dir; "this project's variant, not the official protocol")
   - It runs on 03's rollout with this project's prompts (data/prompts.json "sage_judge", "sage_first_message"):
     --judge states the change (JSON), --user speaks; offline the change comes from the embed judge's levels
-    (03's emotion_change: English cues only). No goodbye rule; 10 updates; failed cases leave the mean.
+    (03's emotion_change: English cues only). No goodbye rule; 10 updates; failed cases leave the mean; a
+    dialogue that reaches --max-context ends there (03's outcome context_limit), counted in 05's cell.
   - Without first_talk the user opens with what an LLM user writes from the profile (offline: a fixed line),
     never with the scene.
-A support module: it imports common.py, never a stage; 05 hands it 03's environment (env).
+A support module: it imports common.py and its package (benchmarks.checkout), never a stage; 05 hands it
+03's environment (env).
 """
 
 from __future__ import annotations
@@ -59,7 +62,6 @@ import functools
 import json
 import math
 import re
-import subprocess
 import sys
 from dataclasses import dataclass, field
 from decimal import ROUND_HALF_UP, Decimal
@@ -67,6 +69,7 @@ from pathlib import Path
 
 if __package__ in (None, ""):  # run as `python benchmarks/sage.py`: the repository root on the path
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import benchmarks  # noqa: E402
 import common  # noqa: E402
 
 HERE = Path(__file__).resolve().parents[1]
@@ -81,6 +84,7 @@ PROMPT_FILES = ("simulator_response.py", "npc_response.py")  # what the official
 CHANGE_MAX, SUCCESS_AT, FAILURE_BELOW = 10, 100, 10  # |change| <= 10; e >= 100 success, e < 10 failure
 GOODBYES = ("再见", "拜拜")  # in the simulator's answer: the dialogue ends
 REASKS = 5  # re-asks of an unparsable simulator answer (the official loop has no bound)
+AT_LIMIT = "context limit"  # how a dialogue with no room left for a reply ended (the variant: 03's context_limit)
 REPLY_TOKENS = 2048  # the tested model's reply budget (the official call sets none)
 SIM_TOKENS = 2048  # the simulator's answer budget (four or five sections)
 TEMPERATURE, TOP_P = 1.0, 1.0  # an endpoint's defaults: the official calls set no sampling
@@ -108,19 +112,23 @@ def sentient_score(finals: list[float]) -> dict:
 
 def summary(cases: list[dict]) -> dict:
     """05's SAGE summary of the cases it keeps (the official protocol keeps every profile): the score, the
-    counts, the unanswered cases listed, and the protocol that produced them."""
+    counts, the unanswered cases listed, the dialogues that ended at the context limit (scored as they stood,
+    like those the protocol ended), and the protocol that produced them."""
     s = sentient_score([c["final_emotion"] for c in cases])
     s.update(
         unanswered=[c["case"] for c in cases if c.get("unanswered")],
+        context_limit=sum(c.get("ended") == AT_LIMIT or c.get("outcome") == "context_limit" for c in cases),
         protocol=" / ".join(sorted({c.get("protocol", VARIANT) for c in cases})),
     )
     return s
 
 
 def cells(s: dict, sentient: str) -> list[str]:
-    """05's two table cells: the Sentient score (with the unanswered cases) and success / failure."""
+    """05's two table cells: the Sentient score (with the unanswered cases and those that ended at the context
+    limit) and success / failure."""
     n, shown = len(s["unanswered"]), ", ".join(s["unanswered"][:3]) + (", ..." if len(s["unanswered"]) > 3 else "")
     note = f"; {n} unanswered, at their last emotion ({shown})" if n else ""
+    note += f"; {s['context_limit']} ended at the context limit" if s["context_limit"] else ""
     return [sentient + note, f"{s['successes']} / {s['failures']}"]
 
 
@@ -300,22 +308,13 @@ def opening_constant(play, what: str, path: Path) -> str:
 
 
 def git_commit(folder: Path) -> str:
-    """The checkout's commit (12 characters; "+ local changes" when the two prompt files differ from it). The
-    official files sit in a SAGE folder of a larger repository, so the folder need not be its top; but the
-    repository must track them: a copy dropped into some other git project is "not a git checkout"."""
-
-    def git(*cmd):
-        try:
-            return subprocess.run(["git", "-C", str(folder), *cmd], capture_output=True, text=True, timeout=30)
-        except (OSError, subprocess.TimeoutExpired):
-            return None
-
-    head = git("rev-parse", "--short=12", "HEAD")
-    tracked = git("ls-files", "--error-unmatch", "--", *PROMPT_FILES)
-    if head is None or head.returncode != 0 or tracked is None or tracked.returncode != 0:
+    """The checkout's commit, 12 characters, "+ local changes" when the two prompt files differ from it;
+    benchmarks.checkout's rule, the SAGE folder also right below the repository's top (Tencent/digitalhuman's
+    layout): a copy that no repository there tracks is "not a git checkout"."""
+    found = benchmarks.checkout(folder, PROMPT_FILES, outer=True)
+    if found is None:
         return f"{folder} (not a git checkout)"
-    changed = git("status", "--porcelain", "--", *PROMPT_FILES)
-    return head.stdout.strip() + (" + local changes" if changed is None or changed.stdout.strip() else "")
+    return found[0][:12] + (" + local changes" if found[1] else "")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -554,7 +553,7 @@ def npc_replies(model, tok, dialogues: list[Dialogue], system: str, max_context:
         rows = [i for i, b in enumerate(budgets) if b == budget]
         if budget <= 0:
             for i in rows:
-                dialogues[i].stop("context limit")
+                dialogues[i].stop(AT_LIMIT)
             continue
         out = common.generate_batch(model, tok, [contexts[i] for i in rows], budget, TEMPERATURE, TOP_P)
         for i, (ids, ended) in zip(rows, out):

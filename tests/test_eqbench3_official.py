@@ -293,6 +293,34 @@ def test_a_turn_with_no_room_left_fails_its_task(monkeypatch, tiny, P):
     room = 60 - len(common.render_ids(tok, [{"role": "user", "content": task(P, "8")["prompts"][0]}]))
     assert 0 < room < 50 and cases[0]["reply_budget"] == room and cases[0]["replies"] == 1  # its turn fit, shorter
     assert cases[0]["failed"] == "context limit (the debrief does not fit --max-context 60)"
+    # the cell counts them among the failed, one more failed otherwise: 3 failed, 2 at the context limit
+    cases.append({**cases[0], "case": "8#2", "iteration": 2, "failed": "judge answer has no score"})
+    s = {"n": 0, "failed": 3, **eqbench3.summary(cases, ev.t_interval)}
+    assert s["context_limit"] == 2 and eqbench3.cell(s, ev.fmt) == "-; 3 failed (2 at the context limit)"
+
+
+def test_the_variants_cell_counts_the_tasks_that_reached_the_context_limit(monkeypatch, tiny):
+    # without --eqbench3-dir a turn that does not fit is not played: the task is judged on the turns before it
+    model, tok = tiny
+    monkeypatch.setattr(eqbench3.common, "generate_batch", lambda *a: [(tok("ok")["input_ids"], True)] * len(a[2]))
+    tasks = [
+        {"id": str(i), "kind": "roleplay", "category": "", "prompts": ["Hi.", second]}
+        for i, second in enumerate(("How are you?", "word " * 300, "Thanks."))
+    ]
+    args = types.SimpleNamespace(max_new_tokens=8, max_context=200, temperature=1.0, top_p=1.0, judge_retries=0)
+    answers = [json.dumps({c: 10 + 2 * i for c in eqbench3.ROLEPLAY_CRITERIA}) for i in range(3)]
+    cases, _ = eqbench3.variant_cases(model, tok, tasks, types.SimpleNamespace(backend=Judge(answers)), args)
+    assert [(c["replies"], c["context_limit"], c["failed"]) for c in cases] == [
+        (2, False, None),
+        (1, True, None),
+        (2, False, None),
+    ]
+    assert [c["score"] for c in cases] == [50.0, 60.0, 70.0]  # 5 x the criterion mean; every task scored
+    s = {"n": 3, "failed": 0, **eqbench3.summary(cases, ev.t_interval)}
+    assert (
+        s["context_limit"] == 1 and eqbench3.cell(s, ev.fmt) == ev.fmt(s["score"], 3) + "; 1 ended at the context limit"
+    )
+    assert ev.fmt(s["score"], 3) == f"60.00 ± {4.303 * 10 / 3**0.5:.2f} (n=3)"  # sd 10 over 3 tasks
 
 
 @pytest.mark.parametrize(

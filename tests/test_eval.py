@@ -5,7 +5,9 @@ import importlib
 import json
 import math
 import random
+import shutil
 import socket
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -742,12 +744,68 @@ def test_naturalness_is_each_replys_mean_log_likelihood_under_the_base(tiny_mode
     assert ev.naturalness(adapted, tok, trajs, batch_size=2)[0] == pytest.approx(want[0], abs=1e-4)
 
 
+@pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
+def test_one_rule_labels_the_official_checkout_of_every_benchmark(tmp_path):
+    import benchmarks
+
+    def git(folder, *argv):
+        cmd = ["git", "-C", str(folder), "-c", "user.name=t", "-c", "user.email=t@t", *argv]
+        return subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.strip()
+
+    root, files = tmp_path / "official", ["a.txt", "sub/b.txt"]
+    (root / "sub" / "deep").mkdir(parents=True)
+    for name in ("a.txt", "sub/b.txt", "sub/deep/d.txt", "notes.txt"):
+        (root / name).write_text(name, encoding="utf-8")
+    assert benchmarks.checkout(root, files) is None  # no repository
+    git(root, "init", "-q")
+    git(root, "add", "-A")
+    git(root, "commit", "-qm", "x")
+    head = git(root, "rev-parse", "HEAD")
+    assert benchmarks.checkout(root, files) == (head, False) and len(head) == 40  # clean: the commit
+    (root / "notes.txt").write_text("changed", encoding="utf-8")  # a file the protocol does not read
+    assert benchmarks.checkout(root, files) == (head, False)
+    (root / "sub" / "b.txt").write_text("changed", encoding="utf-8")  # one it reads: + local changes
+    assert benchmarks.checkout(root, files) == (head, True)
+    git(root, "checkout", "--", "sub/b.txt")
+    (root / "a.txt").unlink()  # deleted counts as changed
+    assert benchmarks.checkout(root, files) == (head, True)
+    git(root, "checkout", "--", "a.txt")
+    (root / "c.txt").write_text("new", encoding="utf-8")  # an untracked protocol file: no commit holds it
+    assert benchmarks.checkout(root, [*files, "c.txt"]) is None
+    # a folder below the top: only with outer, one level down (SAGE in Tencent/digitalhuman), never deeper
+    assert benchmarks.checkout(root / "sub", ["b.txt"]) is None
+    assert benchmarks.checkout(root / "sub", ["b.txt"], outer=True) == (head, False)
+    assert benchmarks.checkout(root / "sub" / "deep", ["d.txt"], outer=True) is None
+    # the three benchmarks label by it: each fixture committed with one protocol file left untracked
+    for name, untracked in (
+        ("eqbench3", "data/debrief_prompt.txt"),
+        ("emobench", "src/utils.py"),
+        ("sage", "SAGE/npc_response.py"),
+    ):
+        shutil.copytree(ROOT / "tests" / "fixtures" / name, tmp_path / name)
+        git(tmp_path / name, "init", "-q")
+        git(tmp_path / name, "add", "-A")
+        git(tmp_path / name, "rm", "-q", "--cached", untracked)
+        git(tmp_path / name, "commit", "-qm", "x")
+    assert eqbench3.git_commit(tmp_path / "eqbench3") == "no commit (not a git checkout)"
+    assert (
+        emobench.protocol_label(tmp_path / "emobench")
+        == f"official protocol ({tmp_path / 'emobench'}, not a git checkout)"
+    )
+    assert sage.git_commit(tmp_path / "sage" / "SAGE") == f"{tmp_path / 'sage' / 'SAGE'} (not a git checkout)"
+    git(tmp_path / "sage", "add", "-A")
+    git(tmp_path / "sage", "commit", "-qm", "y")
+    assert sage.git_commit(tmp_path / "sage" / "SAGE") == git(tmp_path / "sage", "rev-parse", "HEAD")[:12]
+
+
 @pytest.mark.parametrize(
     "diffs, verdict",
     [
-        ([0.5, 0.5], "too few scenarios to tell (2, spread 0.000)"),  # 2 scenarios: no verdict
-        ([0.5, 0.7], "too few scenarios to tell (2, spread "),
-        ([0.5, 0.5, 0.5], "too few scenarios to tell (3, spread 0.000)"),  # identical differences: no spread
+        ([0.5, 0.5], "too few scenarios to tell (2)"),  # 2 scenarios: no verdict
+        ([0.5, 0.7], "too few scenarios to tell (2)"),  # a spread, but 2 scenarios
+        ([0.5, 0.5, 0.5], "no spread over 3 scenarios: every scenario's difference is +0.500"),  # identical
+        # equal differences whose float mean is off in the last bit (sd 1.7e-17): still no spread, not "ahead"
+        ([0.1, 0.1, 0.1], "no spread over 3 scenarios: every scenario's difference is +0.100"),
         ([1.0, 1.1, 0.9], "ahead beyond the spread"),  # mean 1, half 4.303 * 0.1 / sqrt 3 = 0.248: [0.752, 1.248]
         ([1.0, -1.0, 0.3], "not separated"),
     ],
@@ -768,9 +826,17 @@ def test_a_verdict_needs_three_scenarios_and_a_spread(diffs, verdict):
                 }
             )
     lines, out = ev.compare_with_base(records, ["A"])
-    assert out["A"]["idr_return"]["verdict"].startswith(verdict)
+    assert out["A"]["idr_return"]["verdict"] == verdict and lines[1].endswith(f"]: {verdict}")
     if len(diffs) == 3 and verdict == "ahead beyond the spread":
         assert out["A"]["idr_return"]["ci"] == pytest.approx(
             [1 - 4.303 * 0.1 / 3**0.5, 1 + 4.303 * 0.1 / 3**0.5], abs=2e-3
         )
-    assert out["A"]["naturalness"]["verdict"].startswith("too few scenarios to tell")  # equal: no spread
+    if verdict.startswith("no spread"):  # the interval is the point itself
+        assert out["A"]["idr_return"]["ci"] == [out["A"]["idr_return"]["diff"]] * 2
+    n = len(diffs)  # naturalness is equal in both models: a difference of 0 in every scenario
+    same = (
+        f"too few scenarios to tell ({n})"
+        if n < 3
+        else f"no spread over {n} scenarios: every scenario's difference is +0.000"
+    )
+    assert out["A"]["naturalness"]["verdict"] == same and out["A"]["naturalness"]["ci"] == [0.0, 0.0]

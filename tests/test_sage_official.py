@@ -251,6 +251,42 @@ def test_reasks_are_counted_and_a_silent_simulator_is_reported_not_dropped(monke
     assert "this project's variant" in ev.results_table({}, ["sage"])
 
 
+def test_a_dialogue_at_the_context_limit_is_scored_as_it_stood_and_counted_in_the_cell(monkeypatch):
+    # official: no room left for p-pas's 3rd reply (npc_replies stops it so): it ends at its emotion then, like
+    # a dialogue the protocol ended, stays in the score, and the cell says so
+    def npc(model, tok, dialogues, system, max_context):
+        for d in dialogues:
+            n = sum(m["role"] == "assistant" for m in d.history) + 1
+            if d.profile["id"] == "p-pas" and n == 3:
+                d.stop(sage.AT_LIMIT)
+            else:
+                d.history.append({"role": "assistant", "content": f"reply {n}"})
+
+    monkeypatch.setattr(sage, "npc_replies", npc)
+    sim = Simulator({"Ana": ["Change: +1"], "Bo": ["Change: +1"]}, {"Ana": ["Response: ok"], "Bo": ["Response: ok"]})
+    profiles = [p for p in sage.load_profiles(PROFILES) if p["id"] in ("p-neg", "p-pas")]
+    args = argparse.Namespace(sage_dir=str(FIX), sage_turns=5, max_context=8192, user="api:fake")
+    cases, _ = sage.official_cases(None, None, profiles, type("U", (), {"backend": sim})(), args)
+    by = {c["case"]: c for c in cases}
+    assert (by["p-neg"]["ended"], by["p-neg"]["replies"], by["p-neg"]["final_emotion"]) == ("5 replies", 5, 44)
+    assert (by["p-pas"]["ended"], by["p-pas"]["replies"], by["p-pas"]["final_emotion"]) == ("context limit", 2, 42)
+    summary = ev.summarize([{**c, "model": "base", "suite": "sage"} for c in cases], "sage")
+    assert (summary["n"], summary["context_limit"], summary["sentient"][0]) == (2, 1, 43.0)
+    # 43 ± t_{0.975, 1} x sd(44, 42) / sqrt(2) = 12.706 x sqrt(2) / sqrt(2)
+    cell = "| 43.00 ± 12.71 (n=2); 1 ended at the context limit | 0 / 0 |"
+    assert cell in ev.results_table({"base": {"sage": summary}}, ["sage"])
+    # the variant: 03's outcome context_limit, counted among the kept cases only (a failed one is out)
+    variant = [
+        {"case": "a", "outcome": "context_limit", "final_emotion": 50.0, "failed": None},
+        {"case": "b", "outcome": "timeout", "final_emotion": 30.0, "failed": None},
+        {"case": "c", "outcome": "context_limit", "final_emotion": 40.0, "failed": "judge failed on every turn"},
+    ]
+    summary = ev.summarize([{**c, "model": "base", "suite": "sage"} for c in variant], "sage")
+    assert (summary["n"], summary["failed"], summary["context_limit"]) == (2, 1, 1)
+    cell = f"| 40.00 ± {12.706 * 10:.2f} (n=2); 1 failed; 1 ended at the context limit | 0 / 0 |"
+    assert cell in ev.results_table({"base": {"sage": summary}}, ["sage"])
+
+
 def test_the_tested_model_gets_the_system_prompt_and_the_room_left(monkeypatch, tiny):
     model, tok = tiny
     seen = []
@@ -358,6 +394,9 @@ def test_eval_sage_dir_on_the_tiny_model_with_a_loopback_simulator(tiny_model, t
     table = (run / "results.md").read_text(encoding="utf-8")
     assert "| SAGE Sentient (official protocol, " in table and "simulator api:sim) | SAGE success / failure |" in table
     assert "(n=3)" in table and "SAGE Sentient (official protocol" in p.stdout
+    at_limit = sum(c["ended"] == "context limit" for c in cases)  # --max-context 300: some may reach it
+    assert ("ended at the context limit" in table) == (at_limit > 0)
+    assert at_limit == 0 or f"; {at_limit} ended at the context limit |" in table
 
 
 def test_the_prompts_sent_are_what_the_checkouts_own_functions_build(monkeypatch):

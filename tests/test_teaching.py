@@ -46,7 +46,13 @@ def test_presets_follow_the_device_and_flags_given_win(monkeypatch):
     assert not hasattr(demo, "heldout_scenarios")  # the comparison is 05's now
 
 
-VERDICTS = ("ahead beyond the spread", "behind beyond the spread", "not separated", "too few scenarios to tell")
+VERDICTS = (
+    "ahead beyond the spread",
+    "behind beyond the spread",
+    "not separated",
+    "no spread over",
+    "too few scenarios to tell",
+)
 
 
 def test_train_run_draws_its_curves_and_05_compares_base_and_trained_held_out(tiny_model, tmp_path):
@@ -131,12 +137,13 @@ def test_train_run_draws_its_curves_and_05_compares_base_and_trained_held_out(ti
         if lo < hi:  # a spread to stand on: the verdict follows the interval
             assert (s["verdict"] == "not separated") == (lo <= 0 <= hi)
         else:
-            assert s["verdict"] == "too few scenarios to tell (3, spread 0.000)"
+            assert s["verdict"] == f"no spread over 3 scenarios: every scenario's difference is {diff:+.3f}"
+            assert len(set(per_scenario)) == 1  # it is so: every scenario's difference the same
     assert comparison["naturalness"]["base"] < 0  # a mean log-likelihood
     assert f"held out: {adapter} vs base on 3 scenarios, 6 dialogues paired" in q.stdout
     ci_lines = [line for line in q.stdout.splitlines() if "95% t CI over 3 scenarios" in line]
     assert len(ci_lines) == 4 == q.stdout.count("95% t CI over 3 scenarios")
-    assert all(any(v in line.rsplit(": ", 1)[1] for v in VERDICTS) for line in ci_lines)
+    assert all(line.split("]: ", 1)[1].startswith(VERDICTS) for line in ci_lines)  # the verdict after the CI
     # the comparison as a picture, one case's state trajectories, and one held-out dialogue side by side
     for name in ("comparison.png", "trajectories.png"):
         assert (ev_run / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and (ev_run / name).stat().st_size > 5_000
