@@ -709,8 +709,8 @@ def test_a_failed_criteria_judge_leaves_its_turn_out_like_a_failed_empa_judge(en
         sum(e - s for (s, e), f in zip(tr.spans, F) if not f) for tr, F in zip(trajs, failed)
     ]
     recs = [
-        trainer.dialogue_record(targs, 1, tr, rewards_of(trainer, tr, targs), [0.0] * 3, F, None)
-        for tr, F in zip(trajs, failed)
+        trainer.dialogue_record(targs, 1, tr, p, r, [0.0] * 3, F, {})
+        for tr, p, r, F in zip(trajs, parts, rewards, failed)
     ]
     assert sum(t["judge_failed"] for r in recs for t in r["turns"]) == 2  # judge_failures counts them
 
