@@ -20,14 +20,17 @@ scenarios, seeds and token budgets on both sides, one untimed warm-up run of eac
   4. memory   peak RSS of the demo run (`make demo`: 04 with its defaults; the first --memory-steps
               steps, in a subprocess), and the per-component estimate from the shapes of QLoRA training
               on one GPU for SmolLM2-135M, Qwen2.5-7B and Qwen3-8B (memory_estimate; docs/scale.md):
-              bf16 activations and KV cache next to the fp32 ones from before common.cast_for_kbit_training.
+              bf16 activations and KV cache next to the fp32 ones from before common.cast_for_kbit_training;
+              beside it, the seconds of one step of 04's gpu preset per phase on an H100 and an H200 at
+              their datasheet peaks (step_phases, time_table).
 Prints a markdown table (figure, ours, reference, ratio, goal, met?) with the machine, versions, date
 and command, and writes it to <out>/benchmark.md and <out>/benchmark.json.
 
 CPU, the packaged SmolLM2 (roughly 15-20 minutes on 2 idle cores):  python experiments/benchmark.py
 Smoke run on a tiny model (seconds):  python experiments/benchmark.py --model PATH --quick
 Only the update figure:  python experiments/benchmark.py --figures 2 --no-trl
-Only the memory estimate (nothing loaded):  python experiments/benchmark.py --estimate [--est-live 32 ...]
+Only the estimates (nothing loaded):  python experiments/benchmark.py --estimate [--est-live 32 ...]
+A run's seconds per phase beside the estimate at its flags:  python experiments/benchmark.py --for-run RUN_DIR
 The base weights are loaded unquantised on both sides (--load-in-4bit off), so that TRL and 04 run
 the same model.
 """
@@ -39,6 +42,7 @@ import copy
 import datetime
 import importlib
 import json
+import math
 import os
 import platform
 import random
@@ -95,8 +99,11 @@ def parse_args(argv=None):
         "--figures", default="1,2,3,4", help="which figures to run, e.g. 2 (the update: its rollout then runs untimed)"
     )
     # Memory estimate: from the shapes, nothing loaded (figure 4's tables; docs/scale.md)
-    g = p.add_argument_group("memory estimate (the one-GPU budget by default)")
-    g.add_argument("--estimate", action="store_true", help="print only the memory estimate and exit")
+    g = p.add_argument_group(
+        "estimates from the shapes: memory at the --est-* budget (the one-GPU budget by default), and the "
+        "seconds of a step of 04's gpu preset on an H100 and an H200"
+    )
+    g.add_argument("--estimate", action="store_true", help="print only the estimates and exit")
     g.add_argument(
         "--estimate-models",
         default=",".join(SHAPES),
@@ -118,6 +125,16 @@ def parse_args(argv=None):
         type=float,
         default=None,
         help="a measured peak (torch.cuda.max_memory_allocated, GB) to print against each estimate",
+    )
+    g.add_argument(
+        "--for-run",
+        default=None,
+        metavar="RUN_DIR",
+        help="print only the time estimate at the flags of this 04 run (its args.json) beside the seconds "
+        "its metrics.jsonl logged per phase, and exit",
+    )
+    g.add_argument(
+        "--measured-on", default=None, help="with --for-run: the device that run ran on (labels the measured columns)"
     )
     a = p.parse_args(argv)
     if a.quick:
@@ -525,6 +542,7 @@ SHAPES = {
 }
 JUDGE_PROMPT_TOKENS = 400  # what 03's JUDGE_PROMPT adds around the dialogue (instructions, persona, situation)
 USER_MESSAGE_TOKENS = 128  # 03's LLM user answers in at most 120 tokens: what a later turn prefills per dialogue
+NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)  # a 4-bit weight: 4 bits + 8-bit absmax per 64 + fp32 per 256 absmax
 
 
 def model_shapes(cfg: dict) -> dict:
@@ -614,7 +632,7 @@ def memory_estimate(
     phase: always, update, rollout, self (the self judge's call)."""
     h, i, L, kv, V = s["h"], s["i"], s["L"], s["kv"], s["V"]
     n_linear, n_lora, n_emb = param_counts(s, r)
-    nf4 = 0.5 + 1 / 64 + 4 / (64 * 256)  # 4 bits + 8-bit absmax per 64 + fp32 per 256 absmax
+    nf4 = NF4_BYTES
     tokens, scored = micro * context, micro * min(turns * reply, context)
     chunk = min(scored, common.LOGIT_CHUNK // V)  # common.token_logprobs runs the LM head in chunks of rows
     per_kv = 2 * L * kv * act  # K and V of every layer, per token
@@ -745,12 +763,7 @@ def estimate_report(a) -> str:
     with --measured-gb, the measured peak against each model's estimate."""
     out = []
     for name in [m.strip() for m in a.estimate_models.split(",") if m.strip()]:
-        path = Path(name) / "config.json"
-        common.check(
-            name in SHAPES or path.exists(),
-            f"--estimate-models: {name} is neither one of {', '.join(SHAPES)} nor a folder with a config.json",
-        )
-        cfg = SHAPES[name] if name in SHAPES else json.loads(path.read_text())
+        cfg = model_config(name, "--estimate-models")
         out.append(estimate_table(name, cfg, a))
         if a.measured_gb is not None:
             p = estimate_peaks(memory_estimate(model_shapes(cfg), **budget(a)))
@@ -759,7 +772,400 @@ def estimate_report(a) -> str:
                 f"{p['peak_self']:.2f} GB with --judge self ({a.measured_gb / p['peak_self']:.2f}x), "
                 f"{p['peak_api']:.2f} GB with a served judge"
             )
+        preset = trainer.parse_args(["--model", name, "--preset", "gpu"])  # 04's gpu preset, as a GPU runs it
+        out.append(
+            time_table(name, cfg, preset, f"04's gpu preset (`python 04_mica_train.py --model {name}` on a GPU)")
+        )
     return "\n\n".join(out)
+
+
+def preset_step_seconds(name: str) -> dict[str, float]:
+    """Seconds of one step of 04's gpu preset for a model of SHAPES, on each of GPUS (time_table's totals)."""
+    args = trainer.parse_args(["--model", name, "--preset", "gpu"])
+    return {g: sum(v) for g, v in seconds_by_gpu(step_phases(model_shapes(SHAPES[name]), args)[0]).items()}
+
+
+def model_config(name: str, flag: str) -> dict:
+    """A model's config fields: SHAPES[name], a folder's config.json, or SHAPES by a hub id's name
+    (Qwen/Qwen2.5-7B-Instruct); else one line naming `flag`."""
+    path = Path(name) / "config.json"
+    if name in SHAPES or not path.exists() and name.rsplit("/", 1)[-1] in SHAPES:
+        return SHAPES[name.rsplit("/", 1)[-1]]
+    common.check(
+        path.exists(),
+        f"{flag}: {name} is neither one of {', '.join(SHAPES)} (or its hub id) nor a folder with a config.json",
+    )
+    return json.loads(path.read_text())
+
+
+# ---------------------------------------------------------------------------------------------
+# Time: the seconds of one 04 step from the shapes and 04's flags (docs/scale.md), nothing loaded
+# ---------------------------------------------------------------------------------------------
+# Datasheet peaks of the SXM boards: (HBM bandwidth, bytes/s; dense bf16 Tensor Core FLOP/s). NVIDIA's datasheets
+# give bf16 "with sparsity", 1,979 TFLOPS on both; dense is half. The H200 is the H100's chip with more, faster HBM.
+GPUS = {
+    "H100": (3.35e12, 989e12),  # NVIDIA H100 Tensor Core GPU datasheet, H100 SXM: 80 GB HBM3 at 3.35 TB/s
+    "H200": (4.8e12, 989e12),  # NVIDIA H200 Tensor Core GPU datasheet, H200 SXM: 141 GB HBM3e at 4.8 TB/s
+}
+# Prompt sizes in tokens, counted with the packaged SmolLM2's tokenizer and chat template over the 24 scenarios of
+# data/scenarios_train.jsonl (JUDGE_PROMPT_TOKENS, above, counted so: 389-411)
+OPENING_TOKENS = 107  # the policy's system prompt and a scenario's opening: a dialogue's first context (99-119)
+USER_SYSTEM_TOKENS = 205  # 03's USER_PROMPT with a persona, situation and band: the LLM user's system prompt (194-216)
+JUDGE_MAX_TOKENS, USER_MAX_TOKENS = 200, 120  # max_tokens of 03's LLMJudge.judge and LLMUser.reply
+
+
+def kv_bytes(s: dict) -> int:
+    """Bytes of one token's KV cache in bf16: K and V of every layer."""
+    return 2 * s["L"] * s["kv"] * 2
+
+
+def weight_bytes(s: dict, n_lora: int, rows: int, four_bit: bool, adapter: bool) -> float:
+    """Bytes that one forward moves to use the weights, its matmuls `rows` rows (tokens) tall. 4-bit:
+    bitsandbytes 0.50.2 (requirements.txt) multiplies up to 4 rows with its fused kernel, which reads the NF4
+    bytes only; for more rows its dispatch (_gemm_4bit_use_custom_cuda) picks per shape and GPU, and on an H100
+    or H200 it dequantises each of a 7B's weights at 64 rows, and its q, o and down projections at 8: the
+    weight written out in bf16 and read back by F.linear, NF4 + 2 + 2 bytes a weight. Counted so for every
+    weight above 4 rows (at 8 rows, up to twice the bytes that dispatch moves). Without 4-bit: 2 bytes (bf16).
+    Plus the LM head in bf16 and, with the adapter on, the fp32 LoRA weights."""
+    n_linear = param_counts(s, 0)[0]
+    base = (NF4_BYTES if rows <= 4 else NF4_BYTES + 2 + 2) if four_bit else 2
+    return n_linear * base + 2 * s["V"] * s["h"] + (4 * n_lora if adapter else 0)
+
+
+def prefill_work(s: dict, n_params: int, w, calls: list[int], prompt: float, past: float) -> tuple[float, float]:
+    """(FLOPs, bytes) of prefilling `prompt` new tokens in every row on top of `past` cached ones, in generate
+    calls of calls[j] rows.
+      FLOPs = 2 x n_params x rows x prompt                     every new token through the matmuls
+            + 4 x L x q x rows x (prompt x past + prompt^2 / 2)  attention: Q K^T and A V, 2 x 2 x q FLOPs a
+                                                               (query, key) pair a layer; causal among the new
+      bytes = sum over calls of w(rows x prompt)               one pass over the weights a call
+            + rows x (past + prompt) x kv_bytes                the cache read and written once
+    (the LM head runs on the last position only: left out)."""
+    rows = sum(calls)
+    pairs = rows * (prompt * past + prompt**2 / 2)
+    flops = 2 * n_params * rows * prompt + 4 * s["L"] * s["q"] * pairs
+    return flops, sum(w(c * prompt) for c in calls) + rows * (past + prompt) * kv_bytes(s)
+
+
+def decode_work(s: dict, n_params: int, w, calls: list[int], context: float, new: int) -> tuple[float, float]:
+    """(FLOPs, bytes) of sampling `new` tokens in every row after `context` tokens, in generate calls of
+    calls[j] rows: each token one forward of all the rows of its call (the first from the prefill's last
+    position, counted here), the j-th new token attending context + j keys.
+      FLOPs = 2 x (n_params + V x h) x rows x new               the matmuls and the LM head
+            + 4 x L x q x rows x (new x context + new (new - 1) / 2)   attention
+      bytes = new x sum over calls of w(rows of the call)      batched: one read of the weights serves a call's rows
+            + rows x (new x context + new (new - 1) / 2) x kv_bytes    every row's cache, read every step"""
+    rows = sum(calls)
+    pairs = rows * (new * context + new * (new - 1) / 2)
+    flops = 2 * (n_params + s["V"] * s["h"]) * rows * new + 4 * s["L"] * s["q"] * pairs
+    return flops, new * sum(w(c) for c in calls) + pairs * kv_bytes(s)
+
+
+def train_work(s, n_linear, n_lora, w, micros: list[int], tokens, scored, adapter=True, grad=True, checkpointing=True):
+    """(FLOPs, bytes) of the update's passes over micro-batches of micros[j] dialogues, each `tokens` long with
+    `scored` of them scored (common.token_logprobs runs the LM head on those only).
+      forward  = 2 x (n_linear [+ n_lora, adapter on]) x tokens      the matmuls
+               + 4 x L x q x tokens^2 / 2                             causal attention, a dialogue
+               + 2 x V x h x scored                                   the LM head
+    grad=False (old and reference log-probs): the forward. grad=True adds
+      recompute  gradient checkpointing: the decoder's forward again in backward (and the LM head's, which
+                 token_logprobs checkpoints in chunks when a micro-batch scores more than LOGIT_CHUNK / V tokens)
+      backward   the base is frozen, so each of its matmuls computes only its input's gradient dX = dY W^T: the
+                 forward's FLOPs once more (bitsandbytes' MatMul4Bit.backward computes no weight gradient);
+                 LoRA's A and B get dX and dW, 2 x their forward; attention's backward, 2 x its forward
+    so a frozen weight costs 2 + 2 + 2 = 6 FLOPs a token (forward, recompute, dX), attention 4 x its forward.
+      bytes      one pass over the weights (w at the micro-batch's tokens) a forward, recompute and backward
+    (activations' traffic left out: these passes are bound by compute)."""
+    n, d = sum(micros) * tokens, sum(micros)  # tokens, dialogues
+    mat = 2 * (n_linear + (n_lora if adapter else 0)) * n
+    att = 4 * s["L"] * s["q"] * d * tokens**2 / 2
+    head = 2 * s["V"] * s["h"] * d * scored
+    passes = [w(m * tokens) for m in micros]
+    if not grad:
+        return mat + att + head, sum(passes)
+    head_again = any(m * scored > common.LOGIT_CHUNK // s["V"] for m in micros)
+    recompute = (mat + att + (head if head_again else 0)) if checkpointing else 0
+    backward = 2 * n_linear * n + 2 * 2 * n_lora * n + 2 * att + head
+    return mat + att + head + recompute + backward, (3 if checkpointing else 2) * sum(passes)
+
+
+def assumed_turns(args) -> int:
+    """The turns every dialogue runs in the estimate: the middle of --min-turns..--max-turns (rounded up), or
+    fewer where --max-context holds fewer at full replies: turn t starts from c_t = OPENING_TOKENS + (t - 1) x
+    (reply + USER_MESSAGE_TOKENS) tokens and needs room for a whole reply, c_t + reply <= --max-context."""
+    reply = args.max_new_tokens
+    middle = math.ceil((min(args.min_turns, args.max_turns) + args.max_turns) / 2)
+    fit = 1 + max(0, (args.max_context - OPENING_TOKENS - reply) // (reply + USER_MESSAGE_TOKENS))
+    return min(middle, fit)
+
+
+def batches(n: int, size: int) -> list[int]:
+    """n rows in groups of at most `size`: [size, size, ..., the rest]."""
+    return [min(size, n - j) for j in range(0, n, size)]
+
+
+def step_phases(s: dict, args, log_kl: bool = False) -> tuple[list[tuple], dict]:
+    """The work of one step of 04 at its flags `args` (04's parse_args, or a run's args.json), one process:
+    [(group, phase, FLOPs, bytes, note)], group rollout or update (the rewards add nothing: the judge's
+    verdicts come with the rollout; CARE's and Kardia's calls are not estimated), and the sizes assumed. Every
+    dialogue runs T = assumed_turns turns, every reply --max-new-tokens long, every user message
+    USER_MESSAGE_TOKENS; a batch decodes until its longest answer ends, so the judge and the user are counted
+    at their caps (JUDGE_MAX_TOKENS, USER_MAX_TOKENS) too. log_kl: the step also logs the KL to the base."""
+    S, K, R, U = args.scenarios_per_step, args.k, args.max_new_tokens, USER_MESSAGE_TOKENS
+    B, T = S * K, assumed_turns(args)
+    four_bit = args.load_in_4bit != "off"  # auto: 4-bit with CUDA, the machine the estimate is for
+    n_linear = param_counts(s, 0)[0]
+    targets = set(args.lora_targets.split(","))
+    n_lora = s["L"] * sum(args.lora_r * (fi + fo) for m, (fi, fo) in linear_shapes(s).items() if m in targets)
+
+    def w_policy(rows):  # the policy's forward: the adapter on
+        return weight_bytes(s, n_lora, rows, four_bit, adapter=True)
+
+    def w_base(rows):  # --judge self, --user self and the reference: the frozen base, the adapter off
+        return weight_bytes(s, n_lora, rows, four_bit, adapter=False)
+
+    def context(t):  # tokens before reply t: the opening, then (reply + user message) a turn
+        return OPENING_TOKENS + (t - 1) * (R + U)
+
+    work = {}  # phase -> [FLOPs, bytes], summed over the turns
+
+    def add(phase, fb):
+        work.setdefault(phase, [0.0, 0.0])
+        work[phase][0] += fb[0]
+        work[phase][1] += fb[1]
+
+    rows = {
+        "judge": args.judge_concurrency or args.api_concurrency,
+        "user": args.user_concurrency or args.api_concurrency,
+    }
+    for t in range(1, T + 1):
+        # 1. the policy: turn 1 prefills each scenario's opening once (its K rows share it), a later turn the
+        # user's new message on top of the kept cache; then R tokens for all B dialogues in one call
+        if t == 1:
+            add("policy prefill", prefill_work(s, n_linear + n_lora, w_policy, [S], OPENING_TOKENS, 0))
+        else:
+            add("policy prefill", prefill_work(s, n_linear + n_lora, w_policy, [B], U, context(t) - U))
+        add("policy decode", decode_work(s, n_linear + n_lora, w_policy, [B], context(t), R))
+        # 2. --judge self: every dialogue's whole transcript (no cache kept), calls of --judge-concurrency rows
+        if args.judge == "self":
+            prompt = context(t) + R + JUDGE_PROMPT_TOKENS
+            add("judge prefill", prefill_work(s, n_linear, w_base, batches(B, rows["judge"]), prompt, 0))
+            add("judge decode", decode_work(s, n_linear, w_base, batches(B, rows["judge"]), prompt, JUDGE_MAX_TOKENS))
+        # 3. --user self: after every turn but the last, the same, in calls of --user-concurrency rows
+        if args.user == "self" and t < T:
+            prompt = context(t) + R + USER_SYSTEM_TOKENS
+            add("user prefill", prefill_work(s, n_linear, w_base, batches(B, rows["user"]), prompt, 0))
+            add("user decode", decode_work(s, n_linear, w_base, batches(B, rows["user"]), prompt, USER_MAX_TOKENS))
+    # 4. the update: minibatches of --minibatch-size dialogues (whole scenarios), micro-batches of
+    # --micro-batch-size; each dialogue its whole context(T) + R tokens, T x R scored
+    tokens, scored = context(T) + R, T * R
+    minibatches = batches(B, args.minibatch_size)
+    micros = [m for mb in minibatches for m in batches(mb, args.micro_batch_size)]
+    old_from = 1 if args.ppo_epochs == 1 else 0  # the first minibatch of one epoch needs no old log-probs
+    old = [m for mb in minibatches[old_from:] for m in batches(mb, args.micro_batch_size)]
+    if old:
+        add("old log-probs", train_work(s, n_linear, n_lora, w_policy, old, tokens, scored, grad=False))
+    if args.kl_coef > 0 or log_kl:
+        ref = train_work(s, n_linear, n_lora, w_base, micros, tokens, scored, adapter=False, grad=False)
+        add("reference log-probs", ref)
+    fb = train_work(s, n_linear, n_lora, w_policy, micros, tokens, scored, checkpointing=args.gradient_checkpointing)
+    add("forward + backward", [x * args.ppo_epochs for x in fb])
+    notes = {
+        "policy prefill": f"turn 1: {S} openings of {OPENING_TOKENS}; then {B} x {U} new tokens a turn",
+        "policy decode": f"{B} rows x {T} turns x {R} tokens, one call a turn",
+        "judge prefill": f"{B} prompts of dialogue + {JUDGE_PROMPT_TOKENS} a turn, {rows['judge']} a call",
+        "judge decode": f"{JUDGE_MAX_TOKENS} tokens x {len(batches(B, rows['judge']))} calls a turn",
+        "user prefill": f"{B} prompts of dialogue + {USER_SYSTEM_TOKENS} a turn but the last, {rows['user']} a call",
+        "user decode": f"{USER_MAX_TOKENS} tokens x {len(batches(B, rows['user']))} calls a turn",
+        "old log-probs": f"{sum(old)} dialogues, no gradient",
+        "reference log-probs": f"{B} dialogues, adapter off",
+        "forward + backward": f"{B} dialogues of {tokens} tokens, {scored} scored; {len(micros)} micro-batches"
+        + (", checkpointed" if args.gradient_checkpointing else ""),
+    }
+    group = {"old log-probs": "update", "reference log-probs": "update", "forward + backward": "update"}
+    phases = [(group.get(p, "rollout"), p, f, b, notes[p]) for p, (f, b) in work.items()]
+    forwards = {  # decode forwards: one a token of a generate call
+        "policy": T * R,
+        "judge": T * len(batches(B, rows["judge"])) * JUDGE_MAX_TOKENS if args.judge == "self" else 0,
+        "user": (T - 1) * len(batches(B, rows["user"])) * USER_MAX_TOKENS if args.user == "self" else 0,
+    }
+    sizes = dict(T=T, B=B, tokens=tokens, scored=B * scored, four_bit=four_bit, n_lora=n_lora, forwards=forwards)
+    return phases, sizes
+
+
+def phase_seconds(flops: float, nbytes: float, gpu: tuple[float, float]) -> float:
+    """Seconds at a GPU's datasheet peaks (bandwidth, FLOP/s): the larger of the memory time and the compute
+    time (a roofline: no efficiency factor, no kernel-launch or Python overhead)."""
+    bandwidth, peak = gpu
+    return max(nbytes / bandwidth, flops / peak)
+
+
+def num(x: float) -> str:
+    """3 significant digits, or whole numbers with thousands separators from 100 on."""
+    return f"{x:,.0f}" if x >= 100 else f"{x:.3g}"
+
+
+def seconds_by_gpu(phases) -> dict[str, list[float]]:
+    """Each phase's seconds on each of GPUS."""
+    return {g: [phase_seconds(f, b, GPUS[g]) for _, _, f, b, _ in phases] for g in GPUS}
+
+
+def group_seconds(phases, secs: list[float]) -> dict[str, float]:
+    """Seconds of the rollout and of the update (the phases' groups; the rewards need none: the judge's verdicts
+    come with the rollout)."""
+    return {g: sum(x for p, x in zip(phases, secs) if p[0] == g) for g in ("rollout", "update")}
+
+
+def time_assumptions(args, z: dict) -> list[str]:
+    """What the estimate assumes and leaves out, in a few lines."""
+    left = [
+        f"--{who} {spec} (not the policy's base: not estimated)"
+        for who, spec in (("judge", args.judge), ("user", args.user))
+        if spec != "self"
+    ]
+    return [
+        f"- every dialogue runs T = {z['T']} turns (the middle of --min-turns "
+        f"{min(args.min_turns, args.max_turns)} .. --max-turns {args.max_turns}, or what --max-context "
+        f"{args.max_context} holds at full replies), replies of "
+        f"{args.max_new_tokens} tokens, user messages of {USER_MESSAGE_TOKENS}; the judge and the user answer "
+        f"at their caps ({JUDGE_MAX_TOKENS} and {USER_MAX_TOKENS} tokens: a batch decodes until its longest "
+        f"answer ends)" + (f"; left out: {', '.join(left)}" if left else ""),
+        "- "
+        + (
+            "4-bit base: above 4 rows a matmul, every weight counted dequantised to bf16 and read back (NF4 + 4 "
+            "bytes a weight): bitsandbytes' path on an H100 or H200 at 64 rows; at 8 it multiplies some shapes "
+            "with its fused kernel instead, reading the NF4 bytes only (docs/scale.md)"
+            if z["four_bit"]
+            else "bf16 base weights"
+        )
+        + "; no efficiency factor, no kernel-launch, Python or CPU time (tokenising, the judge's JSON): a real "
+        "step takes longer, most where the step is many small decode steps",
+        "- peaks: NVIDIA H100 and H200 Tensor Core GPU datasheets, SXM: 3.35 and 4.8 TB/s, 989 TFLOP/s dense bf16 "
+        "(1,979 with sparsity) on both",
+    ]
+
+
+def decode_line(z: dict, rollout_h100: float, measured: list | None = None) -> str:
+    """How many decode forwards the rollout is, and what each costs: the estimate's on an H100, and, given the
+    measured rollout seconds of a run's steps, the measured (median); the difference is what a forward costs
+    beyond its bytes and FLOPs (kernel launches, Python), which the estimate leaves out."""
+    f = z["forwards"]
+    n = sum(f.values())
+    text = (
+        f"The rollout is {n:,} decode forwards a step (policy {f['policy']:,}, judge {f['judge']:,}, user "
+        f"{f['user']:,}); the rollout's seconds over them: {1e3 * rollout_h100 / n:.3g} ms each by the estimate "
+        "on an H100"
+    )
+    values = [x for x in measured or [] if x is not None]
+    if values:
+        text += f", {1e3 * statistics.median(values) / n:.3g} ms measured"
+    return text + f"; every millisecond a forward costs beyond that adds {n / 1e3:.3g} s a step."
+
+
+def time_table(name: str, cfg: dict, args, what: str) -> str:
+    """One step's seconds on an H100 and an H200, per phase (step_phases at 04's flags `args`), the phases that
+    dominate, what a step logging the KL adds, and the assumptions: markdown."""
+    s = model_shapes(cfg)
+    phases, z = step_phases(s, args)
+    secs = seconds_by_gpu(phases)
+    total = {g: sum(v) for g, v in secs.items()}
+    share = {g: [x / total[g] for x in secs[g]] for g in GPUS}
+    lines = [
+        f"#### Time of one step: {name}, {what}, at the datasheet peaks",
+        "",
+        "| phase | work | TFLOP | GB moved | s, H100 | s, H200 | share, H100 / H200 | bound by |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for j, (group, phase, f, b, note) in enumerate(phases):
+        bound = " / ".join(dict.fromkeys("memory" if b / bw > f / peak else "compute" for bw, peak in GPUS.values()))
+        lines.append(
+            f"| {group}: {phase} | {note} | {num(f / 1e12)} | {num(b / 1e9)} | {secs['H100'][j]:.3g} | "
+            f"{secs['H200'][j]:.3g} | {share['H100'][j]:.0%} / {share['H200'][j]:.0%} | {bound} |"
+        )
+    groups = {g: group_seconds(phases, secs[g]) for g in GPUS}
+    lines.append(
+        f"| **step** | rollout {groups['H100']['rollout']:.3g} / {groups['H200']['rollout']:.3g} s, update "
+        f"{groups['H100']['update']:.3g} / {groups['H200']['update']:.3g} s | "
+        f"{num(sum(p[2] for p in phases) / 1e12)} | {num(sum(p[3] for p in phases) / 1e9)} | "
+        f"**{total['H100']:.3g}** | **{total['H200']:.3g}** | | |"
+    )
+    dominant, covered = [], 0.0
+    for j in sorted(range(len(phases)), key=lambda j: -secs["H100"][j]):  # the largest, to two thirds of the step
+        if covered >= 2 / 3:
+            break
+        dominant.append(f"{phases[j][0]}: {phases[j][1]} ({share['H100'][j]:.0%} / {share['H200'][j]:.0%})")
+        covered += share["H100"][j]
+    lines += [
+        "",
+        f"**{total['H100']:.3g} s a step on an H100, {total['H200']:.3g} s on an H200**; dominant: "
+        f"{', '.join(dominant)}.",
+    ]
+    lines.append(decode_line(z, groups["H100"]["rollout"]))
+    if args.kl_coef == 0 and args.log_kl_every > 0:
+        kl = seconds_by_gpu(step_phases(s, args, log_kl=True)[0])
+        lines.append(
+            f"Every {args.log_kl_every}th step also runs the reference forward to log the KL (--log-kl-every): "
+            f"+{sum(kl['H100']) - total['H100']:.3g} s on an H100, +{sum(kl['H200']) - total['H200']:.3g} s on an H200."
+        )
+    return "\n".join(lines + time_assumptions(args, z))
+
+
+def run_report(a) -> str:
+    """--for-run RUN_DIR: the time estimate at that 04 run's own flags (its args.json) next to the seconds
+    its metrics.jsonl logged, per phase: step 1 (warm-up included) and the median of the later steps."""
+    run = Path(a.for_run)
+    common.check((run / "args.json").exists(), f"--for-run {run}: not a run folder (no args.json)")
+    saved = json.loads((run / "args.json").read_text())
+    common.check("minibatch_size" in saved, f"--for-run {run}: not a run of 04_mica_train.py (its args.json)")
+    common.check((run / "metrics.jsonl").exists(), f"--for-run {run}: no metrics.jsonl (no step finished)")
+    args = argparse.Namespace(**saved)
+    metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    common.check(metrics, f"--for-run {run}: metrics.jsonl is empty (no step finished)")
+    phases, z = step_phases(model_shapes(model_config(args.model, f"--for-run {run}: --model")), args)
+    secs = seconds_by_gpu(phases)
+    est = {g: {**group_seconds(phases, secs[g]), "step": sum(secs[g])} for g in GPUS}
+    device = a.measured_on or "a device not named (--measured-on)"
+    later = metrics[1:]
+
+    def measured(rows, key):
+        values = [m[key] for m in rows if m.get(key) is not None]
+        return f"{statistics.median(values):.3g}" if values else "not logged" if rows else "-"
+
+    other_rewards = [r for r in args.reward_weights if r not in ("idr", "rlver")]
+    reward_est = "not estimated" if other_rewards else "0"
+    lines = [
+        f"#### Seconds a step: the estimate at {run.name}'s flags, and the run (measured on {device})",
+        "",
+        f"| phase | estimate, H100 | estimate, H200 | measured, step 1 (with warm-up) | measured, "
+        f"{'steps 2-' + str(len(metrics)) + ', median' if len(metrics) > 2 else 'step 2'} |",
+        "|---|---|---|---|---|",
+    ]
+    rows = [
+        ("rollout (policy, judge, user)", "rollout", "rollout_seconds"),
+        (
+            "rewards" + (f" ({', '.join(other_rewards)})" if other_rewards else " (idr, rlver: none beyond the judge)"),
+            None,
+            "reward_seconds",
+        ),
+        ("update", "update", "update_seconds"),
+        ("step", "step", "step_seconds"),
+    ]
+    for label, key, field in rows:
+        e = [f"{est[g][key]:.3g}" if key else reward_est for g in GPUS]
+        lines.append(f"| {label} | {e[0]} | {e[1]} | {measured(metrics[:1], field)} | {measured(later, field)} |")
+    lines += [
+        "",
+        f"The estimate assumes {z['T']} turns a dialogue and {z['scored']} scored tokens a step; the run had "
+        + ", ".join(
+            f"{m.get('turns_mean', float('nan')):.3g} turns and {m.get('train_tokens', '?')} tokens (step {m['step']})"
+            for m in metrics[:4]
+        )
+        + (" ..." if len(metrics) > 4 else "")
+        + ". The estimate is for an H100 and an H200 at their peaks: seconds measured on another device (a CPU) "
+        "are not comparable with it.",
+        decode_line(z, est["H100"]["rollout"], [m.get("rollout_seconds") for m in (later or metrics)]),
+    ]
+    return "\n".join(lines + time_assumptions(args, z))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -799,7 +1205,10 @@ def machine() -> str:
 
 def main(argv=None):
     a = parse_args(argv)
-    if a.estimate:  # the shapes only: no model loaded
+    if a.for_run:  # the shapes and the run's files only: no model loaded
+        print(run_report(a))
+        return
+    if a.estimate:
         print(estimate_report(a))
         return
     out_dir = Path(a.out_dir)
@@ -843,9 +1252,8 @@ def main(argv=None):
         f"# Benchmark\n\n{machine()}\n\nCommand: `{command}` ({time.time() - t_start:.0f} s); model "
         f"{a.model}\n\n{table(rows)}\n\n"
         + "\n".join(f"- {r['figure'].split(':')[0]}: {r['note']}" for r in rows)
-        + "\n\n## QLoRA estimate from the shapes, one GPU (experiments/benchmark.py --estimate)\n\n"
-        + estimate_report(a)
-        + "\n"
+        + "\n\n## QLoRA estimate from the shapes, one GPU: memory, and seconds a step "
+        "(experiments/benchmark.py --estimate)\n\n" + estimate_report(a) + "\n"
     )
     print("\n" + text)
     (out_dir / "benchmark.md").write_text(text)
@@ -859,6 +1267,7 @@ def main(argv=None):
                 "qlora_estimate_gb": {
                     name: estimate_peaks(memory_estimate(model_shapes(SHAPES[name]), **budget(a))) for name in SHAPES
                 },
+                "gpu_preset_step_seconds": {name: preset_step_seconds(name) for name in SHAPES},
             },
             indent=2,
             default=str,

@@ -3,7 +3,9 @@
 #
 #   1. 04_mica_train.py for 2 steps in 4-bit with --judge self --user self (the frozen base judges and
 #      plays the user), and its peak memory against the estimate for the same shapes and settings
-#      (experiments/benchmark.py --estimate): torch.cuda.max_memory_allocated on a GPU;
+#      (experiments/benchmark.py --estimate): torch.cuda.max_memory_allocated on a GPU; then its seconds
+#      per phase (metrics.jsonl) beside the time estimate at the run's own flags, on an H100 and an H200
+#      (benchmark.py --estimate --for-run RUN_DIR, labelled with the device it ran on);
 #   2. the data-parallel tests (tests/test_distributed.py), NCCL with 2 or more GPUs;
 #   3. the benchmark's update figure (figure 2: one 04 step against the bare forward + backward).
 #
@@ -58,9 +60,11 @@ run() { show "$@"; if [[ $MODE != dry ]]; then "$@"; fi; }
 
 if [[ $MODE == dry ]]; then
   GPUS=2   # a dry run shows every step, the data-parallel one included
+  DEVICE=DEVICE
   echo "dry run: the commands scripts/gpu_check.sh would run (nothing is run)"
 elif [[ $MODE == cpu ]]; then
   GPUS=2   # two gloo processes on the CPU stand in for two GPUs
+  DEVICE="CPU, $(nproc) cores"
   echo "CPU mode: the GPU sequence on the CPU ($("$PYTHON" -c 'import torch; print("torch", torch.__version__)'))"
   mkdir -p "$OUT"
 else
@@ -69,12 +73,13 @@ else
     echo "error: no CUDA device (torch.cuda.is_available() is False); on a CPU, run scripts/gpu_check.sh --cpu" >&2
     exit 2
   fi
+  DEVICE=$("$PYTHON" -c 'import torch; print(torch.cuda.get_device_name(0))')
   "$PYTHON" -c 'import torch; print(f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}, torch {torch.__version__}")'
   mkdir -p "$OUT"
 fi
 t0=$SECONDS
 
-echo "== 1. 04_mica_train.py, 2 steps, 4-bit, --judge self --user self, peak memory"
+echo "== 1. 04_mica_train.py, 2 steps, 4-bit, --judge self --user self, peak memory and seconds per phase"
 show "$PYTHON" -c "$PEAK_PY" "${TRAIN[@]}"
 PEAK=PEAK
 if [[ $MODE != dry ]]; then
@@ -85,6 +90,10 @@ if [[ $MODE == gpu || $MODE == dry ]]; then MEASURED=(--measured-gb "$PEAK"); el
 run "$PYTHON" experiments/benchmark.py --estimate --estimate-models SmolLM2-135M-Instruct \
     --est-live $((SCENARIOS * K)) --est-context "$CONTEXT" --est-turns "$TURNS" --est-reply "$REPLY" \
     --est-micro "$MICRO" "${MEASURED[@]}"
+# the run's seconds per phase (metrics.jsonl) beside the time estimate at its own flags (args.json)
+RUN_DIR="$OUT/gpu-check-TIME"
+if [[ $MODE != dry ]]; then RUNS=("$OUT"/gpu-check-*); RUN_DIR=${RUNS[-1]}; fi  # the newest: names sort by time
+run "$PYTHON" experiments/benchmark.py --estimate --for-run "$RUN_DIR" --measured-on "$DEVICE"
 
 echo "== 2. the data-parallel tests (NCCL with 2 or more GPUs; gloo in CPU mode)"
 if (( GPUS >= 2 )); then

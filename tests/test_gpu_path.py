@@ -211,7 +211,7 @@ def test_gpu_check_dry_run_prints_commands_the_scripts_accept(tmp_path, trainer)
     assert p.returncode == 0, p.stderr
     assert not out.exists()  # nothing run, nothing written
     cmds = [ln[2:] for ln in p.stdout.splitlines() if ln.startswith("+ ")]
-    assert len(cmds) == 4, p.stdout
+    assert len(cmds) == 5, p.stdout
     train = shlex.split(cmds[0].split(" 04_mica_train.py ", 1)[1])
     args = trainer.parse_args(train)  # 04 accepts every flag
     assert (args.model, args.steps, args.load_in_4bit, args.judge, args.user) == (
@@ -233,8 +233,11 @@ def test_gpu_check_dry_run_prints_commands_the_scripts_accept(tmp_path, trainer)
         args.max_turns,
         args.max_new_tokens,
     )  # the run's settings
-    assert "tests/test_distributed.py" in cmds[2]
-    upd = bench.parse_args(shlex.split(cmds[3])[2:])
+    times = bench.parse_args(shlex.split(cmds[2])[2:])  # the run's seconds beside the estimate at its flags
+    assert times.estimate and times.measured_on == "DEVICE"  # the device, found on a GPU or CPU run
+    assert times.for_run == str(out / f"{args.run_name}-TIME")  # the run's folder: <out>/<run name>-<time>
+    assert "tests/test_distributed.py" in cmds[3]
+    upd = bench.parse_args(shlex.split(cmds[4])[2:])
     assert upd.figures == "2" and upd.no_trl
 
 
@@ -415,6 +418,8 @@ def test_a_context_beyond_the_models_window_is_cut_with_one_line(tmp_path, train
 def test_gpu_check_runs_its_sequence_on_the_cpu(tiny_model_64, tmp_path):
     """scripts/gpu_check.sh --cpu: every line of the GPU sequence, on the CPU with the tiny model, at small
     shapes (one scenario x K=2, 2 turns of 8 tokens: the lines run the same, in a fraction of the time)."""
+    import argparse
+
     out = tmp_path / "gpu_check"
     shapes = {"SCENARIOS": "1", "K": "2", "TURNS": "2", "REPLY": "8", "CONTEXT": "512", "MICRO": "2"}
     p = subprocess.run(
@@ -439,6 +444,21 @@ def test_gpu_check_runs_its_sequence_on_the_cpu(tiny_model_64, tmp_path):
     assert given["load_in_4bit"] == "on" and (run / "adapter").exists()
     assert (given["scenarios_per_step"], given["k"], given["max_turns"], given["max_new_tokens"]) == (1, 2, 2, 8)
     assert "peak, --judge self" in p.stdout and "1 passed" in p.stdout  # the estimate; one DP test
+    # the run's seconds a phase beside the time estimate at its flags, labelled with the device (a CPU's
+    # seconds are not a GPU's, but the line prints): step 1 measured, a phase not logged says so
+    assert f"#### Seconds a step: the estimate at {run.name}'s flags, and the run (measured on CPU, " in p.stdout
+    step = re.search(r"^\| step \| ([\d.e+-]+) \| ([\d.e+-]+) \| ([\d.]+) \| ([\d.]+) \|$", p.stdout, re.M)
+    assert step and float(step[3]) > 0 and float(step[4]) > 0, p.stdout[-3000:]
+    metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert float(step[3]) == float(f"{metrics[0]['step_seconds']:.3g}")
+    bench = importlib.import_module("experiments.benchmark")  # the estimate is the one at the run's own flags
+    phases, _ = bench.step_phases(
+        bench.model_shapes(json.loads((Path(tiny_model_64) / "config.json").read_text())), argparse.Namespace(**given)
+    )
+    assert float(step[1]) == float(f"{sum(bench.seconds_by_gpu(phases)['H100']):.3g}")
+    assert re.search(
+        r"^\| rollout \(policy, judge, user\) \| [\d.e+-]+ \| [\d.e+-]+ \| ([\d.]+|not logged) \|", p.stdout, re.M
+    )
     assert (out / "benchmark" / "benchmark.md").exists() and "gpu_check: done in" in p.stdout
 
 
