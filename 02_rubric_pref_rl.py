@@ -71,6 +71,7 @@ sft = importlib.import_module("01_rubric_sft")  # the rubric format, parser, gen
 HERE = Path(__file__).resolve().parent
 DIMS = sft.DIMS
 GEN_BATCH = 16  # contexts per generate call
+CLIP_LOW, CLIP_HIGH = 0.2, 0.28  # the ratio's clip [1 - eps_low, 1 + eps_high], as 04's
 
 
 # ---------------------------------------------------------------------------------------------
@@ -122,7 +123,7 @@ def rubric_logprobs(model, samples: list[dict], pad_id: int, temperature: float)
 # ---------------------------------------------------------------------------------------------
 # The update: clipped policy-gradient steps on the rubric tokens
 # ---------------------------------------------------------------------------------------------
-def ppo_update(model, tokenizer, optimizer, scheduler, samples: list[dict], args) -> dict:
+def policy_update(model, tokenizer, optimizer, scheduler, samples: list[dict], args) -> dict:
     """One pass over minibatches of --minibatch-size rubrics, each one optimizer step with its gradient
     accumulated over micro-batches, the loss a token mean over the minibatch; then one scheduler step (always).
     The samples come context by context (in the step's seeded sample order) and a minibatch holds whole
@@ -178,7 +179,7 @@ def ppo_update(model, tokenizer, optimizer, scheduler, samples: list[dict], args
             A = torch.cat([torch.full((n,), samples[i]["A"]) for i, n in zip(part, sizes(part))]).to(logp.device)
             logp_old = torch.cat([old[i] for i in part]) if part[0] in old else logp.detach()
             # L = (1/N) sum_i max(-ratio_i A_i, -clip(ratio_i) A_i)  [+ beta (1/N) sum_i k3_i]
-            pg, was_clipped = clipped_surrogate(logp, logp_old, A, args.clip_low, args.clip_high)
+            pg, was_clipped = clipped_surrogate(logp, logp_old, A, CLIP_LOW, CLIP_HIGH)
             loss_sum = pg.sum()
             if ref:
                 kl = k3_kl(logp, torch.cat([ref[i] for i in part]))
@@ -310,7 +311,7 @@ def train_step(step, args, run_dir, model, tokenizer, judge, train, optimizer, s
             if gens[i][2]
         ]
     # 4. update: the clipped surrogate on the rubric tokens
-    upd = ppo_update(model, tokenizer, optimizer, scheduler, samples, args)
+    upd = policy_update(model, tokenizer, optimizer, scheduler, samples, args)
     # 5. log, keep the samples
     common.append_jsonl(
         run_dir / "rollouts.jsonl",
@@ -506,8 +507,6 @@ def parse_args(argv=None):
         "--temperature", type=common.number(above=0), default=1.0, help="sampling temperature of the rubrics"
     )
     g.add_argument("--max-new-tokens", type=common.number(int, low=8), default=256, help="token cap of a rubric")
-    g.add_argument("--clip-low", type=common.number(low=0), default=0.2, help="ratio clip below: 1 - clip_low")
-    g.add_argument("--clip-high", type=common.number(low=0), default=0.28, help="ratio clip above: 1 + clip_high")
     g.add_argument(
         "--kl-coef",
         type=common.number(low=0),

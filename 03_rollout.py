@@ -10,7 +10,7 @@ What it does
 Reads   scenarios JSONL (data/scenarios_{train,test}.jsonl: id, persona, situation, opening, the 9 EMPA
         ratings `items` or p0 = [C, A, P], optional user_lines); data/judge_prototypes.json (offline.py's embed judge).
 Writes  <run>/rollouts.jsonl: every turn's messages, P_t, v_t, levels, distance, IDR reward, the user's
-        emotion e_t and flags (truncated, judge_failed); <run>/args.json.
+        emotion e_t and flags (cut_off, judge_failed); <run>/args.json.
 
 Equations (EMPA; docs/reference.md sections 1-4)
   initial deficit   C = -2(C1 + C2 + 1.5 C3),  A = -2(A1 + 2 A2 + 1.5 A3),  P = -2(P1 + 2 P2 + 1.5 P3)
@@ -180,7 +180,7 @@ class Trajectory:
     levels: list[dict | None] = field(default_factory=list)
     features: list[dict] = field(default_factory=list)
     dEs: list[float] = field(default_factory=list)
-    truncated: list[bool] = field(default_factory=list)
+    cut_off: list[bool] = field(default_factory=list)
     emotions: list[float] = field(default_factory=list)  # e_0 .. e_T, the user's emotion (0-100)
     shown: list[str] = field(default_factory=list)  # what the user and the judge saw of each reply
     formatted: list[bool] = field(default_factory=list)  # --kardia-format: the reply had the 4 sections
@@ -277,7 +277,7 @@ def policy_turn(model, tokenizer, live: list[Trajectory], args, kv) -> list[dict
         text = tokenizer.decode(reply_ids, skip_special_tokens=True).strip()
         tr.spans.append((len(tr.ids), len(tr.ids) + len(reply_ids)))
         tr.ids.extend(reply_ids)
-        tr.truncated.append(not ended)
+        tr.cut_off.append(not ended)
         seen = common.strip_thinking(text)  # a thinking model's <think> part reaches no one
         shown, ok = kardia_response(seen) if args.kardia_format else (seen, True)
         tr.shown.append(shown)
@@ -319,7 +319,7 @@ def user_turn(tokenizer, going: list[Trajectory], user, args):
             )
             answer = answer[:MAX_MESSAGE_CHARS]
         tr.messages.append({"role": "user", "content": answer})
-        end = None if tr.truncated[-1] else tokenizer.decode(tr.ids[-1:])  # the end-of-turn token it sampled
+        end = None if tr.cut_off[-1] else tokenizer.decode(tr.ids[-1:])  # the end-of-turn token it sampled
         extra = next_user_ids(tokenizer, tr.messages, tr.messages[-2]["content"], end)
         if len(tr.ids) + len(extra) + args.max_new_tokens > args.max_context:
             tr.outcome = "context_limit"
@@ -345,7 +345,7 @@ def trajectory_record(tr: Trajectory, args, rewards: list[float] | None = None, 
             "distance": round(d[t + 1], 4),
             "dE": round(tr.dEs[t], 4),
             "reward": rewards[t],
-            "truncated": tr.truncated[t],
+            "cut_off": tr.cut_off[t],
             "judge_failed": tr.vs[t] is None,
             "emotion": tr.emotions[t + 1],
             **({"shown": tr.shown[t], "formatted": tr.formatted[t]} if args.kardia_format else {}),
@@ -386,7 +386,7 @@ def main(argv=None):
             f"d: {rec['initial_distance']} -> {rec['final_distance']}  return={rec['return']:.3f}"
         )
         for tu in rec["turns"]:
-            flags = " [cut off]" * tu["truncated"] + " [judge failed]" * tu["judge_failed"]
+            flags = " [cut off]" * tu["cut_off"] + " [judge failed]" * tu["judge_failed"]
             print(f"  user:      {tu['user']}\n  assistant: {tu['assistant']}{flags}")
             print(f"             v={tu['v']}  P={tu['state']}  d={tu['distance']}  r={tu['reward']:.3f}")
     n, judged = len(records), [t["judge_failed"] for r in records for t in r["turns"]]

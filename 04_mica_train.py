@@ -29,7 +29,7 @@ Equations (MICA; docs/reference.md section 2; each one is a loop below)
     kardia  r_t = (1/5) sum_c s_c,t over emotion accuracy, empathy, relevance, persona consistency and safety,
             + r_fmt (0 with the four <understanding><reasoning><emotion><response> sections, -1 without;
             with --kardia-format) (Kardia-R1's Rubric-as-Judge)
-    cut-off r_t -= lambda_cut * (the reward's unit: cutoff_scale) when reply t was cut off at the token cap
+    cut-off r_t -= lambda_cut * (the reward's unit: cut_off_scale) when reply t was cut off at the token cap
   return        G_t = sum_{j >= t} gamma^(j - t) r_j                         (within one dialogue)
   turn-level    A_turn[k][t] = (G[k][t] - mean_t) / (std_t + 1e-6)    over the k that reached turn t
   group-level   A_group[k][t] = (r[k][t] - mean) / (std + 1e-6)        over all sum_k T_k rewards
@@ -50,8 +50,8 @@ Departures from the paper (and why)
      16 x 4). With CUDA the gpu preset takes 16 x 4, 8-15 turns and EMPA's collapse window of 5, with 4-bit
      base weights and the frozen base as judge and user; --preset chooses, flags given win; every preset's
      departures: docs/reference.md "Known departures at a glance".
-  3. A reply cut off at --max-new-tokens loses --cutoff-penalty (0.5) of its reward's unit (what one ordinary
-     good turn earns: cutoff_scale): without it a small policy drifts to the cap.
+  3. A reply cut off at --max-new-tokens loses --cut-off-penalty (0.5) of its reward's unit (what one ordinary
+     good turn earns: cut_off_scale): without it a small policy drifts to the cap.
   4. A turn a judge failed on (the EMPA judge, or CARE's or Kardia-R1's criteria judge) is left out of the
      loss and counted; for the returns and the group statistics its reward is the dialogue's mean valid
      reward (as the public code fills it).
@@ -287,7 +287,7 @@ def kardia_rewards(trajs, args, graders) -> list[list[float]]:
 REWARDS = {"idr": idr_rewards, "rlver": rlver_rewards, "care": care_rewards, "kardia": kardia_rewards}
 
 
-def cutoff_scale(name: str, args) -> float:
+def cut_off_scale(name: str, args) -> float:
     """The unit of the cut-off penalty for one reward: what one ordinary good turn earns in that reward."""
     if name == "idr":
         # sqrt(w_C + w_A + w_P): the IDR of a turn that gains one point on every axis while the three deficits
@@ -302,12 +302,12 @@ def cutoff_scale(name: str, args) -> float:
     return 1.0  # care: the range of S(y), [0, 1]; kardia: the range of the mean criterion score, [0, 1]
 
 
-def cutoff_penalty(args) -> float:
-    # penalty = lambda_cut * sum_c |weight_c| * scale_c   (lambda_cut = --cutoff-penalty)
+def cut_off_penalty(args) -> float:
+    # penalty = lambda_cut * sum_c |weight_c| * scale_c   (lambda_cut = --cut-off-penalty)
     penalty = 0.0
     for name, weight in args.reward_weights.items():
-        penalty += abs(weight) * cutoff_scale(name, args)
-    return args.cutoff_penalty * penalty
+        penalty += abs(weight) * cut_off_scale(name, args)
+    return args.cut_off_penalty * penalty
 
 
 def turn_rewards(parts: dict[str, list[float]], tr, args) -> tuple[list[float], list[bool]]:
@@ -320,8 +320,8 @@ def turn_rewards(parts: dict[str, list[float]], tr, args) -> tuple[list[float], 
     for name, part in parts.items():
         r = [x + args.reward_weights[name] * y for x, y in zip(r, part)]
     failed = [tr.judge_failed[t] or not all(math.isfinite(part[t]) for part in parts.values()) for t in range(tr.T)]
-    penalty = cutoff_penalty(args)
-    r = [x - penalty * cut for x, cut in zip(r, tr.truncated)]
+    penalty = cut_off_penalty(args)
+    r = [x - penalty * cut for x, cut in zip(r, tr.cut_off)]
     valid = [x for x, f in zip(r, failed) if not f]
     fill = sum(valid) / len(valid) if valid else 0.0
     return [fill if f else x for x, f in zip(r, failed)], failed
@@ -707,7 +707,7 @@ def log_step(run: Run, step, records, counts, upd, lr, seconds):
             "distance_drop": sum(rec["initial_distance"] - rec["final_distance"] for rec in records) / n,
             "trajectories": n,
             "turns_mean": len(turns) / n,
-            "truncated_frac": sum(turn["truncated"] for turn in turns) / max(1, len(turns)),
+            "cut_off_frac": sum(turn["cut_off"] for turn in turns) / max(1, len(turns)),
             "judge_failures": sum(turn["judge_failed"] for turn in turns),
             "user_failures": sum(rec["outcome"] == "user_failed" for rec in records),
             **{k: sum(part["counts"][k] for part in parts) for k in parts[0]["counts"]},
@@ -888,7 +888,7 @@ def parse_args(argv=None):
         help="w = (w_C, w_A, w_P) of the hinge distance",
     )
     g.add_argument(
-        "--cutoff-penalty",
+        "--cut-off-penalty",
         type=float,
         default=0.5,
         help=(

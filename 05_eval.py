@@ -411,7 +411,7 @@ def empa_cases(model, tok, scenarios, judge, user, args) -> tuple[list[dict], li
             # the paired measures: the pure IDR's sum d(P0) - d(P_T), a collapse, the share of cut-off replies
             "idr_return": rec["initial_distance"] - rec["final_distance"],
             "collapse": float(tr.outcome == "failure"),
-            "cut_off": sum(tr.truncated) / max(1, tr.T),
+            "cut_off": sum(tr.cut_off) / max(1, tr.T),
             # and the replies' mean naturalness (their per-token log-likelihood under the base)
             "naturalness": statistics.mean(scored) if scored else None,
             "failed": (

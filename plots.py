@@ -50,7 +50,7 @@ def last_lines_by(records: list[dict], key) -> list[dict]:
 MICA_CURVES = {
     "return_mean": "return (mean per dialogue)",
     "reward_mean": "reward (mean per turn)",
-    "truncated_frac": "cut-off share",
+    "cut_off_frac": "cut-off share",
     "kl": "KL to the base",
     "clip_frac": "clip fraction",
 }
@@ -100,7 +100,7 @@ def credit(run_dir: Path, step: int) -> Path:
         for label, values in series.items():
             ax.plot(t, values, marker="o", markersize=3, label=label)
         for turn in rec["turns"]:
-            if turn["truncated"]:
+            if turn["cut_off"]:
                 ax.plot(turn["t"], turn["reward"], "kx")
             if turn["judge_failed"]:
                 ax.axvspan(turn["t"] - 0.4, turn["t"] + 0.4, color="0.85")

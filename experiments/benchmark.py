@@ -9,7 +9,7 @@ scenarios, seeds and token budgets on both sides, one untimed warm-up run of eac
               rollout (the sequential one with K = 1), so both keep each dialogue's KV cache between
               turns; only the batched one can prefill a scenario's K identical openings once.
               Goal >= 4x at 16 live dialogues (--scenarios x --k).
-  2. update   one 04 optimisation step (ppo_update: log-probs, clipped surrogate, backward, gradient
+  2. update   one 04 optimisation step (policy_update: log-probs, clipped surrogate, backward, gradient
               clipping, AdamW) on the rollout's trajectories vs the bare forward + backward of the same
               tokens in the same micro-batches (the model's own forward with labels: the compute that
               cannot be avoided), timed alternately (ours, reference, ours, ...). Goal <= 1.3x.
@@ -270,7 +270,7 @@ def bench_rollout(a, model, tok, scenarios, judge, user, args):
 # 2. Update: one 04 optimisation step vs the bare forward + backward of the same tokens
 # ---------------------------------------------------------------------------------------------
 def micro_batches(trajs, args):
-    """The micro-batches ppo_update forms: minibatches of whole scenarios in order, each sorted by length."""
+    """The micro-batches policy_update forms: minibatches of whole scenarios in order, each sorted by length."""
     samples, out = trainer.as_samples(trajs), []
     for j in range(0, len(trajs), args.minibatch_size):
         mb = list(range(j, min(j + args.minibatch_size, len(trajs))))
@@ -294,16 +294,13 @@ def bench_update(a, model, tok, trajs, args):
     for tr in trajs:
         groups.setdefault(tr.scenario["id"], []).append(tr)
     flat = [tr for g in groups.values() for tr in g]
-    advs = [
-        A
-        for g in groups.values()
-        for A in trainer.mica_advantages([trainer.turn_rewards(tr, args) for tr in g], args.alpha, args.gamma)
-    ]
+    rewards = [[step_rewards(tr, args) for tr in g] for g in groups.values()]
+    advs = [A for group in trainer.ADVANTAGES["mica"](rewards, args)[0] for A in group]
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=trainer.WEIGHT_DECAY)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     t_ours, t_ref = timed_pair(
-        lambda: trainer.ppo_update(model, tok, opt, sched, trainer.as_samples(flat, advs), args, Accelerator()),
+        lambda: trainer.policy_update(model, tok, opt, sched, trainer.as_samples(flat, advs), args, Accelerator()),
         lambda: bare_forward_backward(model, tok, flat, args),
         a.repeats,
     )
@@ -325,13 +322,18 @@ def bench_update(a, model, tok, trajs, args):
 # ---------------------------------------------------------------------------------------------
 # 3. Peer: a single-turn GRPO step of 04 vs TRL's GRPOTrainer
 # ---------------------------------------------------------------------------------------------
+def step_rewards(tr, args) -> list[float]:
+    """04's training reward per turn of one dialogue: its --reward parts by name, then turn_rewards."""
+    return trainer.turn_rewards(trainer.reward_parts([tr], args, None)[0], tr, args)[0]
+
+
 def ours_grpo_step(model, tok, prompts, judge, user, args, opt, sched):
     # 1. rollout (one turn)  2. IDR rewards  3. GRPO advantages  4. the update
     trajs = env.rollout(model, tok, prompts, judge, user, args)
     groups = [[tr for tr in trajs if tr.scenario is s] for s in prompts]
-    rewards = [[trainer.turn_rewards(tr, args) for tr in g] for g in groups]
-    advs = [A for r in rewards for A in trainer.grpo_advantages(r)]
-    return trainer.ppo_update(
+    rewards = [[step_rewards(tr, args) for tr in g] for g in groups]
+    advs = [A for group in trainer.ADVANTAGES["grpo"](rewards, args)[0] for A in group]
+    return trainer.policy_update(
         model, tok, opt, sched, trainer.as_samples([tr for g in groups for tr in g], advs), args, Accelerator()
     )
 
@@ -405,8 +407,8 @@ def trl_grpo_seconds(a, prompts, judge, args, out_dir) -> tuple[float | None, st
         warmup_steps=0,
         max_grad_norm=trainer.MAX_GRAD_NORM,
         beta=0.0,
-        epsilon=args.clip_low,
-        epsilon_high=args.clip_high,
+        epsilon=trainer.CLIP_LOW,
+        epsilon_high=trainer.CLIP_HIGH,
         num_iterations=1,
         loss_type="dapo",
         scale_rewards="group",
@@ -961,7 +963,7 @@ def step_phases(s: dict, args, log_kl: bool = False) -> tuple[list[tuple], dict]
     tokens, scored = context(T) + R, T * R
     minibatches = batches(B, args.minibatch_size)
     micros = [m for mb in minibatches for m in batches(mb, args.micro_batch_size)]
-    old_from = 1 if args.ppo_epochs == 1 else 0  # the first minibatch of one epoch needs no old log-probs
+    old_from = 1 if args.update_epochs == 1 else 0  # the first minibatch of one epoch needs no old log-probs
     old = [m for mb in minibatches[old_from:] for m in batches(mb, args.micro_batch_size)]
     if old:
         add("old log-probs", train_work(s, n_linear, n_lora, w_policy, old, tokens, scored, grad=False))
@@ -969,7 +971,7 @@ def step_phases(s: dict, args, log_kl: bool = False) -> tuple[list[tuple], dict]
         ref = train_work(s, n_linear, n_lora, w_base, micros, tokens, scored, adapter=False, grad=False)
         add("reference log-probs", ref)
     fb = train_work(s, n_linear, n_lora, w_policy, micros, tokens, scored, checkpointing=args.gradient_checkpointing)
-    add("forward + backward", [x * args.ppo_epochs for x in fb])
+    add("forward + backward", [x * args.update_epochs for x in fb])
     notes = {
         "policy prefill": f"turn 1: {S} openings of {OPENING_TOKENS}; then {B} x {U} new tokens a turn",
         "policy decode": f"{B} rows x {T} turns x {R} tokens, one call a turn",

@@ -72,7 +72,7 @@ def evaluate(args, out_dir, name, seed, adapter=None) -> dict:
         "final_emotion": statistics.mean(r["final_emotion"] for r in recs),
         "collapses": sum(r["outcome"] == "failure" for r in recs),  # EMPA failures, a count of n
         "cut_off": statistics.mean(
-            sum(t["truncated"] for t in r["turns"]) / max(1, len(r["turns"])) for r in recs
+            sum(t["cut_off"] for t in r["turns"]) / max(1, len(r["turns"])) for r in recs
         ),  # share of replies cut at the cap
         "n": len(recs),
     }

@@ -174,7 +174,7 @@ def render_step_table(steps) -> str:
         turns = [t for r in recs for t in r["turns"]]
         rows.append(
             f"<tr><td>{step_label(s)}</td><td>{len(recs)}</td><td>{num(mean(r.get('return') for r in recs))}"
-            f"</td><td>{num(share(t.get('truncated') for t in turns))}</td>"
+            f"</td><td>{num(share(t.get('cut_off') for t in turns))}</td>"
             f"<td>{num(share(t.get('judge_failed') for t in turns))}</td>"
             f"<td>{num(share(r.get('outcome') == 'success' for r in recs))}</td>"
             f"<td>{num(mean(r.get('final_distance') for r in recs))}</td></tr>"
@@ -233,7 +233,7 @@ def render_step(step, recs: list[dict], hidden: bool) -> str:
     head = (
         f'<h2>{step_title(step)}</h2><p class="meta">{len(recs)} dialogues, mean return '
         f"{num(mean(r.get('return') for r in recs))}, cut-off turns "
-        f"{num(share(t.get('truncated') for r in recs for t in r['turns']))}</p>"
+        f"{num(share(t.get('cut_off') for r in recs for t in r['turns']))}</p>"
     )
     dialogues = "".join(render_dialogue(step, i, rec) for i, rec in enumerate(recs))
     return (
@@ -272,7 +272,7 @@ def render_dialogue(step, index: int, rec: dict) -> str:
 
 def render_turn(turn: dict) -> str:
     """One turn: the user's message, the policy's reply, the marks, then its numbers."""
-    cut, failed = bool(turn.get("truncated")), bool(turn.get("judge_failed")) or turn.get("v", 0) is None
+    cut, failed = bool(turn.get("cut_off")), bool(turn.get("judge_failed")) or turn.get("v", 0) is None
     flags = ('<span class="flag cut">cut off</span>' * cut) + ('<span class="flag failed">judge failed</span>' * failed)
     msgs = [("user", turn.get("user", "")), ("policy", turn.get("assistant", ""))]
     if isinstance(turn.get("shown"), str) and turn["shown"] != turn.get("assistant"):

@@ -195,7 +195,7 @@ def test_time_estimate_arithmetic_by_hand(monkeypatch):
         max_context=1000,
         micro_batch_size=2,
         minibatch_size=1,
-        ppo_epochs=1,
+        update_epochs=1,
         judge="self",
         user="self",
         judge_concurrency=1,

@@ -552,7 +552,7 @@ def test_a_step_logged_again_by_a_resumed_run_is_drawn_once_with_its_last_values
         "G": 0.5,
         "terms": {"A_turn": 1.0, "A_group": 1.0},
         "advantage": 1.0,
-        "truncated": False,
+        "cut_off": False,
         "judge_failed": False,
     }
     rec = {"step": 2, "scenario_id": "s", "outcome": "timeout", "initial_distance": 5.0, "final_distance": 4.0}

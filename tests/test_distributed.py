@@ -115,7 +115,7 @@ def test_two_processes_keep_one_adapter_and_log_every_trajectory(tiny_model, tmp
 # ---------------------------------------------------------------------------------------------
 def fixed_update(trainer, model_path, share=(0, 1)):
     """Four fixed trajectories of unequal lengths with fixed advantages; the process takes
-    trajectories share[0]::share[1], runs one ppo_update, and returns the LoRA weights."""
+    trajectories share[0]::share[1], runs one policy_update, and returns the LoRA weights."""
     env = trainer.env
 
     args = argparse.Namespace(

@@ -115,7 +115,7 @@ def test_04_writes_its_own_update():
         "reinforce_pp_advantages",
         "discounted_returns",
         "turn_rewards",
-        "cutoff_penalty",
+        "cut_off_penalty",
         "idr_rewards",
         "rlver_rewards",
         "care_rewards",

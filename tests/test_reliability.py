@@ -431,7 +431,7 @@ def test_all_equal_rewards_are_counted_and_teach_nothing(tiny_model, tmp_path, f
         "api:judge",
         "--api-base",
         server.base,
-        "--cutoff-penalty",
+        "--cut-off-penalty",
         "0",
         "--out-dir",
         tmp_path,
@@ -492,12 +492,12 @@ def test_nothing_to_score_skips_the_update_without_nan(trainer, env, tiny_model)
         spans=[(0, 1), (1, 2)],
         states=[[-4.0, -4.0, -4.0], [float("-inf"), -4.0, -4.0], [-2.0, -2.0, -2.0]],
         vs=[[0.0, 0.0, 0.0], [0.0, 0.0, 0.0]],
-        truncated=[False, False],
+        cut_off=[False, False],
     )
     targs = argparse.Namespace(
         idr_weights=(1, 1, 1),
         eps=1.0,
-        cutoff_penalty=0.0,
+        cut_off_penalty=0.0,
         reward_weights={"idr": 1.0},
         kardia_format=False,
         care_distance="plain",

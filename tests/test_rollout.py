@@ -90,7 +90,7 @@ def test_rollout_states_rewards_and_spans(env, trainer, tiny):
         assert [t["reward"] for t in rec["turns"]] == pytest.approx([2.828, 0.363, 1.231], abs=1e-3)
         assert rec["final_distance"] == pytest.approx(5.4772, abs=1e-4)
         # every reply span holds the sampled ids: 1..6 tokens, the eos only as the last one
-        for (s, e), cut, msg in zip(tr.spans, tr.truncated, [m for m in tr.messages if m["role"] == "assistant"]):
+        for (s, e), cut, msg in zip(tr.spans, tr.cut_off, [m for m in tr.messages if m["role"] == "assistant"]):
             assert 1 <= e - s <= 6
             body = tr.ids[s:e] if cut else tr.ids[s : e - 1]
             assert tok.eos_token_id not in body
@@ -119,7 +119,7 @@ def test_failed_judgement_is_flagged_and_left_out(env, trainer, tiny):
     targs = argparse.Namespace(
         idr_weights=(1, 1, 1),
         eps=1.0,
-        cutoff_penalty=0.0,
+        cut_off_penalty=0.0,
         reward_weights={"idr": 1.0},
         kardia_format=False,
         care_distance="plain",
@@ -143,13 +143,13 @@ def test_cutoff_penalty(env, trainer, tiny):
     targs = argparse.Namespace(
         idr_weights=(1, 1, 1),
         eps=1.0,
-        cutoff_penalty=0.5,
+        cut_off_penalty=0.5,
         reward_weights={"idr": 1.0},
         kardia_format=False,
         care_distance="plain",
     )
-    assert any(tr.truncated)
-    expected = [-0.5 * 3**0.5 if cut else 0.0 for cut in tr.truncated]  # half a level-1 turn's IDR, sqrt(3)
+    assert any(tr.cut_off)
+    expected = [-0.5 * 3**0.5 if cut else 0.0 for cut in tr.cut_off]  # half a level-1 turn's IDR, sqrt(3)
     assert rewards_of(trainer, tr, targs) == pytest.approx(expected)
 
 
@@ -172,14 +172,14 @@ def test_cutoff_penalty_is_in_each_rewards_units(trainer, reward, weights, optio
     args = argparse.Namespace(
         **{
             "idr_weights": weights,
-            "cutoff_penalty": 0.5,
+            "cut_off_penalty": 0.5,
             "reward_weights": reward,
             "kardia_format": False,
             "care_distance": "plain",
             **options,
         }
     )
-    assert trainer.cutoff_penalty(args) == pytest.approx(penalty)
+    assert trainer.cut_off_penalty(args) == pytest.approx(penalty)
 
 
 def test_token_logprobs_match_full_forward(trainer, tiny, env):
@@ -236,7 +236,7 @@ def test_emotion_is_kept_and_rlver_rewards_and_end_rule(env, trainer, tiny):
     targs = argparse.Namespace(
         idr_weights=(1, 1, 1),
         eps=1.0,
-        cutoff_penalty=0.0,
+        cut_off_penalty=0.0,
         reward_weights={"idr": 1.0, "rlver": 0.5},
         kardia_format=False,
         care_distance="plain",
@@ -437,7 +437,7 @@ def test_every_reward_with_every_estimator_one_step(
         for rec in recs:  # RLVER's units: 0.5 (the default fraction) x 0.1 (its largest change in a turn)
             e = [30.0] + [t["emotion"] for t in rec["turns"]]
             want = [
-                (e[i + 1] - e[i]) / 100 - 0.05 * t["truncated"]
+                (e[i + 1] - e[i]) / 100 - 0.05 * t["cut_off"]
                 for i, t in enumerate(rec["turns"])
                 if not t["judge_failed"]
             ]
@@ -688,7 +688,7 @@ def test_a_failed_criteria_judge_leaves_its_turn_out_like_a_failed_empa_judge(en
     targs = argparse.Namespace(
         **vars(args),
         idr_weights=(1, 1, 1),
-        cutoff_penalty=0.0,
+        cut_off_penalty=0.0,
         care_distance="plain",
         reward_weights=trainer.parse_reward_spec(reward),
         gamma=0.85,

@@ -37,7 +37,7 @@ def test_rollout_script_prints_and_writes(tiny_model, tmp_path):
         assert r["outcome"] in ("timeout", "success", "failure")
         assert 1 <= len(r["turns"]) <= 2
         t = r["turns"][0]
-        assert set(t) >= {"user", "assistant", "v", "state", "distance", "reward", "truncated", "judge_failed"}
+        assert set(t) >= {"user", "assistant", "v", "state", "distance", "reward", "cut_off", "judge_failed"}
         assert t["state"] == [a + b for a, b in zip(r["p0"], t["v"])]
 
 
@@ -150,7 +150,7 @@ def test_train_script_other_estimators(tiny_model, tmp_path, advantage):
         "2",
         "--advantage",
         advantage,
-        "--ppo-epochs",
+        "--update-epochs",
         "2",
         "--minibatch-size",
         "2",
@@ -292,7 +292,7 @@ def test_rewards_experiment_table_and_resume(tiny_model, tmp_path):
     base_run = next(tmp_path.glob("eval-base-s0-*"))
     assert json.loads((base_run / "args.json").read_text())["max_context"] == 512  # --eval-args reached 03
     base_recs = [json.loads(x) for x in (base_run / "rollouts.jsonl").read_text().splitlines()]
-    cut = [sum(t["truncated"] for t in rec["turns"]) / len(rec["turns"]) for rec in base_recs]  # per dialogue
+    cut = [sum(t["cut_off"] for t in rec["turns"]) / len(rec["turns"]) for rec in base_recs]  # per dialogue
     assert rows[0]["cut_off"] > 0.5 and abs(rows[0]["cut_off"] - sum(cut) / len(cut)) < 1e-9  # 4-token cap cuts
     assert rows[0]["collapses"] == sum(rec["outcome"] == "failure" for rec in base_recs)
     table = (tmp_path / "rewards.md").read_text()

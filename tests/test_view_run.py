@@ -18,7 +18,7 @@ def view(*args):
     return subprocess.run([sys.executable, str(SCRIPT), *map(str, args)], capture_output=True, text=True, timeout=60)
 
 
-def turn(t, user, reply, v, state, distance, reward, emotion, advantage, truncated=False, **extra):
+def turn(t, user, reply, v, state, distance, reward, emotion, advantage, cut_off=False, **extra):
     return {
         "t": t,
         "user": user,
@@ -29,7 +29,7 @@ def turn(t, user, reply, v, state, distance, reward, emotion, advantage, truncat
         "distance": distance,
         "dE": 0.5,
         "reward": reward,
-        "truncated": truncated,
+        "cut_off": cut_off,
         "judge_failed": v is None,
         "emotion": emotion,
         "reply_tokens": 12,
@@ -95,7 +95,7 @@ def records():
                     0.5505,
                     45.0,
                     -0.3219,
-                    truncated=True,
+                    cut_off=True,
                     rubric=rubric(0.2, 0.6, 0.2),
                 ),
             ],
@@ -216,7 +216,7 @@ def test_the_page_shows_every_turn_escaped_marked_and_numbered(tmp_path):
         rs = [r for r in recs if r["step"] == step]
         turns = [t for r in rs for t in r["turns"]]
         assert fmt(sum(r["return"] for r in rs) / len(rs)) in text
-        assert fmt(sum(t["truncated"] for t in turns) / len(turns)) in text
+        assert fmt(sum(t["cut_off"] for t in turns) / len(turns)) in text
     assert page.options == ["step-1", "step-2"]
     assert ("option", {"value": "step-2", "selected": None}) in page.tags  # the last step is shown first
     assert [a for tag, a in page.tags if tag == "section" and "data-step" in a] == [
@@ -236,7 +236,7 @@ def test_the_page_shows_every_turn_escaped_marked_and_numbered(tmp_path):
                 assert (f"{key} " in got) == (key in terms) and (key not in terms or f"{key} {fmt(terms[key])}" in got)
             for x in t["state"]:
                 assert fmt(x) in got
-            assert ("cut off" in got) == t["truncated"]
+            assert ("cut off" in got) == t["cut_off"]
             assert ("judge failed" in got) == t["judge_failed"]
             if "rubric" in t:
                 assert "rubric w (C, A, P) (" + ", ".join(fmt(w) for w in t["rubric"]["weights"].values()) in got
