@@ -94,6 +94,10 @@ PROMPTS = json.loads((HERE / "data" / "prompts.json").read_text(encoding="utf-8"
 JUDGE_PROMPT, USER_PROMPT = ("\n".join(PROMPTS[k]) for k in ("mdep_judge", "user"))
 TREND_TEXT, DEFAULT_USER_LINES = PROMPTS["trend"], PROMPTS["scripted_user_lines"]
 MAX_MESSAGE_CHARS = 2000  # a simulated-user message is cut to this (an LLM user can run on)
+EPS = 1.0  # the hinge distance's tolerance eps (EMPA: 1 high, 2 medium, 3 low empathy thresholds; MICA trains at 1)
+# each dialogue's KV cache kept between turns, so only its new tokens are prefilled (False: the whole context
+# again every turn, slower: the check that the cache changes nothing, tests/test_rollout.py)
+KV_REUSE = True
 
 
 # ---------------------------------------------------------------------------------------------
@@ -248,7 +252,7 @@ def rollout(model, tokenizer, scenarios: list[dict], judge, user, args, desc="ro
         if not live:
             break
         # 1. the policy answers every live dialogue in one batched call (prefilling only what is new)
-        if not args.kv_reuse:
+        if not KV_REUSE:
             kv = TurnCache()
         kv.keep_rows([row_of[id(tr)] for tr in live] if row_of else [])
         row_of = {id(tr): b for b, tr in enumerate(live)}
@@ -297,7 +301,7 @@ def user_turn(tokenizer, going: list[Trajectory], user, args):
         band = (
             f"your emotion is {tr.emotions[-1]:.0f} out of 100 (0 = desperate, 100 = fully supported)"
             if args.emotion_ends
-            else state_band(hinge_distance(tr.states[-1], eps=args.eps), hinge_distance(tr.states[0], eps=args.eps))
+            else state_band(hinge_distance(tr.states[-1], eps=EPS), hinge_distance(tr.states[0], eps=EPS))
         )
         asks.append(
             {
@@ -330,9 +334,9 @@ def user_turn(tokenizer, going: list[Trajectory], user, args):
 
 def trajectory_record(tr: Trajectory, args, rewards: list[float] | None = None, **extra) -> dict:
     """One JSONL record: every turn's messages, state, v_t, levels, distance, reward and flags."""
-    d = [hinge_distance(P, eps=args.eps) for P in tr.states]
+    d = [hinge_distance(P, eps=EPS) for P in tr.states]
     # default reward written here: IDR r_t = d(P_{t-1}) - d(P_t); the trainer passes its own
-    rewards = rewards if rewards is not None else incremental_distance_rewards(tr.states, eps=args.eps)
+    rewards = rewards if rewards is not None else incremental_distance_rewards(tr.states, eps=EPS)
     replies = [i for i, m in enumerate(tr.messages) if m["role"] == "assistant"]
     turns = [
         {
@@ -675,7 +679,6 @@ def add_env_args(p: argparse.ArgumentParser, scenarios_default: str, k_default: 
         help="no success or failure before this turn (EMPA: 12; --emotion-ends ignores it)",
     )
     g.add_argument("--collapse-window", type=count, default=3, help="failure when the last N dE are all < 0 (EMPA: 5)")
-    g.add_argument("--eps", type=at_least_0, default=1.0, help="hinge tolerance eps (1 high, 2 medium, 3 low)")
     g.add_argument("--judge", default="embed", help="embed | self | hf:<model-or-path> | api:<model>")
     g.add_argument(
         "--judge-retries",
@@ -722,14 +725,6 @@ def add_env_args(p: argparse.ArgumentParser, scenarios_default: str, k_default: 
         type=common.number(above=0, high=1),
         default=1.0,
         help="nucleus sampling top-p (04's loss scores the whole distribution: keep 1 for training)",
-    )
-    g.add_argument(
-        "--no-kv-reuse",
-        dest="kv_reuse",
-        action="store_false",
-        help="prefill each dialogue's whole "
-        "context every turn instead of keeping its KV cache from the last turn (slower: a check of the "
-        "cache)",
     )
     g.add_argument(
         "--max-context",

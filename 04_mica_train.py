@@ -213,7 +213,7 @@ def idr_rewards(trajs, args, graders) -> list[list[float]]:
             # plain keeps MICA's potential difference
             w = [[3 * rb["weights"][d] for d in DIMS] for rb in tr.extra["rubrics"]]
         # r_t = d(P_{t-1}) - d(P_t)
-        r.append(env.incremental_distance_rewards(tr.states, w, args.eps))
+        r.append(env.incremental_distance_rewards(tr.states, w, env.EPS))
     return r
 
 

@@ -370,7 +370,7 @@ def trl_grpo_seconds(a, prompts, judge, args, out_dir) -> tuple[float | None, st
             P0 = case["scenario"]["p0"]
             v = env.levels_to_v(verdict["levels"]) if verdict else [0.0, 0.0, 0.0]
             P1 = [p + x for p, x in zip(P0, v)]
-            rewards.append(env.incremental_distance_rewards([P0, P1], args.idr_weights, args.eps)[0])
+            rewards.append(env.incremental_distance_rewards([P0, P1], args.idr_weights, env.EPS)[0])
         return rewards
 
     path = common.resolve_model(a.model)

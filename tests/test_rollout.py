@@ -514,7 +514,7 @@ def test_care_weights_the_distance_and_uniform_is_mica(trainer):
     assert plain == pytest.approx([2.828, 0.363, 1.231], abs=1e-3) and sum(plain) == pytest.approx(9.899495 - 5.477226)
 
 
-def test_kv_reuse_same_dialogues_fewer_tokens_prefilled(env, tiny):
+def test_kv_reuse_same_dialogues_fewer_tokens_prefilled(env, tiny, monkeypatch):
     """Keeping each dialogue's KV cache between turns (and prefilling the K identical openings once)
     must not change a greedy rollout by a single token, and must feed the model fewer tokens."""
     model, tok = tiny
@@ -524,9 +524,8 @@ def test_kv_reuse_same_dialogues_fewer_tokens_prefilled(env, tiny):
     try:
         for reuse in (False, True):
             fed.clear()
-            args = env_args(
-                env, k=3, max_turns=3, min_turns=12, max_new_tokens=6, temperature=0.0, kv_reuse=reuse, seed=0
-            )
+            monkeypatch.setattr(env, "KV_REUSE", reuse)
+            args = env_args(env, k=3, max_turns=3, min_turns=12, max_new_tokens=6, temperature=0.0, seed=0)
             trajs = env.rollout(
                 model,
                 tok,
