@@ -146,7 +146,7 @@ def episode_status(P0, dEs, states, t, args) -> str | None:
     w = args.collapse_window
     if len(dE2) >= w and all(dE < 0 for dE in dE2[-w:]):
         return "failure"  # collapsed
-    if len(dE2) >= 8 and len(states) >= 5:
+    if len(dE2) >= 8:  # 8 turns: states holds P_0 .. P_8, 9 of them
         stagnant = common.mean_std([round(norm(P), 2) for P in states[-5:]], ddof=1)[1] < 0.5
         regressing = sum(dE < 0 for dE in dE2[-8:]) >= 6 and sum(dE2[-8:]) < -1
         if stagnant and regressing:

@@ -36,11 +36,12 @@ def test_hinge_distance(env):
 def test_episode_rules(env):
     P0 = [-6, -9, -4]  # ||P0|| = 11.53
     a = Args()
-    assert env.episode_status(P0, [3.0] * 5, [], 5, a) is None  # before the gate
-    assert env.episode_status(P0, [1.0] * 12, [], 12, a) == "success"  # E_total 12 >= 11.53
-    assert env.episode_status(P0, [0.9] * 12, [], 12, a) is None
+    still = [P0] * 13  # P_0 .. P_12 as 03's rollout keeps them (one state a turn, and P_0)
+    assert env.episode_status(P0, [3.0] * 5, still[:6], 5, a) is None  # before the gate
+    assert env.episode_status(P0, [1.0] * 12, still, 12, a) == "success"  # E_total 12 >= 11.53
+    assert env.episode_status(P0, [0.9] * 12, still, 12, a) is None
     dEs = [1.0] * 7 + [-0.1] * 5  # collapsed: last 5 < 0
-    assert env.episode_status(P0, dEs, [], 12, a) == "failure"
+    assert env.episode_status(P0, dEs, still, 12, a) == "failure"
     # stagnant (std of last 5 ||P|| < 0.5) and regressing (>= 6 of last 8 dE < 0, sum < -1)
     states = [[-6, -9, -4]] * 13
     dEs = [0.0] * 4 + [-0.3, -0.3, 0.1, -0.3, -0.3, 0.1, -0.3, -0.3]
@@ -52,11 +53,11 @@ def test_episode_rules(env):
     dEs = [0.0] * 4 + [-0.3, -0.3, 0.5, -0.3, -0.3, 0.5, -0.3, -0.3]
     assert env.episode_status(P0, dEs, states, 12, a) is None
     # rounded to 2 decimals first: -0.004 is -0.0, not a negative step, so five of them are no collapse
-    assert env.episode_status(P0, [1.0] * 7 + [-0.004] * 5, [], 12, a) is None
-    assert env.episode_status(P0, [1.0] * 7 + [-0.006] * 5, [], 12, a) == "failure"
+    assert env.episode_status(P0, [1.0] * 7 + [-0.004] * 5, still, 12, a) is None
+    assert env.episode_status(P0, [1.0] * 7 + [-0.006] * 5, still, 12, a) == "failure"
     # E_total 11.534 >= ||P0|| = 11.5326, but rounded it is 11.53, short of it; 11.536 rounds to 11.54
-    assert env.episode_status(P0, [11.534] + [0.0] * 11, [], 12, a) is None
-    assert env.episode_status(P0, [11.536] + [0.0] * 11, [], 12, a) == "success"
+    assert env.episode_status(P0, [11.534] + [0.0] * 11, still, 12, a) is None
+    assert env.episode_status(P0, [11.536] + [0.0] * 11, still, 12, a) == "success"
 
 
 def test_load_scenarios_shipped_sets(env):
