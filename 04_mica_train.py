@@ -386,7 +386,8 @@ def policy_update(model, tokenizer, optimizer, scheduler, samples, args, acc, lo
     model.train()
     # sums kept on the device (copied once at the end): the loss of the steps taken, clipped tokens, the KL
     loss_total, clipped, kl_total = (torch.zeros((), dtype=torch.float64, device=device) for _ in range(3))
-    ratio_lo, ratio_hi, tokens, grad_norms, nonfinite_grads = math.inf, -math.inf, 0, [], 0
+    ratio_lo, ratio_hi = torch.tensor(math.inf, device=device), torch.tensor(-math.inf, device=device)
+    tokens, grad_norms, nonfinite_grads = 0, [], 0
     for _ in range(args.update_epochs):
         for mb in minibatches:
             # N: the minibatch's scored reply tokens (over every process); 0: every turn in it failed, no step
@@ -411,7 +412,7 @@ def policy_update(model, tokenizer, optimizer, scheduler, samples, args, acc, lo
                 (loss_sum / N).backward()
                 mb_loss += loss_sum.detach().double() / N
                 clipped += was_clipped.sum()
-                ratio_lo, ratio_hi = min(ratio_lo, float(ratio.min())), max(ratio_hi, float(ratio.max()))
+                ratio_lo, ratio_hi = torch.minimum(ratio_lo, ratio.min()), torch.maximum(ratio_hi, ratio.max())
                 tokens += len(A)
             # the minibatch's gradient, summed over the processes (one process: as it is), clipped, one step
             grads = sum_over_processes(acc, [torch.zeros_like(p) if p.grad is None else p.grad for p in params])
@@ -440,7 +441,7 @@ def policy_update(model, tokenizer, optimizer, scheduler, samples, args, acc, lo
             )
         ],
     )[0].tolist()
-    ratios = gather_over_processes(acc, (ratio_lo, ratio_hi))
+    ratios = gather_over_processes(acc, (float(ratio_lo), float(ratio_hi)))
     steps = len(grad_norms)
     return {
         "loss": loss_total / steps if steps else math.nan,
@@ -567,8 +568,8 @@ def train_loop(run: Run, start: int):
             **({"format_ok": sum(sum(tr.formatted) for tr in trajs)} if args.kardia_format else {}),
             **{k: v - calls_before.get(k, 0) for k, v in common.api_counts(run.judge, run.user).items()},
         }
-        seconds = {"rollout": t1 - t0, "reward": t2 - t1, "update": time.time() - t2}
-        log_step(run, step, records, counts, upd, lr, seconds)
+        seconds = {"rollout": t1 - t0, "reward": t2 - t1, "update": time.time() - t2, "step": time.time() - t0}
+        log_step(run, step, records, [x for r in rewards for x in r], counts, upd, lr, seconds)
         if acc.is_main_process and (step % args.save_every == 0 or step == args.steps):
             common.save_checkpoint(run.dir, step, run.model, run.optimizer, run.scheduler)
             plots.curves(run.dir, plots.MICA_CURVES)
@@ -684,21 +685,24 @@ def dialogue_record(args, step, tr, parts, r, A, failed, terms) -> dict:
     return rec
 
 
-def log_step(run: Run, step, records, counts, upd, lr, seconds):
+def log_step(run: Run, step, records, rewards, counts, upd, lr, seconds):
     """rollouts.jsonl and one metrics line (the console, metrics.jsonl, --report-to); data-parallel: process 0
     gathers every process's share and writes."""
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-    parts = gather_over_processes(run.acc, {"records": records, "counts": counts, "seconds": seconds, "rss": rss})
+    parts = gather_over_processes(
+        run.acc, {"records": records, "rewards": rewards, "counts": counts, "seconds": seconds, "rss": rss}
+    )
     if not run.acc.is_main_process:
         return  # the other processes go on to the next step
     records = [rec for part in parts for rec in part["records"]]
+    rewards = [x for part in parts for x in part["rewards"]]  # every turn's training reward, unrounded
     turns, n = [turn for rec in records for turn in rec["turns"]], len(records)
     slowest = {k: max(part["seconds"][k] for part in parts) for k in seconds}  # processes run side by side
     common.append_jsonl(run.dir / "rollouts.jsonl", records)
     run.logger.log(
         step,
         {
-            "reward_mean": sum(turn["reward"] for turn in turns) / len(turns),
+            "reward_mean": sum(rewards) / len(rewards),
             "return_mean": sum(rec["return"] for rec in records) / n,  # sum_t r_t, not discounted
             "success_rate": sum(rec["outcome"] == "success" for rec in records) / n,
             "final_distance": sum(rec["final_distance"] for rec in records) / n,

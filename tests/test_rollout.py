@@ -741,3 +741,43 @@ def test_the_rubric_generator_and_its_judge_read_the_same_shown_history(trainer,
     invalid = trainer.write_rubrics([tr], trainer.Graders(), args)
     assert seen[1] == [msgs[1], {"role": "assistant", "content": "I hear you."}, msgs[3]]
     assert seen[0] == [msgs[1]] and invalid == 2 and tr.extra["rubrics"] == [trainer.sft.UNIFORM_RUBRIC] * 2
+
+
+def test_report_to_tensorboard_logs_every_step_and_the_configuration(trainer, tiny_model, tmp_path):
+    """--report-to tensorboard: accelerate's tracker writes <run>/tensorboard/; its event file read back holds
+    every step's metrics as metrics.jsonl has them, and the run's configuration."""
+    import json
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    trainer.main(
+        [
+            "--model",
+            tiny_model,
+            "--steps",
+            "2",
+            "--scenarios-per-step",
+            "1",
+            "--k",
+            "2",
+            "--minibatch-size",
+            "2",
+            "--max-turns",
+            "1",
+            "--max-new-tokens",
+            "4",
+            "--report-to",
+            "tensorboard",
+            "--out-dir",
+            str(tmp_path),
+            "--no-progress",
+        ]
+    )
+    run = next(tmp_path.iterdir())
+    metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    events = EventAccumulator(str(run / "tensorboard")).Reload()
+    for key in ("return_mean", "cut_off_frac", "train_tokens", "update_seconds"):
+        logged = [(e.step, e.value) for e in events.Scalars(key)]
+        assert logged == [(m["step"], pytest.approx(m[key], rel=1e-6)) for m in metrics], key
+    hparams = list((run / "tensorboard").rglob("hparams.yml"))
+    assert len(hparams) == 1 and "advantage: mica" in hparams[0].read_text()
