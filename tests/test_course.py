@@ -1,8 +1,9 @@
 """The course (docs/course.md): scripts/worked_example.py's table pinned to the last digit and its numbers checked by
-hand."""
+hand; scripts/exercise.py's exercises, each check failing on its blank and passing on the real code."""
 
 import importlib.util
 import math
+import subprocess
 import sys
 
 import pytest
@@ -113,3 +114,93 @@ def test_worked_example_numbers_by_hand():
     # the loss counts every token of every reply but the failed turn's 11
     assert x["scored"][2] == [9, 0, 14] and x["scored"][3] == [48, 16, 13]
     assert sum(map(sum, x["scored"])) == sum(s.n_tokens() for s in x["samples"]) == 12 + 15 + 10 + 20 + 18 + 9 + 14 + 77
+
+
+# ---------------------------------------------------------------------------------------------
+# scripts/exercise.py
+# ---------------------------------------------------------------------------------------------
+def exercise(*args, cwd=None):
+    return subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "exercise.py"), *map(str, args)],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        timeout=600,
+    )
+
+
+def checked(stdout) -> dict[int, list[tuple[str, str]]]:
+    """check's output -> {exercise: [(PASS or FAIL, the rest of the line)]}."""
+    out, n = {}, None
+    for line in stdout.splitlines():
+        if line.startswith("exercise ") and not line.endswith("pass"):
+            n = int(line.split()[1].rstrip(":"))
+            out[n] = []
+        elif line.startswith(("PASS ", "FAIL ")):
+            out[n].append((line[:4], line[5:]))
+    return out
+
+
+def test_exercise_list_make_and_check_refuse_bad_input_with_one_line(tmp_path):
+    p = exercise("list")
+    assert p.returncode == 0
+    listed = [line.split()[1] for line in p.stdout.splitlines() if line[:5].strip().rstrip(".").isdigit()]
+    # the issue's fourteen, at least: the hinge distance, IDR, the end rules, G_t, the three terms of MICA, GRPO,
+    # REINFORCE++, the clipped surrogate, k3 KL, the token mask, CARE's S(y), the paired t interval
+    for name in (
+        "hinge_distance incremental_distance_rewards episode_status discounted_returns turn_level_advantages "
+        "group_level_advantages mica_advantages grpo_advantages reinforce_pp_advantages clipped_surrogate k3_kl "
+        "Sample.scored rubric_score t_interval"
+    ).split():
+        assert name in listed, name
+    assert len(listed) >= 14 and "tests/test_env.py::test_hinge_distance" in p.stdout
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("x")
+    for args, message in [
+        (("make", tmp_path / "full", 3), f"error: {tmp_path / 'full'} is not an empty folder"),
+        (("make", tmp_path / "new", 3, 99), "error: no exercise 99: they are 1-"),
+        (("check", 0), "error: no exercise 0: they are 1-"),
+        (("check", 3, "--dir", tmp_path / "full"), "error: --dir"),
+        (("check", "three"), "error: argument numbers: invalid int value"),
+    ]:
+        p = exercise(*args)
+        assert p.returncode == 2 and p.stdout == "" and p.stderr.startswith(message), (args, p.stderr)
+        assert len(p.stderr.strip().splitlines()) == 1
+    assert sorted(x.name for x in (tmp_path / "full").iterdir()) == ["x"] and not (tmp_path / "new").exists()
+
+
+@pytest.mark.skipif(not (ROOT / ".git").exists(), reason="make copies the tracked files: needs a git checkout")
+def test_every_exercise_fails_on_its_blank_and_passes_on_the_real_code(tmp_path):
+    table = load("exercise").EXERCISES
+    numbers = [e.number for e in table]
+    # the real code: every check passes (one pytest run), every node id named runs
+    p = exercise("check", *numbers)
+    assert p.returncode == 0, p.stdout + p.stderr
+    real = checked(p.stdout)
+    for e in table:
+        assert len(real[e.number]) >= len(e.tests) and all(s == "PASS" for s, _ in real[e.number]), real[e.number]
+    # a copy with every exercise blanked: it imports, and every check fails
+    p = exercise("make", tmp_path / "all")
+    assert p.returncode == 0, p.stderr
+    stages = "01_rubric_sft", "02_rubric_pref_rl", "03_rollout", "04_mica_train", "05_eval"
+    imports = f"import importlib; [importlib.import_module(m) for m in {stages!r}]"
+    p = subprocess.run([sys.executable, "-c", imports], cwd=tmp_path / "all", capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    p = exercise("check", *numbers, "--dir", tmp_path / "all")
+    assert p.returncode == 1
+    blanked = checked(p.stdout)
+    # each test fails, and where it failed on its own exercise's blank the message says so; a test that reached
+    # another blank first (the clipped surrogate's test of k3 KL) is run again on a copy with that exercise alone
+    # blanked
+    alone = set()
+    for e in table:
+        assert len(blanked[e.number]) == len(real[e.number]) and all(s == "FAIL" for s, _ in blanked[e.number])
+        if not all(f"NotImplementedError: exercise {e.number}: {e.function}" in why for _, why in blanked[e.number]):
+            alone.add(e.number)
+    assert len(alone) <= 3, alone  # each costs a pytest run: keep the tests of an exercise on its own function
+    for n in sorted(alone):
+        assert exercise("make", tmp_path / f"only{n}", n).returncode == 0
+        p = exercise("check", n, "--dir", tmp_path / f"only{n}")
+        assert p.returncode == 1
+        for status, why in checked(p.stdout)[n]:
+            assert status == "FAIL" and f"NotImplementedError: exercise {n}: " in why, why
