@@ -43,9 +43,53 @@ def test_idr_weights_eps_and_overshoot(trainer):
     assert trainer.env.incremental_distance_rewards([[-5, -9, -9], [-3, -1, -1]], (4, 0, 0), 2.0) == [4.0]
 
 
+def test_turn_rewards_weights_penalises_and_fills(trainer):
+    import types
+
+    # --reward idr+0.5*rlver: r_t = r_idr,t + 0.5 r_rlver,t - penalty * cut_t, penalty = 0.5 (sqrt(3) + 0.5 * 0.1)
+    args = argparse.Namespace(
+        reward_weights={"idr": 1.0, "rlver": 0.5},
+        idr_weights=(1, 1, 1),
+        cut_off_penalty=0.5,
+        kardia_format=False,
+        care_distance="plain",
+    )
+    tr = types.SimpleNamespace(T=3, judge_failed=[False, True, False], cut_off=[True, False, False])
+    r, failed = trainer.turn_rewards({"idr": [2.0, 0.0, 1.0], "rlver": [0.1, 0.0, -0.04]}, tr, args)
+    penalty = 0.5 * (3**0.5 + 0.05)  # 0.891025
+    r1, r3 = 2.0 + 0.05 - penalty, 1.0 - 0.02  # 1.158975, 0.98
+    # the EMPA judge failed on turn 2: its reward is the mean of the dialogue's valid ones, (r1 + r3) / 2
+    approx(r, [r1, (r1 + r3) / 2, r3])
+    assert failed == [False, True, False]
+    # a criteria judge that failed (a NaN part) fails its turn too; with no valid turn the filling is 0
+    args = argparse.Namespace(**{**vars(args), "reward_weights": {"idr": 1.0}})
+    tr = types.SimpleNamespace(T=2, judge_failed=[False, False], cut_off=[False, False])
+    assert trainer.turn_rewards({"idr": [1.5, float("nan")]}, tr, args) == ([1.5, 1.5], [False, True])
+    tr = types.SimpleNamespace(T=1, judge_failed=[True], cut_off=[True])
+    assert trainer.turn_rewards({"idr": [0.0]}, tr, args) == ([0.0], [True])
+
+
 def test_discounted_returns(trainer):
     approx(trainer.discounted_returns([0.0, 1.0, 2.0], 0.5), [1.0, 2.0, 2.0])
     assert trainer.discounted_returns([], 0.9) == []
+
+
+def test_turn_level_advantages_compare_the_dialogues_that_reached_each_turn(trainer):
+    # rewards k0 = [1, 2], k1 = [3], k2 = [0, 1, 2], gamma 0.5 -> G: [2, 2], [3], [1, 2, 2]
+    # turn 1: G = 2, 3, 1: mean 2, population std sqrt(2/3) -> 0, +1.224745, -1.224745
+    # turn 2: G = 2, 2 (k0, k2): no spread -> 0, 0;  turn 3: k2 alone reached it -> 0
+    A_turn = trainer.turn_level_advantages([[1.0, 2.0], [3.0], [0.0, 1.0, 2.0]], 0.5)
+    approx(A_turn, [[0.0, 0.0], [1.224745], [-1.224745, 0.0, 0.0]])
+    # two dialogues, turn 1: G = 1 + 0.5 * 4 = 3 and 1: +-1 (population std 1); turn 2: G = 4, 0: +-1
+    approx(trainer.turn_level_advantages([[1.0, 4.0], [1.0, 0.0]], 0.5), [[1.0, 1.0], [-1.0, -1.0]])
+
+
+def test_group_level_advantages_pool_every_reward(trainer):
+    # r = 1, 2, 3, 0, 1, 2 over the group: mean 1.5, population std sqrt(5.5 / 6) = 0.957427
+    A_group = trainer.group_level_advantages([[1.0, 2.0], [3.0], [0.0, 1.0, 2.0]])
+    approx(A_group, [[-0.522233, 0.522233], [1.566699], [-1.566699, -0.522233, 0.522233]])
+    assert trainer.group_level_advantages([[0.7]]) == [[0.0]]  # a single reward: 0
+    approx(trainer.group_level_advantages([[0.5, 0.5], [0.5]]), [[0.0, 0.0], [0.0]])  # no spread: 0
 
 
 def test_mica_unequal_lengths_single_reacher_zero_variance(trainer):
@@ -127,3 +171,31 @@ def test_cosine_schedule():
     assert factor(5) == pytest.approx(1.0)
     assert factor(100) == pytest.approx(0.0)
     assert factor(52.5) == pytest.approx(0.5)
+
+
+def test_k3_kl_averages_to_the_kl_under_the_policy(trainer):
+    # per token exp(ref - logp) - (ref - logp) - 1: d = ref - logp = 0, 1, -0.5
+    kl = trainer.k3_kl(torch.tensor([0.0, -1.0, -0.5]), torch.tensor([0.0, 0.0, -1.0]))
+    approx(kl.tolist(), [0.0, math.e - 2, math.exp(-0.5) + 0.5 - 1])
+    # weighted by pi over the whole vocabulary its mean is KL(pi || ref) itself (ref sums to 1)
+    pi, ref = torch.tensor([0.5, 0.3, 0.2]), torch.tensor([0.2, 0.2, 0.6])
+    k3 = trainer.k3_kl(pi.log(), ref.log())
+    assert float((pi * k3).sum()) == pytest.approx(float((pi * (pi / ref).log()).sum()), abs=1e-6)  # 0.3195
+    assert bool((k3 >= 0).all())
+
+
+def test_the_token_mask_holds_the_replies_with_an_advantage(trainer):
+    import types
+
+    # replies at [3, 7), [9, 12), [15, 20); the judge failed on the second (A None): its 3 tokens are not scored
+    a = trainer.Sample(ids=list(range(100, 120)), spans=[(3, 7), (9, 12), (15, 20)], A=[0.5, None, -1.0])
+    b = trainer.Sample(ids=[7] * 6, spans=[(2, 5)], A=[2.0])
+    assert a.scored() == [(3, 7), (15, 20)] and a.n_tokens() == 9
+    assert a.token_advantages().tolist() == [0.5] * 4 + [-1.0] * 5  # A_i of every scored token, in order
+    ids, attn, mask = trainer.collate([a, b], 0, "cpu")
+    assert mask.tolist() == [[0] * 3 + [1] * 4 + [0] * 8 + [1] * 5, [0, 0, 1, 1, 1] + [0] * 15]
+    assert attn.tolist() == [[1] * 20, [1] * 6 + [0] * 14]
+    # as_samples: the advantage of a failed turn becomes None (default: where the EMPA judge failed)
+    tr = types.SimpleNamespace(T=2, ids=list(range(8)), spans=[(1, 3), (5, 8)], judge_failed=[True, False])
+    s = trainer.as_samples([tr], [[0.3, -0.2]])[0]
+    assert s.A == [None, -0.2] and s.scored() == [(5, 8)] and s.n_tokens() == 3
