@@ -3,6 +3,7 @@
 Each test runs the scripts as a user would (subprocess) on the tiny random model; the LLM judge and
 user live on a loopback server (conftest.FaultServer) that injects faults at a set rate."""
 
+import importlib
 import json
 import math
 import os
@@ -17,6 +18,7 @@ import pytest
 import torch
 from accelerate import Accelerator
 
+import common
 from conftest import FAULTS, ROOT, run_script, write_jsonl
 
 TINY = ["--max-new-tokens", "6", "--max-turns", "2", "--no-progress"]
@@ -338,6 +340,10 @@ BAD_FLAGS = [  # (script, flags, the one message it exits 2 with)
     ("03_rollout.py", ["--adapter", "/no/such/adapter"], "--adapter /no/such/adapter: no adapter_config.json there"),
     ("04_mica_train.py", ["--alpha", "1.5"], "argument --alpha: must be <= 1, got 1.5"),
     ("04_mica_train.py", ["--k", "1"], "--k must be >= 2"),
+    ("04_mica_train.py", ["--advantage", "reinforce_pp", "--k", "1"], "--k must be >= 2"),
+    ("04_mica_train.py", ["--top-p", "0.9"], "--top-p must be 1 for training (the loss scores the whole distribution)"),
+    ("04_mica_train.py", ["--temperature", "0"], "--temperature must be > 0 for training"),
+    ("04_mica_train.py", ["--advantage", "ppo"], "argument --advantage: invalid choice: 'ppo'"),
     (
         "04_mica_train.py",
         ["--minibatch-size", "6"],
@@ -353,11 +359,26 @@ BAD_FLAGS = [  # (script, flags, the one message it exits 2 with)
 
 
 @pytest.mark.parametrize("script, flags, message", BAD_FLAGS)
-def test_bad_flags_exit_2_with_one_message(tmp_path, script, flags, message):
+def test_bad_flags_exit_2_with_one_message(tmp_path, capsys, script, flags, message):
+    """Each stage's main as its __main__ runs it (common.run_main), in this process: the import is paid once,
+    not per flag; the exit code, the one line and the empty folder are the same (a subprocess per stage below)."""
+    main = importlib.import_module(script.removesuffix(".py")).main
+    with pytest.raises(SystemExit) as exit_:
+        common.run_main(main, ["--out-dir", str(tmp_path), *map(str, flags)])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2, err[-2000:]
+    assert message in err and "Traceback" not in err
+    assert not any(Path(tmp_path).iterdir())  # nothing written for a rejected run
+
+
+@pytest.mark.parametrize("script", sorted({script for script, _, _ in BAD_FLAGS}))
+def test_a_bad_flag_exits_2_from_the_command_line(tmp_path, script):
+    """The same as a user sees it: a separate process, exit code 2, one line, no traceback."""
+    flags, message = next((f, m) for s, f, m in BAD_FLAGS if s == script)
     p = run_script(script, "--out-dir", tmp_path, *flags)
     assert p.returncode == 2, (p.returncode, p.stderr[-2000:])
     assert message in p.stderr and "Traceback" not in p.stderr
-    assert not any(Path(tmp_path).iterdir())  # nothing written for a rejected run
+    assert not any(Path(tmp_path).iterdir())
 
 
 def test_a_1mb_message_is_cut_with_a_warning(tiny_model, tmp_path):
