@@ -192,10 +192,12 @@ def sft_loss(model, batch: list[dict], pad_id: int, device) -> tuple[torch.Tenso
 # ---------------------------------------------------------------------------------------------
 def main(argv=None):
     args = parse_args(argv)
-    common.set_seed(args.seed)
     train = load_sft(args.train, args.weight_tolerance)  # inputs checked before anything is created
     val = load_sft(args.val, args.weight_tolerance)[: args.eval_limit or None]
     common.check_model_args(args)
+    from transformers import set_seed
+
+    set_seed(args.seed)  # after the input checks (importing transformers takes seconds), before LoRA's draws
     model, tokenizer = common.load_policy(args, trainable=True)  # loaded before the run folder is made
     run_dir = common.open_run(args, ("metrics.jsonl", "eval_samples.jsonl"))
     examples = [encode(tokenizer, r, args.max_len) for r in train]

@@ -208,12 +208,14 @@ def policy_update(model, tokenizer, optimizer, scheduler, samples: list[dict], a
 # ---------------------------------------------------------------------------------------------
 def main(argv=None):
     args = parse_args(argv)
-    common.set_seed(args.seed)
     train, test = load_pairs(args.train), load_pairs(args.test)  # inputs checked before anything is created
     weight_turns = sft.load_sft(args.weight_turns, args.weight_tolerance)
     if args.report_limit:
         test, weight_turns = test[: args.report_limit], weight_turns[: args.report_limit]
     common.check_model_args(args)
+    from transformers import set_seed
+
+    set_seed(args.seed)  # after the input checks (importing transformers takes seconds), before LoRA's draws
     model, tokenizer = common.load_policy(args, trainable=True)  # loaded before the run folder is made
     judge = sft.CriteriaJudge(args)
     if not args.adapter:

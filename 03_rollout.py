@@ -375,9 +375,11 @@ def trajectory_record(tr: Trajectory, args, rewards: list[float] | None = None, 
 
 def main(argv=None):
     args = parse_args(argv)
-    common.set_seed(args.seed)
     scenarios = load_scenarios(args.scenarios)[: args.num_scenarios or None]  # inputs checked before anything
     common.check_model_args(args)
+    from transformers import set_seed
+
+    set_seed(args.seed)  # after the input checks (importing transformers takes seconds), before LoRA's draws
     model, tokenizer = common.load_policy(args, trainable=False)
     judge, user = make_judge(args, (model, tokenizer)), make_user(args, (model, tokenizer))
     run_dir = common.open_run(args)  # after every model loaded: a bad one leaves no folder

@@ -89,6 +89,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import gather_object
 from tqdm import tqdm
+from transformers import set_seed
 
 import common
 import offline
@@ -579,7 +580,7 @@ def train_loop(run: Run, start: int):
 
 def main(argv=None):
     args = parse_args(argv)
-    common.set_seed(args.seed)  # every process alike: the same LoRA initialisation
+    set_seed(args.seed)  # every process alike: the same LoRA initialisation
     scenarios = env.load_scenarios(args.scenarios)  # inputs checked before anything is created
     common.check_model_args(args)
     # one process, or each of `accelerate launch --num_processes N`'s: NCCL on GPUs, gloo on CPUs (cpu=True)

@@ -258,10 +258,12 @@ def t_interval(xs) -> tuple[float, float | None]:
 # ---------------------------------------------------------------------------------------------
 def main(argv=None):
     args = parse_args(argv)
-    common.set_seed(args.seed)
     # 1. read and check every input before anything is created
     data = load_suite_data(args)
     common.check_model_args(args)
+    from transformers import set_seed
+
+    set_seed(args.seed)  # after the input checks (importing transformers takes seconds), before LoRA's draws
     # 2. the base model, loaded once, then the judge and the user (self: that base)
     model, tok = common.load_policy(args, trainable=False)
     judged = set(args.suites) - ({"sage"} if args.sage_dir else set())  # official SAGE: --user is its simulator

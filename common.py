@@ -17,23 +17,17 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime as dt
-import http.client
 import json
 import logging
 import math
 import os
-import random
 import re
 import sys
 import threading
-import time
-import urllib.error
-import urllib.request
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import numpy as np
 import torch
 from tqdm import tqdm
 
@@ -126,10 +120,11 @@ def from_pretrained(load, name: str, **kwargs):
 
 
 def pick_device() -> torch.device:
-    """cuda (the process's own GPU under a data-parallel launcher: LOCAL_RANK), else cpu."""
-    return (
-        torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
-    )
+    """accelerate's device for this process: with CUDA, cuda (cuda:LOCAL_RANK under a launcher), else cpu (never
+    mps or another accelerator by surprise: cpu whenever CUDA is absent)."""
+    from accelerate import PartialState
+
+    return PartialState(cpu=not torch.cuda.is_available()).device
 
 
 def load_tokenizer(path: str, trust_remote_code=False):
@@ -272,16 +267,13 @@ class ChatBackend:
       hf:<model>   a local transformers model
       self         the policy's own frozen base (policy = (model, tokenizer)), its LoRA adapter off while
                    it answers: no second model in memory
-      api:<model>  an OpenAI-compatible /chat/completions endpoint (vLLM, SGLang, Ollama, OpenAI): base URL
-                   and key from the flags or OPENAI_BASE_URL / OPENAI_API_KEY, a timeout, retries with
-                   exponential backoff (after a 429, at least its Retry-After, at most 2 minutes), at most
-                   `concurrency` requests at once.
+      api:<model>  an OpenAI-compatible /chat/completions endpoint (vLLM, SGLang, Ollama, OpenAI) through the
+                   openai client: base URL and key from the flags or OPENAI_BASE_URL / OPENAI_API_KEY, its
+                   timeout, its retries (see _chat_api), at most `concurrency` requests at once.
     For hf: and self, `concurrency` is the rows per generate call (the prefill's memory peak). The key is
     held in memory only: never printed, logged or saved."""
 
-    def __init__(
-        self, spec: str, api_base=None, api_key=None, timeout=60.0, retries=3, concurrency=8, backoff=1.0, policy=None
-    ):
+    def __init__(self, spec: str, api_base=None, api_key=None, timeout=60.0, retries=3, concurrency=8, policy=None):
         self.kind, _, self.name = spec.partition(":")
         check(
             (self.kind in ("hf", "api") and self.name) or spec == "self",
@@ -291,14 +283,23 @@ class ChatBackend:
             policy is not None or spec != "self",
             "backend 'self' is the policy's own base model, and none was given here: use hf: or api:",
         )
-        self.spec, self.timeout, self.retries, self.backoff = spec, timeout, retries, backoff
-        self.concurrency = concurrency
+        self.spec, self.retries, self.concurrency = spec, retries, concurrency
         self.failures = self.retried = 0  # calls failed after every retry; retries spent (for the step log)
-        self._lock = threading.Lock()
+        self._lock, self._local = threading.Lock(), threading.local()
         if self.kind == "api":
-            base = api_base or os.environ.get("OPENAI_BASE_URL") or "http://localhost:8000/v1"
-            self.url = base.rstrip("/") + "/chat/completions"
-            self._key = api_key if api_key is not None else os.environ.get("OPENAI_API_KEY", "")
+            import openai
+
+            base = (api_base or os.environ.get("OPENAI_BASE_URL") or "http://localhost:8000/v1").rstrip("/")
+            self.url = base + "/chat/completions"
+            key = api_key if api_key is not None else os.environ.get("OPENAI_API_KEY", "")
+            self._no_auth = {} if key else {"Authorization": openai.omit}  # no key: no Authorization header
+            self.client = openai.OpenAI(
+                base_url=base,
+                api_key=key or "none",
+                timeout=timeout,
+                max_retries=retries,
+                http_client=openai.DefaultHttpxClient(event_hooks={"request": [self._sent]}),
+            )
         elif self.kind == "self":
             self.model, self.tokenizer = policy
         else:
@@ -332,37 +333,47 @@ class ChatBackend:
             model.train(was_training)
         return [strip_thinking(tok.decode(y, skip_special_tokens=True)) for y, _ in replies]
 
+    def _sent(self, request):  # the client's event hook: one HTTP attempt of this thread's call, retries included
+        self._local.sent += 1
+
     def _chat_api(self, messages, max_tokens, temperature) -> str | None:
-        body = json.dumps(
-            {"model": self.name, "messages": messages, "max_tokens": max_tokens, "temperature": temperature}
-        ).encode()
-        headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {self._key}"} if self._key else {})
-        for attempt in range(self.retries + 1):
-            wait = self.backoff * 2**attempt
+        """One reply, or None (counted in `failures`) after `retries` + 1 HTTP attempts in all. The openai client
+        retries what failed on the way (refused, timed out, cut mid-body, HTTP 408, 409, 429, 5xx) with its own
+        backoff: 0.5 s doubling up to 8 s, or a 429's or 5xx's Retry-After up to 2 minutes (one longer ends the
+        call). An answer that came but is unusable (not JSON, no choices, no text) is asked again here at once,
+        from the same attempts. HTTP 400, 401, 403 and 404 stop the run: one line, the key never in it."""
+        import openai
+
+        self._local.sent, text = 0, None
+        for _ in range(self.retries + 1):  # each pass sends one request or more
+            client = self.client.with_options(max_retries=max(0, self.retries - self._local.sent))
             try:
-                req = urllib.request.Request(self.url, data=body, headers=headers, method="POST")
-                with urllib.request.urlopen(req, timeout=self.timeout) as resp:
-                    content = json.loads(resp.read().decode("utf-8"))["choices"][0]["message"]["content"]
-                if isinstance(content, str):
-                    return content
-            except urllib.error.HTTPError as e:
-                after = e.headers.get("Retry-After") if e.headers else None
-                if e.code == 429 and after and after.replace(".", "", 1).isdigit():
-                    wait = max(wait, min(float(after), 120.0))  # honoured, capped at 2 minutes
+                reply = client.chat.completions.create(
+                    model=self.name,
+                    messages=messages,
+                    max_tokens=max_tokens,
+                    temperature=temperature,
+                    extra_headers=self._no_auth,
+                )
+                text = reply.choices[0].message.content
+            except openai.APIStatusError as e:  # after the client's retries, or a status it does not retry
                 check(
-                    e.code not in (400, 401, 403, 404),
-                    f"{self.url} answered HTTP {e.code} for model "
+                    e.status_code not in (400, 401, 403, 404),
+                    f"{self.url} answered HTTP {e.status_code} for model "
                     f"'{self.name}' (check --api-base, the model name and OPENAI_API_KEY)",
                 )
-            except (OSError, http.client.HTTPException, ValueError, LookupError, TypeError):
-                pass  # refused, timed out, cut mid-body, not JSON, a field missing: try again
-            if attempt < self.retries:
-                with self._lock:
-                    self.retried += 1
-                time.sleep(wait)
+                break
+            except openai.APIError:  # refused, timed out or cut off, after the client's retries
+                break
+            except (ValueError, LookupError, AttributeError, TypeError):  # not JSON or UTF-8, no choices, no message
+                pass
+            text = text if isinstance(text, str) else None
+            if text is not None or self._local.sent > self.retries:
+                break
         with self._lock:
-            self.failures += 1
-        return None
+            self.retried += max(0, self._local.sent - 1)
+            self.failures += text is None
+        return text
 
 
 def make_chat_backend(spec: str, args, concurrency=None, policy=None) -> ChatBackend:
@@ -374,7 +385,6 @@ def make_chat_backend(spec: str, args, concurrency=None, policy=None) -> ChatBac
         args.api_timeout,
         args.api_retries,
         concurrency or args.api_concurrency,
-        args.api_backoff,
         policy,
     )
 
@@ -407,10 +417,7 @@ def add_backend_args(p: argparse.ArgumentParser):
     g.add_argument("--api-base", default=None, help="OpenAI-compatible base URL (default: $OPENAI_BASE_URL)")
     g.add_argument("--api-key", default=None, help="API key (default: $OPENAI_API_KEY); never printed or saved")
     g.add_argument("--api-timeout", type=number(above=0), default=60.0, help="seconds per request")
-    g.add_argument("--api-retries", type=number(int, low=0), default=3, help="retries per request, exponential backoff")
-    g.add_argument(
-        "--api-backoff", type=number(low=0), default=1.0, help="seconds before the first retry; doubles each time"
-    )
+    g.add_argument("--api-retries", type=number(int, low=0), default=3, help="retries per request, openai's backoff")
     g.add_argument(
         "--api-concurrency",
         type=number(int, low=1),
@@ -542,7 +549,12 @@ def public_args(args) -> dict:
 def add_run_args(p: argparse.ArgumentParser, run_name: str, resume: str | None = None, save_every=None, report=False):
     """--seed, --out-dir, --run-name, --no-progress; --resume (with its help), --save-every and --report-to."""
     g = p.add_argument_group("run")
-    g.add_argument("--seed", type=int, default=0, help="random seed (sampling, data order, the scripted user)")
+    g.add_argument(
+        "--seed",
+        type=number(int, low=0, high=2**32 - 1),
+        default=0,
+        help="random seed (sampling, data order, the scripted user)",
+    )
     g.add_argument("--out-dir", default="runs", help="each run writes into its own folder under this")
     g.add_argument("--run-name", default=run_name, help="prefix of the run folder")
     g.add_argument("--no-progress", dest="progress", action="store_false", help="hide progress bars")
@@ -600,12 +612,6 @@ def open_run(args, logs=()) -> Path:
             atomic_write(run_dir / "args.json", json.dumps(public_args(args), indent=2, default=str))
             return run_dir
     raise UserError(f"could not create a run folder under {args.out_dir}")
-
-
-def set_seed(seed: int):
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
 
 
 def save_checkpoint(run_dir: Path, step: int, model, optimizer, scheduler, extra=None):
@@ -739,18 +745,18 @@ def mean_std(xs, ddof=1) -> tuple[float, float]:
 
 
 def make_optimizer(params, lr: float, weight_decay: float, total_steps: int, warmup_ratio=0.05):
-    """AdamW and its schedule: the factor (step + 1) / warmup for the first warmup_ratio of the steps (at
-    least one step), then 0.5 (1 + cos(pi * progress)) towards 0 (the last step's factor is small, not 0).
-    Under 30 steps 5% rounds to one step at factor 1: there is no warmup then, the first two steps' factor is 1."""
+    """AdamW and transformers' warmup-stable-decay schedule. With w = warmup_ratio of the steps, rounded, at
+    least 1: the lr factor rises linearly from 0 over the first w - 1 steps, is 1 for one step, then falls
+    as a half cosine, 0.5 (1 + cos(pi (step - w) / (total_steps - w))), towards 0 (the last step's factor is
+    small, not 0). Under 30 steps w = 1: no warmup, the first two steps at factor 1, then the cosine."""
+    from transformers import get_wsd_schedule
+
     warmup = max(1, round(warmup_ratio * total_steps))
-
-    def factor(step):
-        if step < warmup:
-            return (step + 1) / warmup
-        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, total_steps - warmup))))
-
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
-    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+    schedule = get_wsd_schedule(
+        optimizer, num_warmup_steps=warmup - 1, num_stable_steps=1, num_decay_steps=total_steps - warmup
+    )
+    return optimizer, schedule
 
 
 # ---- 6. Tokens: chat templates, batched generation, log-probabilities, padding -----------------

@@ -93,7 +93,12 @@ def parse_args(argv=None):
         action="store_true",
         help="smoke run: 2 scenarios x 2, 2 turns of 8 tokens, 1 repeat, a 1-step demo run",
     )
-    p.add_argument("--seed", type=int, default=0, help="seed of the scenario choice and of sampling")
+    p.add_argument(
+        "--seed",
+        type=common.number(int, low=0, high=2**32 - 1),
+        default=0,
+        help="seed of the scenario choice and of sampling",
+    )
     p.add_argument("--out-dir", default=str(ROOT / "runs" / "benchmark"), help="benchmark.md and .json go here")
     p.add_argument(
         "--figures", default="1,2,3,4", help="which figures to run, e.g. 2 (the update: its rollout then runs untimed)"
@@ -1228,7 +1233,9 @@ def main(argv=None):
     t_start = time.time()
     figures = {f.strip() for f in a.figures.split(",")}
     args = policy_args(a, a.k, a.max_turns, ["--scenarios-per-step", a.scenarios])
-    common.set_seed(a.seed)
+    from transformers import set_seed
+
+    set_seed(a.seed)
     model, tok = common.load_policy(args, trainable=True)
     model.get_base_model().generation_config.min_new_tokens = a.max_new_tokens  # equal work, see 1.
     judge, user = env.make_judge(args), env.make_user(args)

@@ -161,16 +161,52 @@ def test_clipped_surrogate_and_kl(trainer):
     approx(kl.tolist(), [0.0, math.exp(1) - 1 - 1])
 
 
+def schedule_factors(total_steps):
+    _, sched = common.make_optimizer([torch.nn.Parameter(torch.zeros(1))], 1e-3, 0.0, total_steps)
+    return [sched.lr_lambdas[0](step) for step in range(total_steps)]
+
+
+def test_schedule_under_30_steps_is_the_one_the_runs_were_made_with():
+    """transformers' warmup-stable-decay schedule in make_optimizer gives, to the last bit, the factors of the
+    hand-written schedule before it: under 30 steps, 1 at steps 0 and 1, then 0.5 (1 + cos(pi (s - 1) / (T - 1))).
+    (make demo's 4 steps print the same digits.)"""
+    assert schedule_factors(4) == [1.0, 1.0, 0.75, 0.2500000000000001]  # cos(pi/3) = 0.5, cos(2 pi/3) = -0.5
+    assert schedule_factors(20) == [
+        1.0,
+        1.0,
+        0.9931806517013612,  # 0.5 (1 + cos(pi / 19))
+        0.9729086208503173,
+        0.9397368756032445,
+        0.8945702546981968,
+        0.8386407858128706,
+        0.7734740790612136,
+        0.7008477123264848,
+        0.6227427435703996,
+        0.5412896727361662,
+        0.4587103272638339,
+        0.37725725642960045,
+        0.29915228767351537,
+        0.22652592093878665,
+        0.16135921418712956,
+        0.10542974530180327,
+        0.06026312439675552,
+        0.02709137914968268,
+        0.006819348298638839,  # 0.5 (1 + cos(18 pi / 19)): small, not 0
+    ]
+
+
 def test_cosine_schedule():
-    # the LambdaLR factor of common.make_optimizer: 100 steps, 5% warmup (5 steps)
+    """100 steps, 5% warmup: w = 5; the factor rises from 0 over w - 1 = 4 steps, is 1 at step 4, then the
+    half cosine over the last 95 steps, 0.5 (1 + cos(pi (s - 5) / 95)), towards 0."""
     _, sched = common.make_optimizer(
         [torch.nn.Parameter(torch.zeros(1))], lr=1e-3, weight_decay=0.0, total_steps=100, warmup_ratio=0.05
     )
     factor = sched.lr_lambdas[0]
-    assert factor(0) == pytest.approx(0.2)
-    assert factor(5) == pytest.approx(1.0)
+    assert [factor(s) for s in range(7)] == pytest.approx([0.0, 0.25, 0.5, 0.75, 1.0, 1.0, 0.9997266286704631])
     assert factor(100) == pytest.approx(0.0)
     assert factor(52.5) == pytest.approx(0.5)
+    assert factor(99) == pytest.approx(0.000273371329537)
+    assert sched.get_last_lr() == [0.0]  # the first step's lr
 
 
 def test_k3_kl_averages_to_the_kl_under_the_policy(trainer):

@@ -6,6 +6,7 @@ import argparse
 import copy
 import datetime
 import json
+import time
 import types
 
 import pytest
@@ -24,7 +25,7 @@ KEY = "sk-secret-123"
 # ---------------------------------------------------------------------------------------------
 class FakeAPI(LoopbackServer):
     def backend(self, **kw):
-        kw = {"api_base": self.base, "api_key": KEY, "timeout": 5.0, "retries": 2, "backoff": 0.01, **kw}
+        kw = {"api_base": self.base, "api_key": KEY, "timeout": 5.0, "retries": 2, **kw}
         return common.ChatBackend("api:m", **kw)
 
 
@@ -41,7 +42,7 @@ CONV = [{"role": "system", "content": "be kind"}, {"role": "user", "content": "I
 # 1. ChatBackend("api:...")
 # ---------------------------------------------------------------------------------------------
 def test_api_normal_reply_sends_model_messages_params_and_key(api):
-    b = common.ChatBackend("api:m", api_base=api.base + "/", api_key=KEY, timeout=5, retries=2, backoff=0.01)
+    b = common.ChatBackend("api:m", api_base=api.base + "/", api_key=KEY, timeout=5, retries=2)
     assert b.url == api.base + "/chat/completions"
     assert b.chat([CONV], max_tokens=17, temperature=0.7) == ["hello"]
     assert len(api.requests) == 1
@@ -81,7 +82,7 @@ def test_api_500_twice_then_success(api):
     b = api.backend(retries=3)
     assert b.chat([CONV]) == ["third time lucky"]
     assert len(api.requests) == 3
-    assert b.failures == 0
+    assert (b.failures, b.retried) == (0, 2)
 
 
 def test_api_429_retry_after_zero_then_success(api):
@@ -89,7 +90,40 @@ def test_api_429_retry_after_zero_then_success(api):
     b = api.backend(retries=2)
     assert b.chat([CONV]) == ["ok now"]
     assert len(api.requests) == 2
-    assert b.failures == 0
+    assert (b.failures, b.retried) == (0, 1)
+
+
+def test_api_faults_wait_the_client_backoff_and_bad_answers_are_asked_again_at_once(api):
+    """One call, 4 attempts (--api-retries 3): after a 500 the openai client waits its backoff (0.5 s less up
+    to 25% jitter), after a 429 its Retry-After (1 s); an answer that came but is not JSON is asked again at
+    once, from the same attempts."""
+    plan = [dict(status=500, body={}), dict(status=429, body={}, headers={"Retry-After": "1"}), dict(raw=b"<html>")]
+    arrived = []
+
+    def respond(index, body):
+        arrived.append(time.monotonic())
+        return plan[index] if index < len(plan) else ok("at last")
+
+    api.respond = respond
+    b = api.backend(retries=3)
+    assert b.chat([CONV]) == ["at last"]
+    gaps = [later - earlier for earlier, later in zip(arrived, arrived[1:])]
+    assert 0.37 <= gaps[0] <= 0.9 and 1.0 <= gaps[1] <= 1.5 and gaps[2] <= 0.3, gaps
+    assert (len(api.requests), b.retried, b.failures) == (4, 3, 0)
+
+
+def test_api_422_is_not_retried_and_counts_as_failed(api):
+    api.plan = [dict(status=422, body={"detail": "Unexpected fields in the request"})]
+    b = api.backend(retries=3)
+    assert b.chat([CONV]) == [None]
+    assert (len(api.requests), b.retried, b.failures) == (1, 0, 1)
+
+
+def test_api_retry_after_over_two_minutes_ends_the_call(api):
+    api.plan = [dict(status=429, body={"error": "come back tomorrow"}, headers={"Retry-After": "600"})]
+    b = api.backend(retries=3)
+    assert b.chat([CONV]) == [None]
+    assert (len(api.requests), b.retried, b.failures) == (1, 0, 1)
 
 
 BAD_ANSWERS = {
@@ -108,21 +142,23 @@ BAD_ANSWERS = {
 
 @pytest.mark.parametrize("answer", list(BAD_ANSWERS), ids=list(BAD_ANSWERS))
 def test_api_bad_answers_are_retried_then_none(api, answer):
+    """A fault on the way (500, a body shorter than announced) is retried by the openai client; an answer
+    that came but is unusable is asked again by the backend: retries + 1 attempts in all, either way."""
     api.plan = [BAD_ANSWERS[answer]]
     b = api.backend(retries=2)
     assert b.chat([CONV]) == [None]
     assert len(api.requests) == 3  # retries + 1
-    assert b.failures == 1
+    assert (b.failures, b.retried) == (1, 2)
     assert b.chat([CONV]) == [None]
     assert len(api.requests) == 6
-    assert b.failures == 2
+    assert (b.failures, b.retried) == (2, 4)
 
 
 def test_api_bad_answer_then_good_answer(api):
     api.plan = [dict(raw=b"not json"), dict(body={"choices": []}), ok("fine")]
     b = api.backend(retries=2)
     assert b.chat([CONV]) == ["fine"]
-    assert len(api.requests) == 3 and b.failures == 0
+    assert len(api.requests) == 3 and (b.failures, b.retried) == (0, 2)
 
 
 def test_api_timeout_gives_none_and_handler_threads_exit(api):
@@ -130,7 +166,7 @@ def test_api_timeout_gives_none_and_handler_threads_exit(api):
     b = api.backend(timeout=0.3, retries=1)
     assert b.chat([CONV]) == [None]
     assert len(api.requests) == 2
-    assert b.failures == 1
+    assert (b.failures, b.retried) == (1, 1)
     api.close()  # releases the hanging handlers and joins them
     assert len(api.threads) == 2
     assert not any(t.is_alive() for t in api.threads)
@@ -172,7 +208,7 @@ def test_api_batch_mixed_success_and_failure(api):
     convs = [[{"role": "user", "content": c}] for c in ("a", "bad", "c")]
     b = api.backend(retries=1, concurrency=2)
     assert b.chat(convs) == ["echo a", None, "echo c"]
-    assert b.failures == 1
+    assert (b.failures, b.retried) == (1, 1)
     assert len(api.requests) == 4  # a, c once; bad twice
 
 

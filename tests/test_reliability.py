@@ -47,8 +47,6 @@ def api_flags(server, timeout="1"):
         timeout,
         "--api-retries",
         "3",
-        "--api-backoff",
-        "0.05",
     ]
 
 

@@ -235,8 +235,6 @@ def test_teacher_labels_dialogues_and_drops_invalid(tmp_path, fault_server):
         out,
         "--api-base",
         server.base,
-        "--api-backoff",
-        "0.01",
     )
     assert p.returncode == 0, p.stderr[-3000:]
     recs = lines(out)

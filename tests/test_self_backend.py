@@ -178,7 +178,7 @@ def test_malformed_judge_json_is_masked_and_only_the_api_judge_is_asked_again(en
         return ok(answer(text, asked_api[text] - 1))
 
     server = loopback(respond)
-    got_api, _ = run("api:judge", api_base=server.base, api_retries=0, api_backoff=0.0)
+    got_api, _ = run("api:judge", api_base=server.base, api_retries=0)
     p0 = SCEN["p0"]
     assert got_api == [([True, True], [p0, p0, p0]), ([False, False], [p0, [-5.0, -8.0, -4.0], [-4.0, -7.0, -4.0]])]
     assert sorted(asked_api.values()) == [2, 2, 3, 3]  # retries=2: up to 3 asks
