@@ -78,6 +78,8 @@ def warn(message: str):
 
 # ---- 2. Models: a name -> weights on disk -> the policy with its LoRA adapter ------------------
 PACKAGED_SMOLLM2 = "SmolLM2-135M-Instruct"
+# LoRA: rank r and scaling alpha (alpha / r = 2, the common recipe), dropout 0 so the first ratio is exactly 1
+LORA_R, LORA_ALPHA = 16, 32
 MODEL_ALIASES = {
     f"Qwen2.5-{size}-Instruct": f"Qwen/Qwen2.5-{size}-Instruct" for size in ("0.5B", "1.5B", "3B", "7B", "14B", "32B")
 }
@@ -147,8 +149,6 @@ def add_model_args(p: argparse.ArgumentParser):
         f"Qwen2.5-7B-Instruct) or the packaged offline default {PACKAGED_SMOLLM2}",
     )
     g.add_argument("--adapter", default=None, help="start from this peft LoRA adapter folder")
-    g.add_argument("--lora-r", type=int, default=16, help="LoRA rank r (dropout 0: the ratio is exactly 1 at first)")
-    g.add_argument("--lora-alpha", type=int, default=32, help="LoRA scaling alpha")
     g.add_argument(
         "--lora-targets",
         default="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
@@ -248,8 +248,8 @@ def load_policy(args, trainable=True):
         model = get_peft_model(
             model,
             LoraConfig(
-                r=args.lora_r,
-                lora_alpha=args.lora_alpha,
+                r=LORA_R,
+                lora_alpha=LORA_ALPHA,
                 lora_dropout=0.0,
                 target_modules=targets,
                 task_type="CAUSAL_LM",

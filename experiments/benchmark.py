@@ -429,8 +429,8 @@ def trl_grpo_seconds(a, prompts, judge, args, out_dir) -> tuple[float | None, st
         dataloader_num_workers=0,
     )
     lora = LoraConfig(
-        r=args.lora_r,
-        lora_alpha=args.lora_alpha,
+        r=common.LORA_R,
+        lora_alpha=common.LORA_ALPHA,
         lora_dropout=0.0,  # as common.load_policy
         target_modules=args.lora_targets.split(","),
         task_type="CAUSAL_LM",
@@ -923,7 +923,7 @@ def step_phases(s: dict, args, log_kl: bool = False) -> tuple[list[tuple], dict]
     four_bit = args.load_in_4bit != "off"  # auto: 4-bit with CUDA, the machine the estimate is for
     n_linear = param_counts(s, 0)[0]
     targets = set(args.lora_targets.split(","))
-    n_lora = s["L"] * sum(args.lora_r * (fi + fo) for m, (fi, fo) in linear_shapes(s).items() if m in targets)
+    n_lora = s["L"] * sum(common.LORA_R * (fi + fo) for m, (fi, fo) in linear_shapes(s).items() if m in targets)
 
     def w_policy(rows):  # the policy's forward: the adapter on
         return weight_bytes(s, n_lora, rows, four_bit, adapter=True)

@@ -265,8 +265,6 @@ def test_4bit_qlora_end_to_end_on_a_cpu(tiny_model_64, tmp_path):
     args = argparse.Namespace(
         model=tiny_model_64,
         adapter=None,
-        lora_r=4,
-        lora_alpha=8,
         trust_remote_code=False,
         lora_targets="q_proj,v_proj",
         load_in_4bit="on",

@@ -473,8 +473,6 @@ def test_nothing_to_score_skips_the_update_without_nan(trainer, env, tiny_model)
     args = argparse.Namespace(
         model=tiny_model,
         adapter=None,
-        lora_r=4,
-        lora_alpha=8,
         lora_targets="q_proj,v_proj",
         load_in_4bit="off",
         gradient_checkpointing=False,

@@ -588,8 +588,6 @@ def test_minibatches_hold_whole_scenarios_in_the_steps_order(trainer, tiny_model
     args = argparse.Namespace(
         model=tiny_model,
         adapter=None,
-        lora_r=4,
-        lora_alpha=8,
         lora_targets="q_proj,v_proj",
         load_in_4bit="off",
         gradient_checkpointing=False,
@@ -630,8 +628,6 @@ def test_the_clip_engages_on_the_second_minibatch(trainer, tiny_model, monkeypat
     args = argparse.Namespace(
         model=tiny_model,
         adapter=None,
-        lora_r=4,
-        lora_alpha=8,
         lora_targets="q_proj,v_proj",
         load_in_4bit="off",
         gradient_checkpointing=False,

@@ -132,8 +132,6 @@ def test_an_adapter_trained_on_a_4bit_base_merges_into_its_full_precision_weight
     args = argparse.Namespace(
         model=tiny_model_64,
         adapter=None,
-        lora_r=4,
-        lora_alpha=8,
         trust_remote_code=False,
         lora_targets="q_proj,v_proj",
         load_in_4bit="on",
