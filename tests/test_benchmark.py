@@ -201,12 +201,12 @@ def test_time_estimate_arithmetic_by_hand(monkeypatch):
         judge_concurrency=1,
         user_concurrency=None,
         api_concurrency=8,
-        lora_r=0,
         lora_targets="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
         load_in_4bit="off",
         kl_coef=0.0,
         gradient_checkpointing=True,
     )
+    monkeypatch.setattr(b.common, "LORA_R", 0)  # no adapter in the hand count
     phases, z = b.step_phases(s, args)
     work = {p: (f, nb) for _, p, f, nb, _ in phases}
     assert z["T"] == 2 and z["tokens"] == 23 and z["scored"] == 16  # contexts 10, then 10 + 4 + 5 = 19; 19 + 4
