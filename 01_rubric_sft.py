@@ -57,6 +57,7 @@ from tqdm import tqdm
 import common
 import offline
 import plots
+import runs
 
 HERE = Path(__file__).resolve().parent
 DIMS = ("cognitive", "affective", "proactive")  # CARE's three empathy dimensions
@@ -199,15 +200,15 @@ def main(argv=None):
 
     set_seed(args.seed)  # after the input checks (importing transformers takes seconds), before LoRA's draws
     model, tokenizer = common.load_policy(args, trainable=True)  # loaded before the run folder is made
-    run_dir = common.open_run(args, ("metrics.jsonl", "eval_samples.jsonl"))
+    run_dir = runs.open_run(args, ("metrics.jsonl", "eval_samples.jsonl"))
     examples = [encode(tokenizer, r, args.max_len) for r in train]
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer, scheduler = common.make_optimizer(params, args.lr, 0.0, args.steps)
-    state = common.load_checkpoint(run_dir, model, optimizer, scheduler) if args.resume else None
+    state = runs.load_checkpoint(run_dir, model, optimizer, scheduler) if args.resume else None
     start = state["step"] + 1 if state else 1
     if state:
         print(f"resumed at step {start}")
-    logger = common.MetricsLogger(run_dir)
+    logger = runs.MetricsLogger(run_dir)
     print(
         f"run folder {run_dir} | {len(train)} train / {len(val)} val turns | "
         f"trainable parameters {sum(p.numel() for p in params):,}"
@@ -215,7 +216,7 @@ def main(argv=None):
     try:
         train_loop(args, run_dir, model, tokenizer, examples, val, params, optimizer, scheduler, logger, start)
     except common.UserError:  # keep the finished steps, then stop with the one message
-        common.checkpoint_on_error(run_dir, model, optimizer, scheduler, logger, start)
+        runs.checkpoint_on_error(run_dir, model, optimizer, scheduler, logger, start)
         raise
     model.save_pretrained(run_dir / "adapter", safe_serialization=True)
     tokenizer.save_pretrained(run_dir / "adapter")
@@ -238,7 +239,7 @@ def train_loop(args, run_dir, model, tokenizer, examples, val, params, optimizer
         model.eval()
         metrics, samples = evaluate(model, tokenizer, val, args)
         model.train()
-        common.append_jsonl(run_dir / "eval_samples.jsonl", [{"step": step, **s} for s in samples])
+        runs.append_jsonl(run_dir / "eval_samples.jsonl", [{"step": step, **s} for s in samples])
         logger.log(step, metrics)
 
     # the batches of every epoch depend only on (seed, epoch): a resumed run sees the same batches
@@ -283,7 +284,7 @@ def train_loop(args, run_dir, model, tokenizer, examples, val, params, optimizer
         if step % args.eval_every == 0 or step == args.steps:
             run_eval(step)
         if step % args.save_every == 0 or step == args.steps:
-            common.save_checkpoint(run_dir, step, model, optimizer, scheduler)
+            runs.save_checkpoint(run_dir, step, model, optimizer, scheduler)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -304,7 +305,7 @@ def check_messages(msgs, where: str) -> list[dict]:
 
 
 def load_sft(path: str, tol: float) -> list[dict]:
-    recs = common.read_jsonl(path, {"messages": list, "rubric": dict})
+    recs = runs.read_jsonl(path, {"messages": list, "rubric": dict})
     for r in recs:
         check_messages(r["messages"], r["_where"])
         r["rubric"], why = parse_rubric(r["rubric"], tol)
@@ -469,7 +470,7 @@ def parse_args(argv=None):
     g.add_argument(
         "--max-new-tokens", type=common.number(int, low=8), default=256, help="token cap of a generated rubric"
     )
-    common.add_run_args(p, "rubric-sft", resume="a run folder: continue from its last checkpoint", save_every=50)
+    runs.add_run_args(p, "rubric-sft", resume="a run folder: continue from its last checkpoint", save_every=50)
     return p.parse_args(argv)
 
 

@@ -66,6 +66,7 @@ from tqdm import tqdm
 
 import common
 import plots
+import runs
 
 sft = importlib.import_module("01_rubric_sft")  # the rubric format, parser, generation and criteria judge
 HERE = Path(__file__).resolve().parent
@@ -220,10 +221,10 @@ def main(argv=None):
     judge = sft.CriteriaJudge(args)
     if not args.adapter:
         print("warning: no --adapter: starting from the base model, not from 01's SFT generator", file=sys.stderr)
-    run_dir = common.open_run(args, ("metrics.jsonl", "rollouts.jsonl"))
+    run_dir = runs.open_run(args, ("metrics.jsonl", "rollouts.jsonl"))
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer, scheduler = common.make_optimizer(params, args.lr, 0.0, args.steps)
-    state = common.load_checkpoint(run_dir, model, optimizer, scheduler) if args.resume else None
+    state = runs.load_checkpoint(run_dir, model, optimizer, scheduler) if args.resume else None
     start = 1
     if state:
         start, before = state["step"] + 1, state["report_before"]
@@ -236,7 +237,7 @@ def main(argv=None):
     if args.report_only:
         print(write_report(run_dir, before, before))
         return
-    logger = common.MetricsLogger(run_dir)
+    logger = runs.MetricsLogger(run_dir)
     print(
         f"run folder {run_dir} | {len(train)} train / {len(test)} test pairs | "
         f"trainable parameters {sum(p.numel() for p in params):,}"
@@ -251,9 +252,9 @@ def main(argv=None):
         ):
             train_step(step, args, run_dir, model, tokenizer, judge, train, optimizer, scheduler, logger)
             if step % args.save_every == 0 or step == args.steps:
-                common.save_checkpoint(run_dir, step, model, optimizer, scheduler, extra={"report_before": before})
+                runs.save_checkpoint(run_dir, step, model, optimizer, scheduler, extra={"report_before": before})
     except common.UserError:  # keep the finished steps, then stop with the one message
-        common.checkpoint_on_error(run_dir, model, optimizer, scheduler, logger, start, extra={"report_before": before})
+        runs.checkpoint_on_error(run_dir, model, optimizer, scheduler, logger, start, extra={"report_before": before})
         raise
     model.save_pretrained(run_dir / "adapter", safe_serialization=True)
     tokenizer.save_pretrained(run_dir / "adapter")
@@ -315,7 +316,7 @@ def train_step(step, args, run_dir, model, tokenizer, judge, train, optimizer, s
     # 4. update: the clipped surrogate on the rubric tokens
     upd = policy_update(model, tokenizer, optimizer, scheduler, samples, args)
     # 5. log, keep the samples
-    common.append_jsonl(
+    runs.append_jsonl(
         run_dir / "rollouts.jsonl",
         [
             {
@@ -353,7 +354,7 @@ def train_step(step, args, run_dir, model, tokenizer, judge, train, optimizer, s
 # --- supporting pieces ---: data, judging rubrics, the report, CLI
 # ---------------------------------------------------------------------------------------------
 def load_pairs(path: str) -> list[dict]:
-    recs = common.read_jsonl(path)
+    recs = runs.read_jsonl(path)
     for r in recs:
         w, ctx = r["_where"], r.get("prompt", r.get("messages"))
         common.check(ctx is not None, f"{w}: needs field 'prompt' (or 'messages')")
@@ -529,7 +530,7 @@ def parse_args(argv=None):
     )
     g.add_argument("--micro-batch-size", type=count, default=4, help="rubrics per forward/backward")
     common.add_backend_args(p)
-    g = common.add_run_args(p, "rubric-rl", resume="a run folder: continue from its last checkpoint", save_every=10)
+    g = runs.add_run_args(p, "rubric-rl", resume="a run folder: continue from its last checkpoint", save_every=10)
     g.add_argument("--report-limit", type=int, default=0, help="use the first N held-out pairs / turns (0 = all)")
     g.add_argument(
         "--report-only",

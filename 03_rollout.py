@@ -71,6 +71,7 @@ from tqdm import tqdm
 
 import common
 import offline
+import runs
 
 HERE = Path(__file__).resolve().parent
 AXES = ("C", "A", "P")
@@ -382,10 +383,10 @@ def main(argv=None):
     set_seed(args.seed)  # after the input checks (importing transformers takes seconds), before LoRA's draws
     model, tokenizer = common.load_policy(args, trainable=False)
     judge, user = make_judge(args, (model, tokenizer)), make_user(args, (model, tokenizer))
-    run_dir = common.open_run(args)  # after every model loaded: a bad one leaves no folder
+    run_dir = runs.open_run(args)  # after every model loaded: a bad one leaves no folder
     t0 = time.time()
     records = [trajectory_record(tr, args) for tr in rollout(model, tokenizer, scenarios, judge, user, args)]
-    common.append_jsonl(run_dir / "rollouts.jsonl", records)
+    runs.append_jsonl(run_dir / "rollouts.jsonl", records)
     for rec in records if not args.quiet else []:
         print(
             f"\n=== {rec['scenario_id']} k={rec['k']}  P0={rec['p0']}  outcome={rec['outcome']}  "
@@ -413,7 +414,7 @@ def main(argv=None):
 # ---------------------------------------------------------------------------------------------
 def load_scenarios(path) -> list[dict]:
     """Read and check scenarios; each gets p0 (from `items` unless given) and default user lines."""
-    recs = common.read_jsonl(path, {"id": str, "persona": str, "situation": str, "opening": str}, unique=("id",))
+    recs = runs.read_jsonl(path, {"id": str, "persona": str, "situation": str, "opening": str}, unique=("id",))
     for r in recs:
         w = r["_where"]
         common.check(r["opening"].strip(), f"{w}: field 'opening' is empty")
@@ -759,7 +760,7 @@ def parse_args(argv=None):
     )
     common.add_model_args(p)
     add_env_args(p, scenarios_default=str(HERE / "data" / "scenarios_test.jsonl"), k_default=2)
-    g = common.add_run_args(p, "rollout")
+    g = runs.add_run_args(p, "rollout")
     g.add_argument("--num-scenarios", type=int, default=2, help="how many scenarios (0 = all)")
     g.add_argument("--quiet", action="store_true", help="do not print transcripts")
     args = p.parse_args(argv)

@@ -94,6 +94,7 @@ from transformers import set_seed
 import common
 import offline
 import plots
+import runs
 
 sft = importlib.import_module("01_rubric_sft")  # CARE: the rubric format and parser, S(y), generation, criteria judge
 env = importlib.import_module("03_rollout")  # the environment: scenarios, rollout, judges, users, IDR
@@ -526,7 +527,7 @@ class Run:
     graders: Graders  # CARE's rubric generator and the criteria judge, for --reward care and kardia
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
-    logger: common.MetricsLogger | None  # process 0's
+    logger: runs.MetricsLogger | None  # process 0's
 
 
 def train_loop(run: Run, start: int):
@@ -572,7 +573,7 @@ def train_loop(run: Run, start: int):
         seconds = {"rollout": t1 - t0, "reward": t2 - t1, "update": time.time() - t2, "step": time.time() - t0}
         log_step(run, step, records, [x for r in rewards for x in r], counts, upd, lr, seconds)
         if acc.is_main_process and (step % args.save_every == 0 or step == args.steps):
-            common.save_checkpoint(run.dir, step, run.model, run.optimizer, run.scheduler)
+            runs.save_checkpoint(run.dir, step, run.model, run.optimizer, run.scheduler)
             plots.curves(run.dir, plots.MICA_CURVES)
         if acc.is_main_process and step in (args.credit_steps or (start, args.steps)):
             plots.credit(run.dir, step)  # how the estimator assigned credit (default: the first and last step)
@@ -590,20 +591,20 @@ def main(argv=None):
     model, tokenizer = common.load_policy(args, trainable=True)  # every model loads before the run folder
     judge, user = env.make_judge(args, (model, tokenizer)), env.make_user(args, (model, tokenizer))
     graders = load_graders(args, (model, tokenizer))
-    run_dir = common.open_run(args, ("metrics.jsonl", "rollouts.jsonl")) if acc.is_main_process else None
+    run_dir = runs.open_run(args, ("metrics.jsonl", "rollouts.jsonl")) if acc.is_main_process else None
     run_dir = Path(gather_over_processes(acc, str(run_dir))[0])  # process 0 made (or checked) it; all write there
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer, scheduler = common.make_optimizer(params, args.lr, WEIGHT_DECAY, args.steps)
-    state = common.load_checkpoint(run_dir, model, optimizer, scheduler) if args.resume else None
+    state = runs.load_checkpoint(run_dir, model, optimizer, scheduler) if args.resume else None
     start = state["step"] + 1 if state else 1  # every process loads the same checkpoint
-    logger = common.MetricsLogger(run_dir, args.report_to, common.public_args(args)) if acc.is_main_process else None
+    logger = runs.MetricsLogger(run_dir, args.report_to, runs.public_args(args)) if acc.is_main_process else None
     if acc.is_main_process:
         print(header_line(args, run_dir, params, acc, start if state else None))
     run = Run(args, acc, run_dir, scenarios, model, tokenizer, judge, user, graders, optimizer, scheduler, logger)
     try:
         train_loop(run, start)
     except common.UserError:  # the judge's endpoint went down, say: keep what was learned, then stop
-        common.checkpoint_on_error(run_dir, model, optimizer, scheduler, logger, start)
+        runs.checkpoint_on_error(run_dir, model, optimizer, scheduler, logger, start)
         raise
     if acc.is_main_process:
         model.save_pretrained(run_dir / "adapter", safe_serialization=True)
@@ -699,7 +700,7 @@ def log_step(run: Run, step, records, rewards, counts, upd, lr, seconds):
     rewards = [x for part in parts for x in part["rewards"]]  # every turn's training reward, unrounded
     turns, n = [turn for rec in records for turn in rec["turns"]], len(records)
     slowest = {k: max(part["seconds"][k] for part in parts) for k in seconds}  # processes run side by side
-    common.append_jsonl(run.dir / "rollouts.jsonl", records)
+    runs.append_jsonl(run.dir / "rollouts.jsonl", records)
     run.logger.log(
         step,
         {
@@ -956,7 +957,7 @@ def parse_args(argv=None):
             "proportions, --judge self --user self); auto = gpu with CUDA, else cpu"
         ),
     )
-    common.add_run_args(p, "mica", resume="a run folder: continue from its last checkpoint", save_every=10, report=True)
+    runs.add_run_args(p, "mica", resume="a run folder: continue from its last checkpoint", save_every=10, report=True)
     # --preset: its values become the defaults (auto: gpu with CUDA); a flag given wins
     name = p.parse_known_args(argv)[0].preset
     cuda = common.pick_device().type == "cuda"
@@ -965,7 +966,7 @@ def parse_args(argv=None):
     p.set_defaults(**PRESETS[name])
     args = p.parse_args(argv)
     args.preset_note = f"preset {name} ({why}; flags given win)"
-    args.flags_given = common.flags_given(p, args)
+    args.flags_given = runs.flags_given(p, args)
     return check_args(args)
 
 

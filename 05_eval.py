@@ -81,6 +81,7 @@ from tqdm import tqdm
 
 import common
 import plots
+import runs
 from benchmarks import emobench, eqbench3, sage
 
 env = importlib.import_module("03_rollout")  # the environment: scenarios, judges, users, the rollout
@@ -270,7 +271,7 @@ def main(argv=None):
     judge = env.make_judge(args, (model, tok)) if {"empa", "eqbench3", "sage"} & judged else None
     user = env.make_user(args, (model, tok)) if {"empa", "sage"} & set(args.suites) else None
     # 3. the run folder (new, or the one to resume: its finished batches are skipped)
-    run_dir = common.open_run(args, ("cases.jsonl", "transcripts.jsonl"))
+    run_dir = runs.open_run(args, ("cases.jsonl", "transcripts.jsonl"))
     done = {k for k, r in last_records(run_dir).items() if not r.get("failed")}
     if args.resume:
         print(f"resume {run_dir}: {len(done)} cases finished; batches of finished cases are skipped")
@@ -302,8 +303,8 @@ def main(argv=None):
                     torch.manual_seed(zlib.crc32(f"{args.seed}|{suite}|{case_ids(suite, batch[0], 1)[0]}".encode()))
                     cases, transcripts = run_suite(suite, model, tok, batch, judge, user, args)
                     tag = {"model": label, "suite": suite}
-                    common.append_jsonl(run_dir / "transcripts.jsonl", [{**tag, **t} for t in transcripts])
-                    common.append_jsonl(run_dir / "cases.jsonl", [{**tag, **c} for c in cases])
+                    runs.append_jsonl(run_dir / "transcripts.jsonl", [{**tag, **t} for t in transcripts])
+                    runs.append_jsonl(run_dir / "cases.jsonl", [{**tag, **c} for c in cases])
                     bar.update(len(batch))
                 bar.close()
     except common.UserError as e:
@@ -581,12 +582,12 @@ def write_results(run_dir: Path, args) -> str:
         q = by.get("eqbench3", {})
         md += ["", f"{m}, EQ-Bench 3 by task kind: {line(q['by_kind'], 2)}"] if q.get("by_kind") else []
         md += [x for r in emobench.report_lines(m, by.get("emobench", {})) for x in ("", r)]
-    common.atomic_write(run_dir / "results.md", "\n".join(md) + "\n")
-    common.atomic_write(
+    runs.atomic_write(run_dir / "results.md", "\n".join(md) + "\n")
+    runs.atomic_write(
         run_dir / "results.json",
         json.dumps(
             {
-                "args": common.public_args(args),
+                "args": runs.public_args(args),
                 "columns": table.split("\n")[0].strip("| ").split(" | "),
                 "summary": summary,
                 "comparison": comparison,
@@ -603,9 +604,9 @@ def write_results(run_dir: Path, args) -> str:
     ):
         series = {}
         for m in models:
-            runs = [r[key] for r in records if r["model"] == m and r["suite"] == suite and not r.get("failed")]
-            if runs:
-                series[m] = runs
+            kept = [r[key] for r in records if r["model"] == m and r["suite"] == suite and not r.get("failed")]
+            if kept:
+                series[m] = kept
         if series:
             plots.series(series, ylabel, run_dir / name)
     if comparison:  # the comparison as a picture, and one held-out case of each model
@@ -702,7 +703,7 @@ def parse_args(argv=None):
         default=10,
         help="SAGE: turns (with --sage-dir: replies; the last is never scored)",
     )
-    common.add_run_args(p, "eval", resume="a run folder of this script: finish its unfinished cases")
+    runs.add_run_args(p, "eval", resume="a run folder of this script: finish its unfinished cases")
     args = p.parse_args(argv)
     env.check_env_args(args)
     c = common.check

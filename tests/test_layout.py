@@ -1,9 +1,10 @@
 """The card's shape: five self-contained stages sharing a small common.py, every other piece in its place.
 
 1. Each stage reads alone: it imports common.py, another stage only for that stage's product (02 and 04: 01's
-   rubric; 04 and 05: 03's environment), and the support modules (offline.py, plots.py, benchmarks/), at the
-   top of the file; 04 holds its own update (not 02's). A support module imports common.py, never a stage; a
-   benchmark module may import its own package too (benchmarks/__init__.py: the rule labelling a checkout).
+   rubric; 04 and 05: 03's environment), and the support modules (offline.py, plots.py, runs.py, benchmarks/),
+   at the top of the file; 04 holds its own update (not 02's). A support module imports common.py (and runs.py,
+   a run's files), never a stage; a benchmark module may import its own package too (benchmarks/__init__.py:
+   the rule labelling a checkout).
 2. common.py holds only plumbing that two or more callers (stages, support modules) use.
 3. The layout: the CPU stand-ins in offline.py, every figure in plots.py (matplotlib nowhere else), one file
    per external benchmark in benchmarks/; in 04 processes talk only inside its three data-parallel helpers
@@ -24,7 +25,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 STAGES = sorted(ROOT.glob("[0-9][0-9]_*.py"))
 COMMON = ROOT / "common.py"
-SUPPORT = [ROOT / "offline.py", ROOT / "plots.py"] + sorted((ROOT / "benchmarks").glob("*.py"))
+SUPPORT = [ROOT / "offline.py", ROOT / "plots.py", ROOT / "runs.py"] + sorted((ROOT / "benchmarks").glob("*.py"))
 PROJECT = (
     STAGES
     + [COMMON]
@@ -41,7 +42,7 @@ def project_imports(tree):
     """(module, the function it is imported in or None, line) for every import of common.py, a stage or a
     support module: `import common`, `from common import x`, `from benchmarks import sage` (as
     benchmarks.sage), importlib.import_module("NN_...")."""
-    names, out = {p.stem for p in STAGES} | {"common", "offline", "plots", "benchmarks"}, []
+    names, out = {p.stem for p in STAGES} | {"common", "offline", "plots", "runs", "benchmarks"}, []
 
     def visit(node, func):
         for child in ast.iter_child_nodes(node):
@@ -88,7 +89,9 @@ def test_a_stage_imports_common_and_only_the_products_it_names(path):
 def test_a_support_module_imports_common_and_never_a_stage(path):
     found = project_imports(ast.parse(path.read_text(encoding="utf-8")))
     own = {"benchmarks"} if path.parent.name == "benchmarks" else set()  # `import benchmarks`: its package
-    assert {name for name, _, _ in found} <= {"common"} | own, f"{path.name} imports {sorted({n for n, _, _ in found})}"
+    assert {name for name, _, _ in found} <= {"common", "runs"} - {path.stem} | own, (
+        f"{path.name} imports {sorted({n for n, _, _ in found})}"
+    )
     assert ast.get_docstring(ast.parse(path.read_text(encoding="utf-8"))), f"{path.name} opens with a docstring"
 
 

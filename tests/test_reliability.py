@@ -19,6 +19,7 @@ import torch
 from accelerate import Accelerator
 
 import common
+import runs
 from conftest import FAULTS, ROOT, run_script, write_jsonl
 
 TINY = ["--max-new-tokens", "6", "--max-turns", "2", "--no-progress"]
@@ -274,14 +275,13 @@ def test_several_random_kills_then_resume_equal_an_uninterrupted_run(tiny_model,
 
 
 def test_a_torn_last_line_is_cut_on_resume(tmp_path):
-    import common
 
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 1, "loss": 0.5}\n{"step": 2, "lo')
-    assert common.repair_jsonl_tail(path) == len('{"step": 2, "lo')
+    assert runs.repair_jsonl_tail(path) == len('{"step": 2, "lo')
     assert path.read_text() == '{"step": 1, "loss": 0.5}\n'
-    assert common.repair_jsonl_tail(path) == 0  # a clean file is left alone
-    common.append_jsonl(path, {"step": 2, "loss": 0.25})
+    assert runs.repair_jsonl_tail(path) == 0  # a clean file is left alone
+    runs.append_jsonl(path, {"step": 2, "loss": 0.25})
     assert [json.loads(x)["step"] for x in path.read_text().splitlines()] == [1, 2]
 
 
