@@ -8,9 +8,14 @@ What it shows
   with v_t = levels_to_v(levels) (03's advance_state), dE_t = v_t . v*, the IDR reward
   r_t = d(P_{t-1}) - d(P_t) (03's incremental_distance_rewards) and EMPA's success / collapse / timeout
   rules (03's episode_status). Only the judge is replaced: instead of a model reading a reply, a fixed
-  table (judge_move) maps one of seven support moves to MDEP-PR levels, with rules under which credit
-  over turns matters (a concrete step pays only once the user feels understood, validation wears out,
-  some moves help now and cost on the next turn).
+  table maps one of seven support moves to MDEP-PR levels. Two tables (--table):
+  short    (judge_move, the default) delays of one turn: a concrete step pays only once the user feels
+           understood, validation wears out, some moves help now and cost on the next turn. A myopic
+           greedy policy comes close to the ceiling here.
+  delayed  (judge_delayed) delays of three turns: nothing on P moves until a question that hurts now
+           (-A1) has opened the hard topic, and it pays from the third turn after; reassurance and
+           changing the subject help now and cost three turns later. A myopic greedy policy never asks
+           the question, piles up the penalties and collapses: credit must reach back over turns.
 What it cannot show
   Anything about language. It is a model of the environment's dynamics and of credit assignment: a
   tabular softmax over 7 moves and 36 coarse observations, whose moves have the effects the table says.
@@ -26,7 +31,8 @@ Equations (03 and 04 compute every one of them; this file adds the judge table, 
   state, reward     P_t = P_{t-1} + v_t,  dE_t = v_t . v*,  r_t = d(P_{t-1}) - d(P_t)           (03)
   advantages        MICA A = alpha A_turn + (1 - alpha) A_group;  GRPO A = (R_k - mean) / std;
                     REINFORCE++ A = (G - mean) / std over the batch                                (04)
-  policy            pi(a | o) = softmax(theta[o])_a,  o = observe(P, P0, memory)   (36 x 7 logits, from 0)
+  policy            pi(a | o) = softmax(theta[o])_a,  o = observe(P, P0, memory)   (36 x 7 logits, from 0;
+                    observe_delayed under the delayed table, also 36 values)
   update            theta[o_t] += lr * (1/N) sum_{k,t} A[k][t] (onehot(a_t) - pi(. | o_t))   (N: turns in
                     the batch, as 04's loss averages over tokens; the gradient of log softmax)
   held-out return   the IDR return sum_t r_t = d(P0) - d(P_T) per dialogue, mean over --final-eval-k
@@ -43,11 +49,24 @@ checked only against the uniform policy and the search ceiling (is success reach
 it rare by chance?), before any estimator was run; none was changed after (only the evaluation budget
 and the myopic greedy row were added).
 
+The delayed table (issue 49) was written to make the myopic greedy row fall far below the ceiling, on the
+same dynamics, policy class, update and training defaults, and checked only against the three yardsticks
+(uniform, myopic greedy, search ceiling) before any estimator ran on it. One change was made while only
+the yardsticks had run: reflect was C1 A1 in every state at first, and the ceiling (beam 128) then could
+not reach success within 15 turns on the 3 test scenarios with A deficits of 17-19 (A moved too slowly);
+reflect became C1 A2 once the topic is open. The beam's default became 128 for this table (32 dropped
+the opening question on 4 of 8 test scenarios; 64 on 3). Its yardsticks at these rules: uniform 1.06,
+myopic greedy -6.79 (success 0: it collapses on 6 of the 8 test scenarios, times out on 2), search
+ceiling 20.51 (= the mean d(P0), success 1.00). The rules were committed before any estimator ran and are
+not changed after.
+
 CPU (about 7 minutes on one core of 2):  python experiments/credit.py
 Quick look (under a minute):        python experiments/credit.py --quick
+The second table:                   python experiments/credit.py --table delayed [--quick]
 """
 
 import argparse
+import copy
 import importlib
 import json
 import math
@@ -80,6 +99,8 @@ class Memory:
     validated: int = 0  # validations so far
     last: list = field(default_factory=list)  # the moves so far
     debt: dict = field(default_factory=dict)  # negative levels the last move left for this turn
+    opened: int | None = None  # --table delayed: the turn whose question opened the hard topic
+    due: dict = field(default_factory=dict)  # --table delayed: {turn: negative levels that land then}
 
 
 def remaining(P_a: float, eps: float = 1.0) -> float:
@@ -162,6 +183,89 @@ N_OBS = 36
 
 
 # ---------------------------------------------------------------------------------------------
+# The second table (--table delayed): payoffs that only an earlier sacrifice unlocks, penalties that land
+# three turns after a tempting move
+# ---------------------------------------------------------------------------------------------
+DELAY = 3  # turns from the opening question to its payoff, and from a tempting move to its penalty
+
+
+def topic(mem: Memory) -> int:
+    """The hard topic at the turn about to be judged: 0 closed (never asked about), 1 opened 1-2 turns ago
+    (the user is still taking it in), 2 open (DELAY or more turns since the question that opened it)."""
+    if mem.opened is None:
+        return 0
+    return 1 if len(mem.last) + 1 - mem.opened < DELAY else 2
+
+
+def judge_delayed(move: str, mem: Memory, P, P0) -> tuple[dict, dict]:
+    """The delayed-payoff table: (move, the user's memory, P_{t-1}, P0) -> (levels {axis: (progress,
+    negative)} for this turn, {turns ahead: negative levels} the move leaves for a later turn). Levels as in
+    judge_move ("A2" progress level 2 on A, +3; "-A1" negative level 1 on A, -2). The user has a problem
+    they avoid: nothing on P moves until a question has opened it, and the question hurts before it pays.
+
+    move            topic closed                  opened 1-2 turns ago    open (3+ turns since)   why
+    validate        A2 (1st-3rd), A1 (4th on)     the same                the same                steady, wears down
+    clarify         -A1 now, opens the topic      C2                      C2                      the sacrifice
+    reflect         C1 A1                         C1 A1                   C1 A2                   deeper once open
+    suggest         -A1                           -A1 (not ready)         P2                      pays once open
+    affirm          C1 A2 now, -A2 -P1 three turns later, whatever the topic                     hollow reassurance
+    lecture         -C1                           -C1                     P1 -C1                  unasked advice
+    change_subject  A1 now, -C1 -A1 three turns later, whatever the topic                        the problem returns
+    every move      progress on an axis already at or past 0 counts 0; negative levels due this turn (from a
+                    move three turns back) add to the move's own (the larger level on each axis; several due
+                    on one turn: the larger level on each axis).
+    The myopic greedy policy takes affirm (C1 A2, the largest immediate gain) and never asks the question
+    (its immediate reward is negative): P never moves and the penalties pile up."""
+    state = topic(mem)
+    progress, negative, later = {a: 0 for a in AXES}, dict.fromkeys(AXES, 0), {}
+    if move == "validate":
+        progress["A"] = 2 if mem.validated < 3 else 1
+    elif move == "clarify":
+        if state == 0:
+            negative["A"] = 1
+        else:
+            progress["C"] = 2
+    elif move == "reflect":
+        progress["C"], progress["A"] = 1, (2 if state == 2 else 1)
+    elif move == "suggest":
+        if state == 2:
+            progress["P"] = 2
+        else:
+            negative["A"] = 1
+    elif move == "affirm":
+        progress["C"], progress["A"], later = 1, 2, {DELAY: {"A": 2, "P": 1}}
+    elif move == "lecture":
+        negative["C"] = 1
+        if state == 2:
+            progress["P"] = 1
+    elif move == "change_subject":
+        progress["A"], later = 1, {DELAY: {"C": 1, "A": 1}}
+    else:
+        raise ValueError(f"unknown move {move!r}; moves: {MOVES}")
+    due = mem.due.get(len(mem.last) + 1, {})
+    for i, a in enumerate(AXES):
+        if P[i] >= 0:
+            progress[a] = 0  # nothing left to fix on this axis
+        negative[a] = max(negative[a], due.get(a, 0))  # a move DELAY turns back costs now
+    return {a: (progress[a], negative[a]) for a in AXES}, later
+
+
+def observe_delayed(P, P0, mem: Memory) -> int:
+    """The policy's coarse view under the delayed table, one of 3 x 3 x 2 x 2 = 36: the axis with the largest
+    remaining deficit, the topic (closed, opened 1-2 turns ago, open), validations so far (0-2, 3+), whether
+    a penalty is still to land."""
+    deficits = [remaining(x) for x in P]
+    axis = deficits.index(max(deficits))
+    validated = int(mem.validated >= 3)
+    pending = int(any(turn > len(mem.last) for turn in mem.due))
+    return ((axis * 3 + topic(mem)) * 2 + validated) * 2 + pending
+
+
+# --table NAME -> (the judge, the policy's observation); both observations take one of N_OBS values
+TABLES = {"short": (judge_move, observe), "delayed": (judge_delayed, observe_delayed)}
+
+
+# ---------------------------------------------------------------------------------------------
 # One dialogue on 03's dynamics
 # ---------------------------------------------------------------------------------------------
 def new_episode(scenario: dict):
@@ -174,14 +278,23 @@ def step(tr, mem: Memory, move: str, args, o: int | None = None) -> None:
     """Turn t: the move is judged, 03's advance_state moves P (P_t = P_{t-1} + levels_to_v(levels),
     dE_t = v_t . v*), 03's episode_status ends it (success, failure), or the horizon does (timeout).
     o: the observation the move was chosen on (computed here when not given)."""
-    tr.extra["obs"].append(observe(tr.states[-1], tr.scenario["p0"], mem) if o is None else o)
-    levels, debt = judge_move(move, mem, tr.states[-1], tr.scenario["p0"])
+    judge, look = TABLES[args.table]
+    tr.extra["obs"].append(look(tr.states[-1], tr.scenario["p0"], mem) if o is None else o)
+    levels, later = judge(move, mem, tr.states[-1], tr.scenario["p0"])
     env.advance_state(tr, {"levels": levels, "features": {"move": move}})
+    t = len(tr.states) - 1
     mem.validated += move == "validate"
     mem.last.append(move)
-    mem.debt = debt
+    if args.table == "short":
+        mem.debt = later  # judge_move's debt lands on the next turn
+    else:
+        if move == "clarify" and mem.opened is None:
+            mem.opened = t
+        for ahead, negative in later.items():  # judge_delayed's penalties land `ahead` turns from now
+            slot = mem.due.setdefault(t + ahead, {})
+            for a, level in negative.items():
+                slot[a] = max(slot.get(a, 0), level)
     tr.extra["moves"].append(move)
-    t = len(tr.states) - 1
     tr.outcome = env.episode_status(tr.scenario["p0"], tr.dEs, tr.states, t, args)
     if tr.outcome is None and t == args.max_turns:
         tr.outcome = "timeout"
@@ -199,7 +312,7 @@ def rollout(theta, scenario: dict, rng: random.Random, args):
     """One dialogue sampled from pi; returns the Trajectory with its IDR rewards in extra["rewards"]."""
     tr, mem = new_episode(scenario)
     while tr.outcome is None:
-        o = observe(tr.states[-1], scenario["p0"], mem)
+        o = TABLES[args.table][1](tr.states[-1], scenario["p0"], mem)
         # a ~ pi(. | o): the first move whose cumulative probability passes u ~ U(0, 1)
         u, a, cum = rng.random(), 0, 0.0
         for a, p_a in enumerate(policy(theta, o)):
@@ -288,9 +401,21 @@ def branch(tr, mem: Memory, move: str, args):
     )
     child.dEs, child.vs, child.levels = list(tr.dEs), list(tr.vs), list(tr.levels)
     child.extra = {"moves": list(tr.extra["moves"]), "obs": list(tr.extra["obs"])}
-    cmem = Memory(mem.validated, list(mem.last), dict(mem.debt))
+    cmem = copy.deepcopy(mem)
     step(child, cmem, move, args)
     return child, cmem
+
+
+def memory_key(mem: Memory, args) -> tuple:
+    """What of the user's memory the rest of the dialogue depends on. Short table: the validations up to 5,
+    the last two moves, the debt. Delayed table: the validations up to 3, the turns since the opening
+    question (up to DELAY; -1: not asked), the penalties still to land (turns ahead, levels)."""
+    if args.table == "short":
+        return min(mem.validated, 5), tuple(mem.last[-2:]), tuple(sorted(mem.debt.items()))
+    t = len(mem.last)
+    since = -1 if mem.opened is None else min(t - mem.opened, DELAY)
+    pending = tuple(sorted((turn - t, tuple(sorted(lv.items()))) for turn, lv in mem.due.items() if turn > t))
+    return min(mem.validated, 3), since, pending
 
 
 def search_ceiling(scenario: dict, args) -> tuple[float, bool]:
@@ -311,13 +436,7 @@ def search_ceiling(scenario: dict, args) -> tuple[float, bool]:
         children.sort(key=lambda c: -c[0])
         seen, beam = set(), []
         for _, child, cmem in children:
-            key = (
-                tuple(child.states[-1]),
-                min(cmem.validated, 5),
-                tuple(cmem.last[-2:]),
-                tuple(sorted(cmem.debt.items())),
-                round(sum(child.dEs), 6),
-            )
+            key = (tuple(child.states[-1]), round(sum(child.dEs), 6), *memory_key(cmem, args))
             if key not in seen and len(beam) < args.beam_width:
                 seen.add(key)
                 beam.append((child, cmem))
@@ -398,7 +517,8 @@ def table(
         f"every {args.eval_every} steps (the curves, steps to threshold); {args.max_turns} turns "
         f"(min {args.min_turns}, collapse window {args.collapse_window}); threshold {threshold:.2f} = "
         f"{args.threshold_frac} of the way from the uniform policy to the search ceiling (a seed that "
-        f"never reaches it counts as {args.steps} steps); {seconds:.0f} s\n"
+        f"never reaches it counts as {args.steps} steps)"
+        f"{'' if args.table == 'short' else f'; table {args.table} (judge_{args.table})'}; {seconds:.0f} s\n"
     )
     return "\n".join(lines) + "\n" + note
 
@@ -422,7 +542,16 @@ def parse_args(argv=None):
         "explicitly win",
     )
     p.add_argument(
-        "--out", default=str(ROOT / "runs" / "credit"), help="folder for credit.md, credit.png, credit.jsonl"
+        "--table",
+        choices=list(TABLES),
+        default="short",
+        help="the move table: short (judge_move: one-turn debts, the first table) or delayed (judge_delayed: "
+        "a question that hurts now opens the payoff 3 turns later, tempting moves cost 3 turns later)",
+    )
+    p.add_argument(
+        "--out",
+        default=None,
+        help="folder for credit.md, credit.png, credit.jsonl (default: runs/credit, runs/credit-delayed)",
     )
     p.add_argument("--workers", type=int, default=1, help="processes that train (seed, estimator) pairs at once")
     g = p.add_argument_group("environment (03's rules)")
@@ -460,13 +589,19 @@ def parse_args(argv=None):
     g.add_argument(
         "--beam-width",
         type=int,
-        default=32,
-        help="beam of the search ceiling (32 already finds the maximum, d(P0), on every shipped test scenario)",
+        default=None,
+        help="beam of the search ceiling; unset: 32 for the short table, 128 for the delayed one (each the "
+        "smallest power of 2 found to reach the maximum, d(P0), on every shipped test scenario: the delayed "
+        "table's opening question lowers the return for three turns, and a beam of 32 drops it)",
     )
     args = p.parse_args(argv)
     if args.quick:  # new defaults; flags given explicitly still win
         p.set_defaults(seeds=3, steps=60, eval_every=10, eval_k=4, final_eval_k=8)
         args = p.parse_args(argv)
+    if args.out is None:
+        args.out = str(ROOT / "runs" / ("credit" if args.table == "short" else f"credit-{args.table}"))
+    if args.beam_width is None:
+        args.beam_width = 32 if args.table == "short" else 128
     if args.min_turns is None:
         args.min_turns = max(1, round(args.max_turns * 12 / 45))
     for name in (

@@ -38,7 +38,7 @@ def test_a_scripted_dialogue_moves_03s_state_as_computed_by_hand(monkeypatch):
         monkeypatch.setattr(env, name, spy)
     assert credit.env is env and credit.trainer is trainer  # 03's and 04's modules, not copies
     P0 = [-6.0, -4.0, -9.0]
-    args = argparse.Namespace(max_turns=len(SCRIPT), min_turns=4, collapse_window=5)
+    args = argparse.Namespace(max_turns=len(SCRIPT), min_turns=4, collapse_window=5, table="short")
     tr, mem = credit.new_episode({"id": "hand", "p0": P0})
     for move, _ in SCRIPT:
         credit.step(tr, mem, move, args)
