@@ -274,10 +274,12 @@ def new_episode(scenario: dict):
     return tr, Memory()
 
 
-def step(tr, mem: Memory, move: str, args, o: int | None = None) -> None:
+def step(tr, mem: Memory, move: str, args, o: int | None = None, early_end: bool = True) -> None:
     """Turn t: the move is judged, 03's advance_state moves P (P_t = P_{t-1} + levels_to_v(levels),
     dE_t = v_t . v*), 03's episode_status ends it (success, failure), or the horizon does (timeout).
-    o: the observation the move was chosen on (computed here when not given)."""
+    o: the observation the move was chosen on (computed here when not given). early_end False: EMPA's
+    rules end nothing before --max-turns; the first turn and outcome they would have ended it with are
+    kept in tr.extra["end"] (the survivor analysis)."""
     judge, look = TABLES[args.table]
     tr.extra["obs"].append(look(tr.states[-1], tr.scenario["p0"], mem) if o is None else o)
     levels, later = judge(move, mem, tr.states[-1], tr.scenario["p0"])
@@ -296,6 +298,10 @@ def step(tr, mem: Memory, move: str, args, o: int | None = None) -> None:
                 slot[a] = max(slot.get(a, 0), level)
     tr.extra["moves"].append(move)
     tr.outcome = env.episode_status(tr.scenario["p0"], tr.dEs, tr.states, t, args)
+    if tr.outcome is not None and "end" not in tr.extra:
+        tr.extra["end"] = (t, tr.outcome)
+    if not early_end:
+        tr.outcome = None
     if tr.outcome is None and t == args.max_turns:
         tr.outcome = "timeout"
 
@@ -308,8 +314,9 @@ def policy(theta, o: int) -> list[float]:
     return [x / z for x in e]
 
 
-def rollout(theta, scenario: dict, rng: random.Random, args):
-    """One dialogue sampled from pi; returns the Trajectory with its IDR rewards in extra["rewards"]."""
+def rollout(theta, scenario: dict, rng: random.Random, args, early_end: bool = True):
+    """One dialogue sampled from pi; returns the Trajectory with its IDR rewards in extra["rewards"].
+    early_end False: it runs to --max-turns whatever EMPA's rules say (see step)."""
     tr, mem = new_episode(scenario)
     while tr.outcome is None:
         o = TABLES[args.table][1](tr.states[-1], scenario["p0"], mem)
@@ -319,7 +326,7 @@ def rollout(theta, scenario: dict, rng: random.Random, args):
             cum += p_a
             if u < cum:
                 break
-        step(tr, mem, MOVES[a], args, o)
+        step(tr, mem, MOVES[a], args, o, early_end)
     tr.extra["rewards"] = env.incremental_distance_rewards(tr.states)  # r_t = d(P_{t-1}) - d(P_t)
     return tr
 
@@ -358,8 +365,10 @@ def evaluate(theta, test: list[dict], rng: random.Random, args) -> dict:
     }
 
 
-def train(estimator: dict, seed: int, train_set: list[dict], test: list[dict], args) -> dict:
-    """Same seed, same first batch, same evaluation dialogues' random numbers for every estimator."""
+def train(estimator: dict, seed: int, train_set: list[dict], test: list[dict], args, watch=None) -> dict:
+    """Same seed, same first batch, same evaluation dialogues' random numbers for every estimator.
+    args.no_early_end: the training dialogues run to --max-turns (the held-out ones keep EMPA's ends).
+    watch(groups): called with each step's rollouts (the survivor analysis looks at their credit)."""
     rng = random.Random(seed)
     theta = [[0.0] * len(MOVES) for _ in range(N_OBS)]  # the uniform policy
     curve = []
@@ -371,9 +380,11 @@ def train(estimator: dict, seed: int, train_set: list[dict], test: list[dict], a
             break
         # 2. K rollouts for each of --scenarios-per-step training scenarios
         groups = [
-            [rollout(theta, s, rng, args) for _ in range(args.k)]
+            [rollout(theta, s, rng, args, not args.no_early_end) for _ in range(args.k)]
             for s in rng.sample(train_set, args.scenarios_per_step)
         ]
+        if watch is not None:
+            watch(groups)
         # 3. per-turn IDR rewards -> the estimator's advantages (04's functions)
         advs = advantages(estimator, [[tr.extra["rewards"] for tr in g] for g in groups], args.gamma)
         # 4. one plain policy-gradient step on the logits
@@ -389,6 +400,197 @@ def train(estimator: dict, seed: int, train_set: list[dict], test: list[dict], a
         "final_return": final["return"],
         "final_success": final["success"],
     }
+
+
+# ---------------------------------------------------------------------------------------------
+# The survivor question (--survivors): MICA's A_turn at turn t compares only the dialogues that reached t
+# ---------------------------------------------------------------------------------------------
+CELLS = ("dialogues", "turns", "A_turn", "A_group", "A", "lone")
+
+
+def credit_by(rewards, labels, alpha: float, gamma: float, upto=None, into=None) -> dict:
+    """rewards[s][k][t] (a batch as MICA sees it), labels[s][k] (the outcome, the length, ...) -> {label:
+    sums}: dialogues, turns, and over those turns the sums of 04's A_turn, A_group and A = alpha A_turn +
+    (1 - alpha) A_group, and "lone", the turns no other dialogue of the group reached (A_turn is 0 there).
+    upto[s][k]: count only dialogue k's first upto[s][k] turns. into: add to these sums."""
+    A, terms = trainer.ADVANTAGES["mica"](rewards, argparse.Namespace(alpha=alpha, gamma=gamma))
+    out = {} if into is None else into
+    for s, group in enumerate(rewards):
+        for k, r in enumerate(group):
+            n = len(r) if upto is None else upto[s][k]
+            c = out.setdefault(labels[s][k], dict.fromkeys(CELLS, 0.0))
+            c["dialogues"] += 1
+            c["turns"] += n
+            c["A_turn"] += sum(terms["A_turn"][s][k][:n])
+            c["A_group"] += sum(terms["A_group"][s][k][:n])
+            c["A"] += sum(A[s][k][:n])
+            c["lone"] += sum(sum(len(other) > t for other in group) == 1 for t in range(n))
+    return out
+
+
+def length_bin(n: int, args) -> str:
+    """Turns reached -> one of four bins: thirds of [--min-turns, --max-turns - 1], and --max-turns itself."""
+    if n >= args.max_turns:
+        return f"{args.max_turns}"
+    lo, span = args.min_turns, max(1, args.max_turns - args.min_turns)
+    edges = [lo + round(i * span / 3) for i in range(4)]  # 4, 8, 11, 15 at the defaults: 4-7, 8-10, 11-14
+    for a, b in zip(edges, edges[1:]):
+        if n < b:
+            return f"{a}-{b - 1}" if b - 1 > a else f"{a}"
+    return f"{edges[-2]}-{args.max_turns - 1}"
+
+
+def ended(tr, args) -> tuple[int, str]:
+    """(the turn EMPA's rules ended the dialogue at, or would have, and how: success, failure, timeout)."""
+    return tr.extra.get("end", (args.max_turns, "timeout"))
+
+
+def survivor_batch(groups, args, into: dict) -> None:
+    """One batch of dialogues run to --max-turns (early_end False) -> into[view][label] sums (credit_by) for
+    the three views of the same turns (each dialogue's turns up to its end):
+      ends     as MICA sees them: each dialogue cut at its end, A_turn at t over those that reached t
+      kept     cut at its end, but kept in the comparison at every later turn with G = 0 (rewards 0 after
+               the end): the comparison over all K, the survivor question's counterfactual
+      on       had every dialogue gone on to --max-turns (the same turns, the comparisons over all K, the
+               returns including what came after the end)
+    labels: "outcome" (success / failure / timeout) and "length" (turns reached)."""
+    full = [[tr.extra["rewards"] for tr in g] for g in groups]
+    upto = [[ended(tr, args)[0] for tr in g] for g in groups]
+    cut = [[r[:n] for r, n in zip(g, ns)] for g, ns in zip(full, upto)]
+    kept = [[r + [0.0] * (args.max_turns - len(r)) for r in g] for g in cut]
+    for key, labels in (
+        ("outcome", [[ended(tr, args)[1] for tr in g] for g in groups]),
+        ("length", [[length_bin(n, args) for n in ns] for ns in upto]),
+    ):
+        for view, rewards in (("ends", cut), ("kept", kept), ("on", full)):
+            credit_by(rewards, labels, args.survivor_alpha, args.gamma, upto, into.setdefault((key, view), {}))
+
+
+def survivors(train_set: list[dict], test: list[dict], args) -> str:
+    """The survivor analysis: (1) at the uniform policy, --survivor-groups groups of K per seed; (2) during
+    MICA's training (alpha --survivor-alpha); (3) learning with and without early ends. Every figure is a
+    mean over seeds, with the t interval over seeds."""
+    uniform_theta = [[0.0] * len(MOVES) for _ in range(N_OBS)]
+    at_rest, learning = [], []  # per seed: {(key, view): {label: sums}}
+    for seed in range(args.seeds):
+        rng, sums = random.Random(seed), {}
+        for _ in range(args.survivor_groups):
+            s = rng.choice(train_set)
+            survivor_batch([[rollout(uniform_theta, s, rng, args, early_end=False) for _ in range(args.k)]], args, sums)
+        at_rest.append(sums)
+    # (2) during learning: MICA's own training batches (they end early as usual; "on" is not observable)
+    mica = {"name": f"MICA (alpha={args.survivor_alpha:g})", "kind": "mica", "alpha": args.survivor_alpha}
+    for seed in range(args.seeds):
+        sums = {}
+
+        def watch(groups, _sums=sums):
+            upto = [[ended(tr, args)[0] for tr in g] for g in groups]
+            labels = {
+                "outcome": [[ended(tr, args)[1] for tr in g] for g in groups],
+                "length": [[length_bin(n, args) for n in ns] for ns in upto],
+            }
+            rewards = [[tr.extra["rewards"] for tr in g] for g in groups]
+            kept = [[r + [0.0] * (args.max_turns - len(r)) for r in g] for g in rewards]
+            for key in labels:
+                for view, rs in (("ends", rewards), ("kept", kept)):
+                    credit_by(rs, labels[key], args.survivor_alpha, args.gamma, upto, _sums.setdefault((key, view), {}))
+
+        train(mica, seed, train_set, test, args, watch)
+        learning.append(sums)
+    lines = [
+        f"## The survivor question (table {args.table}; {args.seeds} seeds; MICA's A at alpha {args.survivor_alpha:g}, "
+        f"gamma {args.gamma})",
+        "",
+    ]
+    for title, per_seed, views in (
+        (
+            f"At the uniform policy ({args.survivor_groups} groups of K={args.k} per seed, train scenarios)",
+            at_rest,
+            ("ends", "kept", "on"),
+        ),
+        (
+            f"During MICA's training (alpha {args.survivor_alpha:g}, every training batch of {args.steps} steps)",
+            learning,
+            ("ends", "kept"),
+        ),
+    ):
+        lines += [f"### {title}", ""]
+        lines += survivor_table(per_seed, "outcome", views, args)
+        lines += survivor_table(per_seed, "length", views, args)
+    # (3) learning with and without early ends (the training dialogues only; the held-out ones keep EMPA's ends)
+    estimators = estimator_list(args)
+    no_end = argparse.Namespace(**{**vars(args), "no_early_end": True})
+    final = {}
+    for seed in range(args.seeds):
+        for e in estimators:
+            for variant, a in (("ends", args), ("no ends", no_end)):
+                final[(e["name"], variant, seed)] = train(e, seed, train_set, test, a)["final_return"]
+    seeds = range(args.seeds)
+    base = estimators[0]["name"]
+    lines += [
+        f"### Learning with and without early ends ({args.steps} steps; held-out return under EMPA's ends)",
+        "",
+        f"| estimator | trained with EMPA's ends | trained without early ends | without - with (paired) | "
+        f"that change - {base}'s change (paired) |",
+        "|---|---|---|---|---|",
+    ]
+    for e in estimators:
+        n = e["name"]
+        change = [final[(n, "no ends", s)] - final[(n, "ends", s)] for s in seeds]
+        base_change = [final[(base, "no ends", s)] - final[(base, "ends", s)] for s in seeds]
+        lines.append(
+            f"| {n} | {ci_cell([final[(n, 'ends', s)] for s in seeds])} | "
+            f"{ci_cell([final[(n, 'no ends', s)] for s in seeds])} | {ci_cell(change)} | "
+            f"{'—' if n == base else ci_cell([c - b for c, b in zip(change, base_change)])} |"
+        )
+    lines += [
+        "",
+        f"mean ± sd [95% CI: t_{{0.975, n-1}} sd / sqrt(n)] over {args.seeds} seeds (0-{args.seeds - 1}); "
+        f"{args.max_turns} turns (min {args.min_turns}, collapse window {args.collapse_window}). Views: ends = as "
+        "MICA sees them (each dialogue cut at its end, A_turn at t over the dialogues that reached t); kept = "
+        "cut at its end but kept in every later turn's comparison with G = 0; on = had every dialogue gone on "
+        "to --max-turns. Per-turn cells: the mean over a label's turns (up to each dialogue's end); per "
+        "dialogue: the sum over its turns; lone: the share of its turns no other dialogue reached (A_turn = 0).",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def survivor_table(per_seed: list[dict], key: str, views, args) -> list[str]:
+    """Rows by label (outcome or length): the share of dialogues, the mean length, and per view the mean
+    A_turn per turn and per dialogue; then A_group and A per turn as MICA sees them, and the lone share."""
+    labels = {lab for sums in per_seed for lab in sums[(key, "ends")]} - {"all"}
+    if key == "outcome":
+        labels = [lab for lab in ("success", "failure", "timeout") if lab in labels]
+    else:
+        labels = sorted(labels, key=lambda b: int(b.split("-")[0]))
+    for sums in per_seed:  # every dialogue together: A_turn's sum over them is 0 by construction
+        for v in views:
+            cells = sums[(key, v)].values()
+            sums[(key, v)]["all"] = {c: sum(x[c] for x in cells if x is not None) for c in CELLS}
+    head = [key, "seeds", "share of dialogues", "turns"]
+    head += [f"A_turn per turn ({v})" for v in views] + [f"A_turn per dialogue ({v})" for v in views]
+    head += ["A_group per turn", "A per turn", "lone turns"]
+    lines = [f"By {key}:", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for lab in [*labels, "all"]:
+        have = [sums for sums in per_seed if lab in sums[(key, "ends")]]
+        ends = [sums[(key, "ends")][lab] for sums in have]
+        total = [sums[(key, "ends")]["all"]["dialogues"] for sums in have]
+        cells = [
+            str(lab),
+            str(len(have)),
+            ci_cell([c["dialogues"] / n for c, n in zip(ends, total)]),
+            ci_cell([c["turns"] / c["dialogues"] for c in ends], 1),
+        ]
+        for per in ("turns", "dialogues"):
+            for v in views:
+                cs = [sums[(key, v)][lab] for sums in have]
+                cells.append(ci_cell([c["A_turn"] / max(c[per], 1) for c in cs]))
+        cells.append(ci_cell([c["A_group"] / max(c["turns"], 1) for c in ends]))
+        cells.append(ci_cell([c["A"] / max(c["turns"], 1) for c in ends]))
+        cells.append(ci_cell([c["lone"] / max(c["turns"], 1) for c in ends]))
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines + [""]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -518,9 +720,18 @@ def table(
         f"(min {args.min_turns}, collapse window {args.collapse_window}); threshold {threshold:.2f} = "
         f"{args.threshold_frac} of the way from the uniform policy to the search ceiling (a seed that "
         f"never reaches it counts as {args.steps} steps)"
-        f"{'' if args.table == 'short' else f'; table {args.table} (judge_{args.table})'}; {seconds:.0f} s\n"
+        f"{'' if args.table == 'short' else f'; table {args.table} (judge_{args.table})'}"
+        f"{'; training dialogues without early ends (--no-early-end)' if args.no_early_end else ''}; {seconds:.0f} s\n"
     )
     return "\n".join(lines) + "\n" + note
+
+
+def estimator_list(args) -> list[dict]:
+    """MICA at each of --alphas, GRPO, REINFORCE++: 04's estimators by their names in ADVANTAGES."""
+    return [{"name": f"MICA (alpha={a:g})", "kind": "mica", "alpha": a} for a in args.alphas] + [
+        {"name": "GRPO", "kind": "grpo"},
+        {"name": "REINFORCE++", "kind": "reinforce_pp"},
+    ]
 
 
 def run_job(job):
@@ -554,6 +765,23 @@ def parse_args(argv=None):
         help="folder for credit.md, credit.png, credit.jsonl (default: runs/credit, runs/credit-delayed)",
     )
     p.add_argument("--workers", type=int, default=1, help="processes that train (seed, estimator) pairs at once")
+    g = p.add_argument_group("the survivor question (MICA's A_turn compares only the dialogues that reached turn t)")
+    g.add_argument(
+        "--survivors",
+        action="store_true",
+        help="instead of the table: the mean A_turn, A_group and A by how and when dialogues ended, at the "
+        "uniform policy and during MICA's training, and every estimator trained with and without early ends "
+        "(writes <out>/survivors.md)",
+    )
+    g.add_argument(
+        "--survivor-groups", type=int, default=200, help="--survivors: groups of K per seed at the uniform policy"
+    )
+    g.add_argument("--survivor-alpha", type=float, default=0.4, help="--survivors: MICA's alpha for A and training")
+    g.add_argument(
+        "--no-early-end",
+        action="store_true",
+        help="training dialogues run to --max-turns whatever EMPA's rules say (held-out ones keep EMPA's ends)",
+    )
     g = p.add_argument_group("environment (03's rules)")
     g.add_argument("--train", default=str(ROOT / "data" / "scenarios_train.jsonl"), help="training scenarios")
     g.add_argument("--test", default=str(ROOT / "data" / "scenarios_test.jsonl"), help="held-out scenarios")
@@ -614,6 +842,7 @@ def parse_args(argv=None):
         "final_eval_k",
         "beam_width",
         "workers",
+        "survivor_groups",
         "max_turns",
         "collapse_window",
     ):
@@ -627,6 +856,8 @@ def parse_args(argv=None):
         p.error(f"--alphas: comma-separated numbers in [0, 1], got {args.alphas!r}")
     if not all(0.0 <= a <= 1.0 for a in args.alphas):
         p.error(f"--alphas must lie in [0, 1], got {args.alphas}")
+    if not 0.0 <= args.survivor_alpha <= 1.0:
+        p.error(f"--survivor-alpha must lie in [0, 1], got {args.survivor_alpha}")
     return args
 
 
@@ -640,10 +871,12 @@ def main(argv=None):
         args.scenarios_per_step <= len(train_set),
         f"--scenarios-per-step {args.scenarios_per_step} > {len(train_set)} training scenarios",
     )
-    estimators = [{"name": f"MICA (alpha={a:g})", "kind": "mica", "alpha": a} for a in args.alphas] + [
-        {"name": "GRPO", "kind": "grpo"},
-        {"name": "REINFORCE++", "kind": "reinforce_pp"},
-    ]
+    if args.survivors:
+        text = survivors(train_set, test, args) + f"{time.time() - t0:.0f} s\n"
+        (out / "survivors.md").write_text(text)
+        print("\n" + text)
+        return
+    estimators = estimator_list(args)
     # the yardsticks, on the test scenarios: the uniform policy (every run's step 0), the myopic greedy
     # policy and the search ceiling
     uniform = evaluate(
