@@ -25,7 +25,8 @@ What it cannot show
 
 Reads   data/scenarios_train.jsonl (training) and data/scenarios_test.jsonl (held-out), via 03's load_scenarios.
 Writes  <out>/credit.md (the table, as printed), <out>/credit.png (held-out return by step, mean and
-        ±1 sd band over seeds, one line per estimator), <out>/credit.jsonl (one line per seed and estimator).
+        ±1 sd band over seeds, one line per estimator), <out>/credit.jsonl (one line per seed and estimator);
+        with --survivors only <out>/survivors.md (the survivor question's tables, as printed).
 
 Equations (03 and 04 compute every one of them; this file adds the judge table, the policy and the update)
   state, reward     P_t = P_{t-1} + v_t,  dE_t = v_t . v*,  r_t = d(P_{t-1}) - d(P_t)           (03)
@@ -63,6 +64,11 @@ not changed after.
 CPU (about 7 minutes on one core of 2):  python experiments/credit.py
 Quick look (under a minute):        python experiments/credit.py --quick
 The second table:                   python experiments/credit.py --table delayed [--quick]
+The survivor question:              python experiments/credit.py --survivors [--table delayed] [--quick]
+  MICA's A_turn at turn t compares only the dialogues that reached t: the mean A_turn, A_group and A by how
+  (success, failure, timeout) and when dialogues ended, as MICA sees them, with the ended dialogues kept in
+  the later comparisons at G = 0, and had every dialogue gone on; at the uniform policy and during MICA's
+  training; then every estimator trained with and without early ends (--no-early-end), paired by seed.
 """
 
 import argparse
