@@ -585,7 +585,7 @@ def survivor_table(per_seed: list[dict], key: str, views, args) -> list[str]:
         cells = [
             str(lab),
             str(len(have)),
-            ci_cell([c["dialogues"] / n for c, n in zip(ends, total)]),
+            ci_cell([c["dialogues"] / n for c, n in zip(ends, total)], 4),
             ci_cell([c["turns"] / c["dialogues"] for c in ends], 1),
         ]
         for per in ("turns", "dialogues"):
@@ -594,7 +594,7 @@ def survivor_table(per_seed: list[dict], key: str, views, args) -> list[str]:
                 cells.append(ci_cell([c["A_turn"] / max(c[per], 1) for c in cs]))
         cells.append(ci_cell([c["A_group"] / max(c["turns"], 1) for c in ends]))
         cells.append(ci_cell([c["A"] / max(c["turns"], 1) for c in ends]))
-        cells.append(ci_cell([c["lone"] / max(c["turns"], 1) for c in ends]))
+        cells.append(ci_cell([c["lone"] / max(c["turns"], 1) for c in ends], 4))
         lines.append("| " + " | ".join(cells) + " |")
     return lines + [""]
 

@@ -258,7 +258,7 @@ def test_survivors_runs_end_to_end_and_a_turn_is_centred_over_all_dialogues(tmp_
     assert md.count("By outcome:") == 2 and md.count("By length:") == 2 and "### Learning with and without" in md
     # every "all" row: the share 1, and A_turn per turn (as MICA sees it) 0: centred over the turns reached
     rows = [line.split(" | ") for line in md.splitlines() if line.startswith("| all |")]
-    assert len(rows) == 4 and all(r[2].startswith("1.00 ± 0.00") for r in rows)
+    assert len(rows) == 4 and all(r[2].startswith("1.0000 ± 0.0000") for r in rows)
     assert all(abs(float(r[4].split(" ± ")[0])) < 0.005 and r[4].split(" ± ")[1].startswith("0.00") for r in rows)
     for name in ("MICA (alpha=0)", "MICA (alpha=0.4)", "MICA (alpha=1)", "GRPO", "REINFORCE++"):
         assert f"| {name} |" in md.split("### Learning with and without")[1], name
