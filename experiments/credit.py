@@ -8,9 +8,14 @@ What it shows
   with v_t = levels_to_v(levels) (03's advance_state), dE_t = v_t . v*, the IDR reward
   r_t = d(P_{t-1}) - d(P_t) (03's incremental_distance_rewards) and EMPA's success / collapse / timeout
   rules (03's episode_status). Only the judge is replaced: instead of a model reading a reply, a fixed
-  table (judge_move) maps one of seven support moves to MDEP-PR levels, with rules under which credit
-  over turns matters (a concrete step pays only once the user feels understood, validation wears out,
-  some moves help now and cost on the next turn).
+  table maps one of seven support moves to MDEP-PR levels. Two tables (--table):
+  short    (judge_move, the default) delays of one turn: a concrete step pays only once the user feels
+           understood, validation wears out, some moves help now and cost on the next turn. A myopic
+           greedy policy comes close to the ceiling here.
+  delayed  (judge_delayed) delays of three turns: nothing on P moves until a question that hurts now
+           (-A1) has opened the hard topic, and it pays from the third turn after; reassurance and
+           changing the subject help now and cost three turns later. A myopic greedy policy never asks
+           the question, piles up the penalties and collapses: credit must reach back over turns.
 What it cannot show
   Anything about language. It is a model of the environment's dynamics and of credit assignment: a
   tabular softmax over 7 moves and 36 coarse observations, whose moves have the effects the table says.
@@ -20,13 +25,15 @@ What it cannot show
 
 Reads   data/scenarios_train.jsonl (training) and data/scenarios_test.jsonl (held-out), via 03's load_scenarios.
 Writes  <out>/credit.md (the table, as printed), <out>/credit.png (held-out return by step, mean and
-        ±1 sd band over seeds, one line per estimator), <out>/credit.jsonl (one line per seed and estimator).
+        ±1 sd band over seeds, one line per estimator), <out>/credit.jsonl (one line per seed and estimator);
+        with --survivors only <out>/survivors.md (the survivor question's tables, as printed).
 
 Equations (03 and 04 compute every one of them; this file adds the judge table, the policy and the update)
   state, reward     P_t = P_{t-1} + v_t,  dE_t = v_t . v*,  r_t = d(P_{t-1}) - d(P_t)           (03)
   advantages        MICA A = alpha A_turn + (1 - alpha) A_group;  GRPO A = (R_k - mean) / std;
                     REINFORCE++ A = (G - mean) / std over the batch                                (04)
-  policy            pi(a | o) = softmax(theta[o])_a,  o = observe(P, P0, memory)   (36 x 7 logits, from 0)
+  policy            pi(a | o) = softmax(theta[o])_a,  o = observe(P, P0, memory)   (36 x 7 logits, from 0;
+                    observe_delayed under the delayed table, also 36 values)
   update            theta[o_t] += lr * (1/N) sum_{k,t} A[k][t] (onehot(a_t) - pi(. | o_t))   (N: turns in
                     the batch, as 04's loss averages over tokens; the gradient of log softmax)
   held-out return   the IDR return sum_t r_t = d(P0) - d(P_T) per dialogue, mean over --final-eval-k
@@ -43,11 +50,29 @@ checked only against the uniform policy and the search ceiling (is success reach
 it rare by chance?), before any estimator was run; none was changed after (only the evaluation budget
 and the myopic greedy row were added).
 
+The delayed table (issue 49) was written to make the myopic greedy row fall far below the ceiling, on the
+same dynamics, policy class, update and training defaults, and checked only against the three yardsticks
+(uniform, myopic greedy, search ceiling) before any estimator ran on it. One change was made while only
+the yardsticks had run: reflect was C1 A1 in every state at first, and the ceiling (beam 128) then could
+not reach success within 15 turns on the 3 test scenarios with A deficits of 17-19 (A moved too slowly);
+reflect became C1 A2 once the topic is open. The beam's default became 128 for this table (32 dropped
+the opening question on 4 of 8 test scenarios; 64 on 3). Its yardsticks at these rules: uniform 1.06,
+myopic greedy -6.79 (success 0: it collapses on 6 of the 8 test scenarios, times out on 2), search
+ceiling 20.51 (= the mean d(P0), success 1.00). The rules were committed before any estimator ran and are
+not changed after.
+
 CPU (about 7 minutes on one core of 2):  python experiments/credit.py
 Quick look (under a minute):        python experiments/credit.py --quick
+The second table:                   python experiments/credit.py --table delayed [--quick]
+The survivor question:              python experiments/credit.py --survivors [--table delayed] [--quick]
+  MICA's A_turn at turn t compares only the dialogues that reached t: the mean A_turn, A_group and A by how
+  (success, failure, timeout) and when dialogues ended, as MICA sees them, with the ended dialogues kept in
+  the later comparisons at G = 0, and had every dialogue gone on; at the uniform policy and during MICA's
+  training; then every estimator trained with and without early ends (--no-early-end), paired by seed.
 """
 
 import argparse
+import copy
 import importlib
 import json
 import math
@@ -80,6 +105,8 @@ class Memory:
     validated: int = 0  # validations so far
     last: list = field(default_factory=list)  # the moves so far
     debt: dict = field(default_factory=dict)  # negative levels the last move left for this turn
+    opened: int | None = None  # --table delayed: the turn whose question opened the hard topic
+    due: dict = field(default_factory=dict)  # --table delayed: {turn: negative levels that land then}
 
 
 def remaining(P_a: float, eps: float = 1.0) -> float:
@@ -162,6 +189,89 @@ N_OBS = 36
 
 
 # ---------------------------------------------------------------------------------------------
+# The second table (--table delayed): payoffs that only an earlier sacrifice unlocks, penalties that land
+# three turns after a tempting move
+# ---------------------------------------------------------------------------------------------
+DELAY = 3  # turns from the opening question to its payoff, and from a tempting move to its penalty
+
+
+def topic(mem: Memory) -> int:
+    """The hard topic at the turn about to be judged: 0 closed (never asked about), 1 opened 1-2 turns ago
+    (the user is still taking it in), 2 open (DELAY or more turns since the question that opened it)."""
+    if mem.opened is None:
+        return 0
+    return 1 if len(mem.last) + 1 - mem.opened < DELAY else 2
+
+
+def judge_delayed(move: str, mem: Memory, P, P0) -> tuple[dict, dict]:
+    """The delayed-payoff table: (move, the user's memory, P_{t-1}, P0) -> (levels {axis: (progress,
+    negative)} for this turn, {turns ahead: negative levels} the move leaves for a later turn). Levels as in
+    judge_move ("A2" progress level 2 on A, +3; "-A1" negative level 1 on A, -2). The user has a problem
+    they avoid: nothing on P moves until a question has opened it, and the question hurts before it pays.
+
+    move            topic closed                  opened 1-2 turns ago    open (3+ turns since)   why
+    validate        A2 (1st-3rd), A1 (4th on)     the same                the same                steady, wears down
+    clarify         -A1 now, opens the topic      C2                      C2                      the sacrifice
+    reflect         C1 A1                         C1 A1                   C1 A2                   deeper once open
+    suggest         -A1                           -A1 (not ready)         P2                      pays once open
+    affirm          C1 A2 now, -A2 -P1 three turns later, whatever the topic                     hollow reassurance
+    lecture         -C1                           -C1                     P1 -C1                  unasked advice
+    change_subject  A1 now, -C1 -A1 three turns later, whatever the topic                        the problem returns
+    every move      progress on an axis already at or past 0 counts 0; negative levels due this turn (from a
+                    move three turns back) add to the move's own (the larger level on each axis; several due
+                    on one turn: the larger level on each axis).
+    The myopic greedy policy takes affirm (C1 A2, the largest immediate gain) and never asks the question
+    (its immediate reward is negative): P never moves and the penalties pile up."""
+    state = topic(mem)
+    progress, negative, later = {a: 0 for a in AXES}, dict.fromkeys(AXES, 0), {}
+    if move == "validate":
+        progress["A"] = 2 if mem.validated < 3 else 1
+    elif move == "clarify":
+        if state == 0:
+            negative["A"] = 1
+        else:
+            progress["C"] = 2
+    elif move == "reflect":
+        progress["C"], progress["A"] = 1, (2 if state == 2 else 1)
+    elif move == "suggest":
+        if state == 2:
+            progress["P"] = 2
+        else:
+            negative["A"] = 1
+    elif move == "affirm":
+        progress["C"], progress["A"], later = 1, 2, {DELAY: {"A": 2, "P": 1}}
+    elif move == "lecture":
+        negative["C"] = 1
+        if state == 2:
+            progress["P"] = 1
+    elif move == "change_subject":
+        progress["A"], later = 1, {DELAY: {"C": 1, "A": 1}}
+    else:
+        raise ValueError(f"unknown move {move!r}; moves: {MOVES}")
+    due = mem.due.get(len(mem.last) + 1, {})
+    for i, a in enumerate(AXES):
+        if P[i] >= 0:
+            progress[a] = 0  # nothing left to fix on this axis
+        negative[a] = max(negative[a], due.get(a, 0))  # a move DELAY turns back costs now
+    return {a: (progress[a], negative[a]) for a in AXES}, later
+
+
+def observe_delayed(P, P0, mem: Memory) -> int:
+    """The policy's coarse view under the delayed table, one of 3 x 3 x 2 x 2 = 36: the axis with the largest
+    remaining deficit, the topic (closed, opened 1-2 turns ago, open), validations so far (0-2, 3+), whether
+    a penalty is still to land."""
+    deficits = [remaining(x) for x in P]
+    axis = deficits.index(max(deficits))
+    validated = int(mem.validated >= 3)
+    pending = int(any(turn > len(mem.last) for turn in mem.due))
+    return ((axis * 3 + topic(mem)) * 2 + validated) * 2 + pending
+
+
+# --table NAME -> (the judge, the policy's observation); both observations take one of N_OBS values
+TABLES = {"short": (judge_move, observe), "delayed": (judge_delayed, observe_delayed)}
+
+
+# ---------------------------------------------------------------------------------------------
 # One dialogue on 03's dynamics
 # ---------------------------------------------------------------------------------------------
 def new_episode(scenario: dict):
@@ -170,19 +280,34 @@ def new_episode(scenario: dict):
     return tr, Memory()
 
 
-def step(tr, mem: Memory, move: str, args, o: int | None = None) -> None:
+def step(tr, mem: Memory, move: str, args, o: int | None = None, early_end: bool = True) -> None:
     """Turn t: the move is judged, 03's advance_state moves P (P_t = P_{t-1} + levels_to_v(levels),
     dE_t = v_t . v*), 03's episode_status ends it (success, failure), or the horizon does (timeout).
-    o: the observation the move was chosen on (computed here when not given)."""
-    tr.extra["obs"].append(observe(tr.states[-1], tr.scenario["p0"], mem) if o is None else o)
-    levels, debt = judge_move(move, mem, tr.states[-1], tr.scenario["p0"])
+    o: the observation the move was chosen on (computed here when not given). early_end False: EMPA's
+    rules end nothing before --max-turns; the first turn and outcome they would have ended it with are
+    kept in tr.extra["end"] (the survivor analysis)."""
+    judge, look = TABLES[args.table]
+    tr.extra["obs"].append(look(tr.states[-1], tr.scenario["p0"], mem) if o is None else o)
+    levels, later = judge(move, mem, tr.states[-1], tr.scenario["p0"])
     env.advance_state(tr, {"levels": levels, "features": {"move": move}})
+    t = len(tr.states) - 1
     mem.validated += move == "validate"
     mem.last.append(move)
-    mem.debt = debt
+    if args.table == "short":
+        mem.debt = later  # judge_move's debt lands on the next turn
+    else:
+        if move == "clarify" and mem.opened is None:
+            mem.opened = t
+        for ahead, negative in later.items():  # judge_delayed's penalties land `ahead` turns from now
+            slot = mem.due.setdefault(t + ahead, {})
+            for a, level in negative.items():
+                slot[a] = max(slot.get(a, 0), level)
     tr.extra["moves"].append(move)
-    t = len(tr.states) - 1
     tr.outcome = env.episode_status(tr.scenario["p0"], tr.dEs, tr.states, t, args)
+    if tr.outcome is not None and "end" not in tr.extra:
+        tr.extra["end"] = (t, tr.outcome)
+    if not early_end:
+        tr.outcome = None
     if tr.outcome is None and t == args.max_turns:
         tr.outcome = "timeout"
 
@@ -195,18 +320,19 @@ def policy(theta, o: int) -> list[float]:
     return [x / z for x in e]
 
 
-def rollout(theta, scenario: dict, rng: random.Random, args):
-    """One dialogue sampled from pi; returns the Trajectory with its IDR rewards in extra["rewards"]."""
+def rollout(theta, scenario: dict, rng: random.Random, args, early_end: bool = True):
+    """One dialogue sampled from pi; returns the Trajectory with its IDR rewards in extra["rewards"].
+    early_end False: it runs to --max-turns whatever EMPA's rules say (see step)."""
     tr, mem = new_episode(scenario)
     while tr.outcome is None:
-        o = observe(tr.states[-1], scenario["p0"], mem)
+        o = TABLES[args.table][1](tr.states[-1], scenario["p0"], mem)
         # a ~ pi(. | o): the first move whose cumulative probability passes u ~ U(0, 1)
         u, a, cum = rng.random(), 0, 0.0
         for a, p_a in enumerate(policy(theta, o)):
             cum += p_a
             if u < cum:
                 break
-        step(tr, mem, MOVES[a], args, o)
+        step(tr, mem, MOVES[a], args, o, early_end)
     tr.extra["rewards"] = env.incremental_distance_rewards(tr.states)  # r_t = d(P_{t-1}) - d(P_t)
     return tr
 
@@ -245,8 +371,10 @@ def evaluate(theta, test: list[dict], rng: random.Random, args) -> dict:
     }
 
 
-def train(estimator: dict, seed: int, train_set: list[dict], test: list[dict], args) -> dict:
-    """Same seed, same first batch, same evaluation dialogues' random numbers for every estimator."""
+def train(estimator: dict, seed: int, train_set: list[dict], test: list[dict], args, watch=None) -> dict:
+    """Same seed, same first batch, same evaluation dialogues' random numbers for every estimator.
+    args.no_early_end: the training dialogues run to --max-turns (the held-out ones keep EMPA's ends).
+    watch(groups): called with each step's rollouts (the survivor analysis looks at their credit)."""
     rng = random.Random(seed)
     theta = [[0.0] * len(MOVES) for _ in range(N_OBS)]  # the uniform policy
     curve = []
@@ -258,9 +386,11 @@ def train(estimator: dict, seed: int, train_set: list[dict], test: list[dict], a
             break
         # 2. K rollouts for each of --scenarios-per-step training scenarios
         groups = [
-            [rollout(theta, s, rng, args) for _ in range(args.k)]
+            [rollout(theta, s, rng, args, not args.no_early_end) for _ in range(args.k)]
             for s in rng.sample(train_set, args.scenarios_per_step)
         ]
+        if watch is not None:
+            watch(groups)
         # 3. per-turn IDR rewards -> the estimator's advantages (04's functions)
         advs = advantages(estimator, [[tr.extra["rewards"] for tr in g] for g in groups], args.gamma)
         # 4. one plain policy-gradient step on the logits
@@ -279,6 +409,197 @@ def train(estimator: dict, seed: int, train_set: list[dict], test: list[dict], a
 
 
 # ---------------------------------------------------------------------------------------------
+# The survivor question (--survivors): MICA's A_turn at turn t compares only the dialogues that reached t
+# ---------------------------------------------------------------------------------------------
+CELLS = ("dialogues", "turns", "A_turn", "A_group", "A", "lone")
+
+
+def credit_by(rewards, labels, alpha: float, gamma: float, upto=None, into=None) -> dict:
+    """rewards[s][k][t] (a batch as MICA sees it), labels[s][k] (the outcome, the length, ...) -> {label:
+    sums}: dialogues, turns, and over those turns the sums of 04's A_turn, A_group and A = alpha A_turn +
+    (1 - alpha) A_group, and "lone", the turns no other dialogue of the group reached (A_turn is 0 there).
+    upto[s][k]: count only dialogue k's first upto[s][k] turns. into: add to these sums."""
+    A, terms = trainer.ADVANTAGES["mica"](rewards, argparse.Namespace(alpha=alpha, gamma=gamma))
+    out = {} if into is None else into
+    for s, group in enumerate(rewards):
+        for k, r in enumerate(group):
+            n = len(r) if upto is None else upto[s][k]
+            c = out.setdefault(labels[s][k], dict.fromkeys(CELLS, 0.0))
+            c["dialogues"] += 1
+            c["turns"] += n
+            c["A_turn"] += sum(terms["A_turn"][s][k][:n])
+            c["A_group"] += sum(terms["A_group"][s][k][:n])
+            c["A"] += sum(A[s][k][:n])
+            c["lone"] += sum(sum(len(other) > t for other in group) == 1 for t in range(n))
+    return out
+
+
+def length_bin(n: int, args) -> str:
+    """Turns reached -> one of four bins: thirds of [--min-turns, --max-turns - 1], and --max-turns itself."""
+    if n >= args.max_turns:
+        return f"{args.max_turns}"
+    lo, span = args.min_turns, max(1, args.max_turns - args.min_turns)
+    edges = [lo + round(i * span / 3) for i in range(4)]  # 4, 8, 11, 15 at the defaults: 4-7, 8-10, 11-14
+    for a, b in zip(edges, edges[1:]):
+        if n < b:
+            return f"{a}-{b - 1}" if b - 1 > a else f"{a}"
+    return f"{edges[-2]}-{args.max_turns - 1}"
+
+
+def ended(tr, args) -> tuple[int, str]:
+    """(the turn EMPA's rules ended the dialogue at, or would have, and how: success, failure, timeout)."""
+    return tr.extra.get("end", (args.max_turns, "timeout"))
+
+
+def survivor_batch(groups, args, into: dict) -> None:
+    """One batch of dialogues run to --max-turns (early_end False) -> into[view][label] sums (credit_by) for
+    the three views of the same turns (each dialogue's turns up to its end):
+      ends     as MICA sees them: each dialogue cut at its end, A_turn at t over those that reached t
+      kept     cut at its end, but kept in the comparison at every later turn with G = 0 (rewards 0 after
+               the end): the comparison over all K, the survivor question's counterfactual
+      on       had every dialogue gone on to --max-turns (the same turns, the comparisons over all K, the
+               returns including what came after the end)
+    labels: "outcome" (success / failure / timeout) and "length" (turns reached)."""
+    full = [[tr.extra["rewards"] for tr in g] for g in groups]
+    upto = [[ended(tr, args)[0] for tr in g] for g in groups]
+    cut = [[r[:n] for r, n in zip(g, ns)] for g, ns in zip(full, upto)]
+    kept = [[r + [0.0] * (args.max_turns - len(r)) for r in g] for g in cut]
+    for key, labels in (
+        ("outcome", [[ended(tr, args)[1] for tr in g] for g in groups]),
+        ("length", [[length_bin(n, args) for n in ns] for ns in upto]),
+    ):
+        for view, rewards in (("ends", cut), ("kept", kept), ("on", full)):
+            credit_by(rewards, labels, args.survivor_alpha, args.gamma, upto, into.setdefault((key, view), {}))
+
+
+def survivors(train_set: list[dict], test: list[dict], args) -> str:
+    """The survivor analysis: (1) at the uniform policy, --survivor-groups groups of K per seed; (2) during
+    MICA's training (alpha --survivor-alpha); (3) learning with and without early ends. Every figure is a
+    mean over seeds, with the t interval over seeds."""
+    uniform_theta = [[0.0] * len(MOVES) for _ in range(N_OBS)]
+    at_rest, learning = [], []  # per seed: {(key, view): {label: sums}}
+    for seed in range(args.seeds):
+        rng, sums = random.Random(seed), {}
+        for _ in range(args.survivor_groups):
+            s = rng.choice(train_set)
+            survivor_batch([[rollout(uniform_theta, s, rng, args, early_end=False) for _ in range(args.k)]], args, sums)
+        at_rest.append(sums)
+    # (2) during learning: MICA's own training batches (they end early as usual; "on" is not observable)
+    mica = {"name": f"MICA (alpha={args.survivor_alpha:g})", "kind": "mica", "alpha": args.survivor_alpha}
+    for seed in range(args.seeds):
+        sums = {}
+
+        def watch(groups, _sums=sums):
+            upto = [[ended(tr, args)[0] for tr in g] for g in groups]
+            labels = {
+                "outcome": [[ended(tr, args)[1] for tr in g] for g in groups],
+                "length": [[length_bin(n, args) for n in ns] for ns in upto],
+            }
+            rewards = [[tr.extra["rewards"] for tr in g] for g in groups]
+            kept = [[r + [0.0] * (args.max_turns - len(r)) for r in g] for g in rewards]
+            for key in labels:
+                for view, rs in (("ends", rewards), ("kept", kept)):
+                    credit_by(rs, labels[key], args.survivor_alpha, args.gamma, upto, _sums.setdefault((key, view), {}))
+
+        train(mica, seed, train_set, test, args, watch)
+        learning.append(sums)
+    lines = [
+        f"## The survivor question (table {args.table}; {args.seeds} seeds; MICA's A at alpha {args.survivor_alpha:g}, "
+        f"gamma {args.gamma})",
+        "",
+    ]
+    for title, per_seed, views in (
+        (
+            f"At the uniform policy ({args.survivor_groups} groups of K={args.k} per seed, train scenarios)",
+            at_rest,
+            ("ends", "kept", "on"),
+        ),
+        (
+            f"During MICA's training (alpha {args.survivor_alpha:g}, every training batch of {args.steps} steps)",
+            learning,
+            ("ends", "kept"),
+        ),
+    ):
+        lines += [f"### {title}", ""]
+        lines += survivor_table(per_seed, "outcome", views, args)
+        lines += survivor_table(per_seed, "length", views, args)
+    # (3) learning with and without early ends (the training dialogues only; the held-out ones keep EMPA's ends)
+    estimators = estimator_list(args)
+    no_end = argparse.Namespace(**{**vars(args), "no_early_end": True})
+    final = {}
+    for seed in range(args.seeds):
+        for e in estimators:
+            for variant, a in (("ends", args), ("no ends", no_end)):
+                final[(e["name"], variant, seed)] = train(e, seed, train_set, test, a)["final_return"]
+    seeds = range(args.seeds)
+    base = estimators[0]["name"]
+    lines += [
+        f"### Learning with and without early ends ({args.steps} steps; held-out return under EMPA's ends)",
+        "",
+        f"| estimator | trained with EMPA's ends | trained without early ends | without - with (paired) | "
+        f"that change - {base}'s change (paired) |",
+        "|---|---|---|---|---|",
+    ]
+    for e in estimators:
+        n = e["name"]
+        change = [final[(n, "no ends", s)] - final[(n, "ends", s)] for s in seeds]
+        base_change = [final[(base, "no ends", s)] - final[(base, "ends", s)] for s in seeds]
+        lines.append(
+            f"| {n} | {ci_cell([final[(n, 'ends', s)] for s in seeds])} | "
+            f"{ci_cell([final[(n, 'no ends', s)] for s in seeds])} | {ci_cell(change)} | "
+            f"{'—' if n == base else ci_cell([c - b for c, b in zip(change, base_change)])} |"
+        )
+    lines += [
+        "",
+        f"mean ± sd [95% CI: t_{{0.975, n-1}} sd / sqrt(n)] over {args.seeds} seeds (0-{args.seeds - 1}); "
+        f"{args.max_turns} turns (min {args.min_turns}, collapse window {args.collapse_window}). Views: ends = as "
+        "MICA sees them (each dialogue cut at its end, A_turn at t over the dialogues that reached t); kept = "
+        "cut at its end but kept in every later turn's comparison with G = 0; on = had every dialogue gone on "
+        "to --max-turns. Per-turn cells: the mean over a label's turns (up to each dialogue's end); per "
+        "dialogue: the sum over its turns; lone: the share of its turns no other dialogue reached (A_turn = 0).",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def survivor_table(per_seed: list[dict], key: str, views, args) -> list[str]:
+    """Rows by label (outcome or length): the share of dialogues, the mean length, and per view the mean
+    A_turn per turn and per dialogue; then A_group and A per turn as MICA sees them, and the lone share."""
+    labels = {lab for sums in per_seed for lab in sums[(key, "ends")]} - {"all"}
+    if key == "outcome":
+        labels = [lab for lab in ("success", "failure", "timeout") if lab in labels]
+    else:
+        labels = sorted(labels, key=lambda b: int(b.split("-")[0]))
+    for sums in per_seed:  # every dialogue together: A_turn's sum over them is 0 by construction
+        for v in views:
+            cells = sums[(key, v)].values()
+            sums[(key, v)]["all"] = {c: sum(x[c] for x in cells if x is not None) for c in CELLS}
+    head = [key, "seeds", "share of dialogues", "turns"]
+    head += [f"A_turn per turn ({v})" for v in views] + [f"A_turn per dialogue ({v})" for v in views]
+    head += ["A_group per turn", "A per turn", "lone turns"]
+    lines = [f"By {key}:", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for lab in [*labels, "all"]:
+        have = [sums for sums in per_seed if lab in sums[(key, "ends")]]
+        ends = [sums[(key, "ends")][lab] for sums in have]
+        total = [sums[(key, "ends")]["all"]["dialogues"] for sums in have]
+        cells = [
+            str(lab),
+            str(len(have)),
+            ci_cell([c["dialogues"] / n for c, n in zip(ends, total)], 4),
+            ci_cell([c["turns"] / c["dialogues"] for c in ends], 1),
+        ]
+        for per in ("turns", "dialogues"):
+            for v in views:
+                cs = [sums[(key, v)][lab] for sums in have]
+                cells.append(ci_cell([c["A_turn"] / max(c[per], 1) for c in cs]))
+        cells.append(ci_cell([c["A_group"] / max(c["turns"], 1) for c in ends]))
+        cells.append(ci_cell([c["A"] / max(c["turns"], 1) for c in ends]))
+        cells.append(ci_cell([c["lone"] / max(c["turns"], 1) for c in ends], 4))
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines + [""]
+
+
+# ---------------------------------------------------------------------------------------------
 # --- supporting pieces: the two yardsticks (search ceiling, myopic greedy), the table, the CLI ---
 # ---------------------------------------------------------------------------------------------
 def branch(tr, mem: Memory, move: str, args):
@@ -288,9 +609,21 @@ def branch(tr, mem: Memory, move: str, args):
     )
     child.dEs, child.vs, child.levels = list(tr.dEs), list(tr.vs), list(tr.levels)
     child.extra = {"moves": list(tr.extra["moves"]), "obs": list(tr.extra["obs"])}
-    cmem = Memory(mem.validated, list(mem.last), dict(mem.debt))
+    cmem = copy.deepcopy(mem)
     step(child, cmem, move, args)
     return child, cmem
+
+
+def memory_key(mem: Memory, args) -> tuple:
+    """What of the user's memory the rest of the dialogue depends on. Short table: the validations up to 5,
+    the last two moves, the debt. Delayed table: the validations up to 3, the turns since the opening
+    question (up to DELAY; -1: not asked), the penalties still to land (turns ahead, levels)."""
+    if args.table == "short":
+        return min(mem.validated, 5), tuple(mem.last[-2:]), tuple(sorted(mem.debt.items()))
+    t = len(mem.last)
+    since = -1 if mem.opened is None else min(t - mem.opened, DELAY)
+    pending = tuple(sorted((turn - t, tuple(sorted(lv.items()))) for turn, lv in mem.due.items() if turn > t))
+    return min(mem.validated, 3), since, pending
 
 
 def search_ceiling(scenario: dict, args) -> tuple[float, bool]:
@@ -311,13 +644,7 @@ def search_ceiling(scenario: dict, args) -> tuple[float, bool]:
         children.sort(key=lambda c: -c[0])
         seen, beam = set(), []
         for _, child, cmem in children:
-            key = (
-                tuple(child.states[-1]),
-                min(cmem.validated, 5),
-                tuple(cmem.last[-2:]),
-                tuple(sorted(cmem.debt.items())),
-                round(sum(child.dEs), 6),
-            )
+            key = (tuple(child.states[-1]), round(sum(child.dEs), 6), *memory_key(cmem, args))
             if key not in seen and len(beam) < args.beam_width:
                 seen.add(key)
                 beam.append((child, cmem))
@@ -398,9 +725,19 @@ def table(
         f"every {args.eval_every} steps (the curves, steps to threshold); {args.max_turns} turns "
         f"(min {args.min_turns}, collapse window {args.collapse_window}); threshold {threshold:.2f} = "
         f"{args.threshold_frac} of the way from the uniform policy to the search ceiling (a seed that "
-        f"never reaches it counts as {args.steps} steps); {seconds:.0f} s\n"
+        f"never reaches it counts as {args.steps} steps)"
+        f"{'' if args.table == 'short' else f'; table {args.table} (judge_{args.table})'}"
+        f"{'; training dialogues without early ends (--no-early-end)' if args.no_early_end else ''}; {seconds:.0f} s\n"
     )
     return "\n".join(lines) + "\n" + note
+
+
+def estimator_list(args) -> list[dict]:
+    """MICA at each of --alphas, GRPO, REINFORCE++: 04's estimators by their names in ADVANTAGES."""
+    return [{"name": f"MICA (alpha={a:g})", "kind": "mica", "alpha": a} for a in args.alphas] + [
+        {"name": "GRPO", "kind": "grpo"},
+        {"name": "REINFORCE++", "kind": "reinforce_pp"},
+    ]
 
 
 def run_job(job):
@@ -422,9 +759,35 @@ def parse_args(argv=None):
         "explicitly win",
     )
     p.add_argument(
-        "--out", default=str(ROOT / "runs" / "credit"), help="folder for credit.md, credit.png, credit.jsonl"
+        "--table",
+        choices=list(TABLES),
+        default="short",
+        help="the move table: short (judge_move: one-turn debts, the first table) or delayed (judge_delayed: "
+        "a question that hurts now opens the payoff 3 turns later, tempting moves cost 3 turns later)",
+    )
+    p.add_argument(
+        "--out",
+        default=None,
+        help="folder for credit.md, credit.png, credit.jsonl (default: runs/credit, runs/credit-delayed)",
     )
     p.add_argument("--workers", type=int, default=1, help="processes that train (seed, estimator) pairs at once")
+    g = p.add_argument_group("the survivor question (MICA's A_turn compares only the dialogues that reached turn t)")
+    g.add_argument(
+        "--survivors",
+        action="store_true",
+        help="instead of the table: the mean A_turn, A_group and A by how and when dialogues ended, at the "
+        "uniform policy and during MICA's training, and every estimator trained with and without early ends "
+        "(writes <out>/survivors.md)",
+    )
+    g.add_argument(
+        "--survivor-groups", type=int, default=200, help="--survivors: groups of K per seed at the uniform policy"
+    )
+    g.add_argument("--survivor-alpha", type=float, default=0.4, help="--survivors: MICA's alpha for A and training")
+    g.add_argument(
+        "--no-early-end",
+        action="store_true",
+        help="training dialogues run to --max-turns whatever EMPA's rules say (held-out ones keep EMPA's ends)",
+    )
     g = p.add_argument_group("environment (03's rules)")
     g.add_argument("--train", default=str(ROOT / "data" / "scenarios_train.jsonl"), help="training scenarios")
     g.add_argument("--test", default=str(ROOT / "data" / "scenarios_test.jsonl"), help="held-out scenarios")
@@ -460,13 +823,19 @@ def parse_args(argv=None):
     g.add_argument(
         "--beam-width",
         type=int,
-        default=32,
-        help="beam of the search ceiling (32 already finds the maximum, d(P0), on every shipped test scenario)",
+        default=None,
+        help="beam of the search ceiling; unset: 32 for the short table, 128 for the delayed one (each the "
+        "smallest power of 2 found to reach the maximum, d(P0), on every shipped test scenario: the delayed "
+        "table's opening question lowers the return for three turns, and a beam of 32 drops it)",
     )
     args = p.parse_args(argv)
     if args.quick:  # new defaults; flags given explicitly still win
         p.set_defaults(seeds=3, steps=60, eval_every=10, eval_k=4, final_eval_k=8)
         args = p.parse_args(argv)
+    if args.out is None:
+        args.out = str(ROOT / "runs" / ("credit" if args.table == "short" else f"credit-{args.table}"))
+    if args.beam_width is None:
+        args.beam_width = 32 if args.table == "short" else 128
     if args.min_turns is None:
         args.min_turns = max(1, round(args.max_turns * 12 / 45))
     for name in (
@@ -479,6 +848,7 @@ def parse_args(argv=None):
         "final_eval_k",
         "beam_width",
         "workers",
+        "survivor_groups",
         "max_turns",
         "collapse_window",
     ):
@@ -492,6 +862,8 @@ def parse_args(argv=None):
         p.error(f"--alphas: comma-separated numbers in [0, 1], got {args.alphas!r}")
     if not all(0.0 <= a <= 1.0 for a in args.alphas):
         p.error(f"--alphas must lie in [0, 1], got {args.alphas}")
+    if not 0.0 <= args.survivor_alpha <= 1.0:
+        p.error(f"--survivor-alpha must lie in [0, 1], got {args.survivor_alpha}")
     return args
 
 
@@ -505,10 +877,12 @@ def main(argv=None):
         args.scenarios_per_step <= len(train_set),
         f"--scenarios-per-step {args.scenarios_per_step} > {len(train_set)} training scenarios",
     )
-    estimators = [{"name": f"MICA (alpha={a:g})", "kind": "mica", "alpha": a} for a in args.alphas] + [
-        {"name": "GRPO", "kind": "grpo"},
-        {"name": "REINFORCE++", "kind": "reinforce_pp"},
-    ]
+    if args.survivors:
+        text = survivors(train_set, test, args) + f"{time.time() - t0:.0f} s\n"
+        (out / "survivors.md").write_text(text)
+        print("\n" + text)
+        return
+    estimators = estimator_list(args)
     # the yardsticks, on the test scenarios: the uniform policy (every run's step 0), the myopic greedy
     # policy and the search ceiling
     uniform = evaluate(

@@ -1,5 +1,6 @@
-"""experiments/credit.py: its environment is 03's EMPA dynamics (a scripted dialogue checked by hand), its
-estimators are 04's, and --quick runs end to end with a row per estimator and the learning curves."""
+"""experiments/credit.py: its environment is 03's EMPA dynamics (a scripted dialogue checked by hand, under
+each of the two tables), its estimators are 04's, --quick runs end to end with a row per estimator and the
+learning curves (both tables), and the survivor analysis' arithmetic is checked on a hand-made group."""
 
 import argparse
 import importlib
@@ -38,7 +39,7 @@ def test_a_scripted_dialogue_moves_03s_state_as_computed_by_hand(monkeypatch):
         monkeypatch.setattr(env, name, spy)
     assert credit.env is env and credit.trainer is trainer  # 03's and 04's modules, not copies
     P0 = [-6.0, -4.0, -9.0]
-    args = argparse.Namespace(max_turns=len(SCRIPT), min_turns=4, collapse_window=5)
+    args = argparse.Namespace(max_turns=len(SCRIPT), min_turns=4, collapse_window=5, table="short")
     tr, mem = credit.new_episode({"id": "hand", "p0": P0})
     for move, _ in SCRIPT:
         credit.step(tr, mem, move, args)
@@ -103,3 +104,161 @@ def test_quick_run_prints_a_row_per_estimator_and_draws_the_curves(tmp_path):
         assert row in md and row in p.stdout, row
     assert "over 2 seeds" in md
     assert (tmp_path / "credit.png").stat().st_size > 0
+
+
+# --table delayed: (move, v_t by hand from judge_delayed's table; the topic at that turn)
+DELAYED = [
+    ("suggest", [0, -2, 0]),  # topic closed: -A1
+    ("affirm", [1, 3, 0]),  # C1 A2 now; -A2 -P1 due at turn 5
+    ("clarify", [0, -2, 0]),  # closed: -A1, opens the topic at turn 3
+    ("suggest", [0, -2, 0]),  # opened 1 turn ago: not ready, -A1
+    ("lecture", [-2, -5, -2]),  # opened 2 turns ago: -C1; plus turn 2's -A2 -P1
+    ("suggest", [0, 0, 3]),  # 3 turns since the opening: open, P2
+    ("reflect", [1, 3, 0]),  # open: C1 A2
+    ("lecture", [-2, 0, 1]),  # open: P1 -C1
+    ("clarify", [3, 0, 0]),  # open: C2
+    ("change_subject", [0, 1, 0]),  # A1 now; -C1 -A1 due at turn 13
+    ("validate", [0, 3, 0]),  # 1st: A2
+    ("validate", [0, 3, 0]),  # 2nd: A2
+    ("validate", [-2, 1, 0]),  # 3rd: A2, plus turn 10's -C1 -A1
+    ("validate", [0, 1, 0]),  # 4th on: A1
+]
+
+
+def test_the_delayed_tables_rules_move_03s_state_as_its_docstring_says():
+    P0 = [-9.0, -12.0, -10.0]
+    args = argparse.Namespace(max_turns=len(DELAYED), min_turns=4, collapse_window=5, table="delayed")
+    tr, mem = credit.new_episode({"id": "hand", "p0": P0})
+    topics = []
+    for move, _ in DELAYED:
+        topics.append(credit.topic(mem))
+        credit.step(tr, mem, move, args)
+    assert topics == [0, 0, 0, 1, 1] + [2] * 9
+    assert tr.vs == [[float(x) for x in v] for _, v in DELAYED]
+    states = [P0]
+    for _, v in DELAYED:
+        states.append([states[-1][i] + v[i] for i in range(3)])
+    assert tr.states == states and states[-1] == [-10.0, -8.0, -8.0]
+    assert mem.opened == 3 and mem.due == {5: {"A": 2, "P": 1}, 13: {"C": 1, "A": 1}}
+    assert tr.outcome == "timeout" and "end" not in tr.extra  # 3 negative dE in a row at most: no collapse
+    # the policy's view: axis with the largest deficit (A: 0, C: 1, P: 2 of AXES' order), topic, 3+
+    # validations, a penalty still to land; 36 values
+    assert credit.observe_delayed(P0, P0, credit.Memory()) == ((1 * 3 + 0) * 2 + 0) * 2 + 0
+    assert credit.observe_delayed([-1, -2, -9], P0, credit.Memory(validated=3, last=["affirm"], due={4: {"A": 2}})) == (
+        ((2 * 3 + 0) * 2 + 1) * 2 + 1
+    )
+    # progress on an axis at or past 0 counts 0; two penalties due on one turn: the larger level per axis
+    mem = credit.Memory(last=["affirm", "change_subject"], due={3: {"A": 2, "P": 1, "C": 1}})
+    levels, later = credit.judge_delayed("affirm", mem, [0.0, -3.0, -5.0], P0)
+    assert levels == {"C": (0, 1), "A": (2, 2), "P": (0, 1)} and later == {3: {"A": 2, "P": 1}}
+    tr, mem = credit.new_episode({"id": "hand", "p0": P0})
+    for move in ("affirm", "change_subject", "reflect", "reflect", "reflect"):
+        credit.step(tr, mem, move, args)
+    assert mem.due == {4: {"A": 2, "P": 1}, 5: {"C": 1, "A": 1}} and tr.vs[3] == [1.0, -4.0, -2.0]
+
+
+def test_the_delayed_table_defeats_the_myopic_greedy_policy_and_not_the_search():
+    args = credit.parse_args(["--table", "delayed"])
+    assert args.beam_width == 128 and credit.parse_args([]).beam_width == 32
+    scenario = env.load_scenarios(args.test)[3]  # test-04: P0 (-4, -19, -12), A the largest deficit
+    ret, ok = credit.search_ceiling(scenario, args)
+    assert ok and math.isclose(ret, env.hinge_distance(scenario["p0"]))  # the ceiling reaches d(P0)
+    ret, ok = credit.myopic_greedy(scenario, args)
+    assert not ok and ret < 0  # affirm every turn it can, never the question: P never moves
+
+
+def test_a_rollout_without_early_ends_runs_on_and_keeps_where_it_would_have_ended():
+    args = argparse.Namespace(max_turns=15, min_turns=4, collapse_window=5, table="delayed")
+    theta = [[0.0] * len(credit.MOVES) for _ in range(credit.N_OBS)]
+    scenario = {"id": "hand", "p0": [-4.0, -19.0, -12.0]}
+    for seed in range(200):
+        ended = credit.rollout(theta, scenario, __import__("random").Random(seed), args)
+        if ended.outcome != "timeout":
+            break
+    assert ended.outcome == "failure" and len(ended.vs) < 15  # a collapse ended it early
+    on = credit.rollout(theta, scenario, __import__("random").Random(seed), args, early_end=False)
+    T = len(ended.vs)
+    assert on.outcome == "timeout" and len(on.vs) == 15 and on.extra["end"] == (T, "failure") == ended.extra["end"]
+    assert on.extra["moves"][:T] == ended.extra["moves"] and on.extra["rewards"][:T] == ended.extra["rewards"]
+
+
+def test_the_survivor_analysis_arithmetic_by_hand():
+    # one group of K = 3 (gamma 0.5, alpha 0.5): k0 runs the 3 turns, k1 collapses after 2, k2 succeeds after 1
+    groups = [
+        [
+            __import__("types").SimpleNamespace(extra={"rewards": [1.0, 1.0, 1.0]}),
+            __import__("types").SimpleNamespace(extra={"rewards": [0.0, 0.0, 4.0], "end": (2, "failure")}),
+            __import__("types").SimpleNamespace(extra={"rewards": [2.0, 1.0, 1.0], "end": (1, "success")}),
+        ]
+    ]
+    args = argparse.Namespace(max_turns=3, min_turns=1, survivor_alpha=0.5, gamma=0.5)
+    sums = {}
+    credit.survivor_batch(groups, args, sums)
+    ends = sums[("outcome", "ends")]
+    # as MICA sees them: G = (1.75, 1.5, 1), (0, 0), (2). Turn 1: all three, mean 1.25, population std
+    # sqrt(2.375 / 3); turn 2: k0 and k1, +-1; turn 3: k0 alone (lone, A_turn 0)
+    sd1 = math.sqrt(2.375 / 3)
+    a1 = [(g - 1.25) / (sd1 + 1e-6) for g in (1.75, 0.0, 2.0)]
+    a2 = 0.75 / (0.75 + 1e-6)
+    assert math.isclose(ends["timeout"]["A_turn"], a1[0] + a2, rel_tol=1e-9)
+    assert math.isclose(ends["failure"]["A_turn"], a1[1] - a2, rel_tol=1e-9)
+    assert math.isclose(ends["success"]["A_turn"], a1[2], rel_tol=1e-9)
+    assert abs(sum(c["A_turn"] for c in ends.values())) < 1e-12  # centred over the turns, by construction
+    assert [ends[o]["lone"] for o in ("timeout", "failure", "success")] == [1, 0, 0]
+    assert [ends[o]["turns"] for o in ("timeout", "failure", "success")] == [3, 2, 1]
+    # A_group: the 6 rewards 1, 1, 1, 0, 0, 2 (mean 5/6, population std sqrt(17) / 6); A = (A_turn + A_group) / 2
+    sd = math.sqrt(17) / 6
+    assert math.isclose(ends["success"]["A_group"], (2 - 5 / 6) / (sd + 1e-6), rel_tol=1e-9)
+    assert math.isclose(ends["success"]["A"], (a1[2] + (2 - 5 / 6) / (sd + 1e-6)) / 2, rel_tol=1e-9)
+    # kept: the ended dialogues stay in turn 2's and 3's comparisons with G = 0: k0 is measured against
+    # them, G (1.5, 0, 0) and (1, 0, 0): about +sqrt(2) on both turns where it had +1 and 0 (pushed up)
+    kept = sums[("outcome", "kept")]
+    k0 = a1[0] + 1.0 / (math.sqrt(1 / 2) + 1e-6) + (2 / 3) / (math.sqrt(2 / 9) + 1e-6)
+    assert math.isclose(kept["timeout"]["A_turn"], k0, rel_tol=1e-9)
+    assert math.isclose(kept["failure"]["A_turn"], a1[1] - 0.5 / (math.sqrt(1 / 2) + 1e-6), rel_tol=1e-9)
+    # on: the same turns had every dialogue gone on (04's A_turn on the full rewards)
+    full = trainer.turn_level_advantages([tr.extra["rewards"] for tr in groups[0]], 0.5)
+    assert math.isclose(sums[("outcome", "on")]["failure"]["A_turn"], sum(full[1][:2]), rel_tol=1e-9)
+    assert sums[("length", "ends")].keys() == {"1", "2", "3"}
+    default = credit.parse_args([])
+    assert [credit.length_bin(n, default) for n in (4, 7, 8, 10, 11, 14, 15)] == [
+        "4-7",
+        "4-7",
+        "8-10",
+        "8-10",
+        "11-14",
+        "11-14",
+        "15",
+    ]
+
+
+def test_quick_run_of_the_delayed_table_prints_its_rows(tmp_path):
+    p = run_script(
+        "experiments/credit.py",
+        *("--quick", "--table", "delayed", "--seeds", 2, "--steps", 10, "--final-eval-k", 2, "--beam-width", 32),
+        *("--out", tmp_path),
+    )
+    assert p.returncode == 0, p.stderr[-3000:]
+    md = (tmp_path / "credit.md").read_text()
+    for row in ("| MICA (alpha=0) |", "| MICA (alpha=1) |", "| GRPO |", "| REINFORCE++ |"):
+        assert row in md and row in p.stdout, row
+    assert "| myopic greedy (argmax r_t, knows the table) | -6.79 | 0.00 |" in md
+    assert "| search ceiling (beam 32) |" in md  # a beam of 32 is quicker; the default 128 is tested above
+    assert "| untrained (uniform) policy | 1.06 |" in md and "table delayed (judge_delayed)" in md
+
+
+def test_survivors_runs_end_to_end_and_a_turn_is_centred_over_all_dialogues(tmp_path):
+    p = run_script(
+        "experiments/credit.py",
+        *("--survivors", "--table", "delayed", "--seeds", 2, "--steps", 5, "--survivor-groups", 5),
+        *("--eval-every", 5, "--eval-k", 1, "--final-eval-k", 1, "--out", tmp_path),
+    )
+    assert p.returncode == 0, p.stderr[-3000:]
+    md = (tmp_path / "survivors.md").read_text()
+    assert md.count("By outcome:") == 2 and md.count("By length:") == 2 and "### Learning with and without" in md
+    # every "all" row: the share 1, and A_turn per turn (as MICA sees it) 0: centred over the turns reached
+    rows = [line.split(" | ") for line in md.splitlines() if line.startswith("| all |")]
+    assert len(rows) == 4 and all(r[2].startswith("1.0000 ± 0.0000") for r in rows)
+    assert all(abs(float(r[4].split(" ± ")[0])) < 0.005 and r[4].split(" ± ")[1].startswith("0.00") for r in rows)
+    for name in ("MICA (alpha=0)", "MICA (alpha=0.4)", "MICA (alpha=1)", "GRPO", "REINFORCE++"):
+        assert f"| {name} |" in md.split("### Learning with and without")[1], name
