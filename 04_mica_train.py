@@ -965,7 +965,7 @@ def parse_args(argv=None):
     name = name if name != "auto" else "gpu" if cuda else "cpu"
     p.set_defaults(**PRESETS[name])
     args = p.parse_args(argv)
-    args.preset_note = f"preset {name} ({why}; flags given win)"
+    args.preset_note = f"preset {name} ({why})"
     args.flags_given = runs.flags_given(p, args)
     return check_args(args)
 

@@ -220,6 +220,10 @@ def load_checkpoint(run_dir: Path, model, optimizer, scheduler) -> dict | None:
     set_peft_model_state_dict(model, state["adapter"])
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
+    # the lr is this run's schedule at the restored step: a resumed run given more --steps stretches the
+    # schedule, and the saved lr may be the old schedule's end (0)
+    for group, base_lr, factor in zip(optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
+        group["lr"] = base_lr * factor(scheduler.last_epoch)
     return state
 
 

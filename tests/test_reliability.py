@@ -507,7 +507,7 @@ def test_nothing_to_score_skips_the_update_without_nan(trainer, env, tiny_model)
         ids=[],
         messages=[],
         spans=[(0, 1), (1, 2)],
-        states=[[-4.0, -4.0, -4.0], [float("-inf"), -4.0, -4.0], [-2.0, -2.0, -2.0]],
+        states=[[-4.0, -4.0, -4.0], [-2.0, -2.0, -2.0], [float("-inf"), -4.0, -4.0]],  # turn 2's state: -inf
         vs=[[0.0, 0.0, 0.0], [0.0, 0.0, 0.0]],
         cut_off=[False, False],
     )
@@ -521,6 +521,7 @@ def test_nothing_to_score_skips_the_update_without_nan(trainer, env, tiny_model)
     )
     r, failed = trainer.turn_rewards(trainer.reward_parts([tr], targs, None)[0], tr, targs)
     assert all(x == x and abs(x) < 1e9 for x in r) and failed == [False, True]  # the non-finite turn: failed
+    assert r[1] == r[0] > 0  # filled with the dialogue's mean valid reward
     A, _ = trainer.ADVANTAGES["mica"]([[r, [0.5, 0.1]]], argparse.Namespace(alpha=0.4, gamma=0.85))
     assert all(a == a and abs(a) < 1e9 for row in A[0] for a in row)
 

@@ -82,7 +82,10 @@ def test_train_run_draws_its_curves_and_05_compares_base_and_trained_held_out(ti
     run = only_run(tmp_path / "train")
     # a quiet console: one header line (the folder, the preset, the flags given), then one line per step
     header, *rest = [line for line in p.stdout.splitlines() if line.strip()]
-    assert header.startswith(f"run folder {run} | preset cpu (auto: no CUDA") and "flags given: --steps 2 " in header
+    assert (
+        header.startswith(f"run folder {run} | preset cpu (auto: no CUDA")
+        and " --steps 2 " in header.split("flags given: ")[1]
+    )
     assert [line.split(" | ")[0] for line in rest[:2]] == ["step    1", "step    2"]
     png = (run / "curves.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000  # a real picture, five panels
@@ -161,7 +164,9 @@ def test_train_run_draws_its_curves_and_05_compares_base_and_trained_held_out(ti
     # 04 drew its credit picture at the first and the last step, from the A_turn / A_group it logged
     assert sorted(x.name for x in run.glob("credit_step*.png")) == ["credit_step1.png", "credit_step2.png"]
     turns = [tu for x in (run / "rollouts.jsonl").read_text().splitlines() for tu in json.loads(x)["turns"]]
-    assert turns and all(abs(0.4 * tu["A_turn"] + 0.6 * tu["A_group"] - tu["advantage"]) < 2e-4 for tu in turns)
+    assert turns and all(
+        abs(0.4 * tu["terms"]["A_turn"] + 0.6 * tu["terms"]["A_group"] - tu["advantage"]) < 2e-4 for tu in turns
+    )
 
 
 def test_t_interval_on_hand_computed_numbers():
