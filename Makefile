@@ -37,7 +37,7 @@ pipeline: install
 test: install
 	$(VENV)/bin/ruff format --check --quiet .
 	$(VENV)/bin/ruff check --quiet .
-	HF_HUB_OFFLINE=1 $(PY) -m pytest -q tests
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -n auto --dist worksteal tests
 
 learning: install
 	HF_HUB_OFFLINE=1 $(PY) experiments/learning.py

@@ -12,7 +12,14 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
+
+# `make test` runs the tests on every core at once (pytest-xdist, one worker a core): each worker and the scripts
+# it starts then compute on its share of the cores, as torch's threads waiting on a busy core cost more than
+# they give (set before torch is imported; the subprocesses inherit it)
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
+import torch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
