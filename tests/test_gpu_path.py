@@ -76,9 +76,14 @@ def test_04_fails_cleanly_on_a_model_it_cannot_load(case, tiny_model, tmp_path):
 
 
 @pytest.mark.parametrize("script", ["01_rubric_sft.py", "02_rubric_pref_rl.py", "03_rollout.py", "05_eval.py"])
-def test_every_stage_checks_the_model_before_its_run_folder(script, tiny_model, tmp_path):
+def test_every_stage_checks_the_model_before_its_run_folder(script, tiny_model, tmp_path, capsys):
+    """Each stage's main as its __main__ runs it (common.run_main), in this process (the import paid once; 04's
+    cases above run as separate processes)."""
     folder, out = config_only(tiny_model, tmp_path), tmp_path / "runs"
-    p = run_script(script, "--model", folder, "--out-dir", out, env_extra={"OMP_NUM_THREADS": "1"})
+    main = importlib.import_module(script.removesuffix(".py")).main
+    with pytest.raises(SystemExit) as exit_:
+        common.run_main(main, ["--model", str(folder), "--out-dir", str(out)])
+    p = subprocess.CompletedProcess(script, exit_.value.code, "", capsys.readouterr().err)
     assert_clean_failure(p, out, str(folder), "no file named model.safetensors")
 
 

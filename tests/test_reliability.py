@@ -303,14 +303,31 @@ SCEN = {"id": "s1", "persona": "a nurse", "situation": "night shifts", "opening"
         ([], "bad.jsonl: no records"),
     ],
 )
-def test_bad_scenarios_exit_2_naming_file_and_line(tmp_path, script, records, message):
+def test_bad_scenarios_exit_2_naming_file_and_line(tmp_path, capsys, script, records, message):
+    """Each stage's main as its __main__ runs it (common.run_main), in this process (the import paid once);
+    test_a_bad_scenarios_file_exits_2_from_the_command_line runs one case as a separate process."""
     bad = tmp_path / "bad.jsonl"
     bad.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records))
     out = tmp_path / "runs"
+    main = importlib.import_module(script.removesuffix(".py")).main
+    with pytest.raises(SystemExit) as exit_:
+        common.run_main(main, ["--scenarios", str(bad), "--out-dir", str(out)])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2, err[-2000:]
+    assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert not out.exists() or not any(out.iterdir())  # nothing written
+
+
+@pytest.mark.parametrize("script", ["03_rollout.py", "04_mica_train.py"])
+def test_a_bad_scenarios_file_exits_2_from_the_command_line(tmp_path, script):
+    """The same as a user sees it: a separate process, exit code 2, one line naming file and line."""
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps(SCEN) + "\n" + json.dumps({**SCEN, "id": "s2", "opening": 42}) + "\n")
+    out = tmp_path / "runs"
     p = run_script(script, "--scenarios", bad, "--out-dir", out)
     assert p.returncode == 2, p.stderr[-2000:]
-    assert message in p.stderr and "Traceback" not in p.stderr and len(p.stderr.strip().splitlines()) == 1
-    assert not out.exists() or not any(out.iterdir())  # nothing written
+    assert "bad.jsonl:2: field 'opening' must be str" in p.stderr and len(p.stderr.strip().splitlines()) == 1
+    assert "Traceback" not in p.stderr and (not out.exists() or not any(out.iterdir()))  # nothing written
 
 
 BAD_FLAGS = [  # (script, flags, the one message it exits 2 with)
