@@ -1,10 +1,18 @@
 """The course (docs/course.md): scripts/worked_example.py's table pinned to the last digit and its numbers checked by
-hand; scripts/exercise.py's exercises, each check failing on its blank and passing on the real code."""
+hand; scripts/exercise.py's exercises, each check failing on its blank and passing on the real code; every command
+of the page run as a user types it (the tiny model in place of SmolLM2, quick flags added), printing what the page
+shows, its fork exercise done in a copy, every file and function it says to read found, its exercises those of
+`scripts/exercise.py list`."""
 
+import ast
 import importlib.util
 import math
+import os
+import re
+import shlex
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -204,3 +212,207 @@ def test_every_exercise_fails_on_its_blank_and_passes_on_the_real_code(tmp_path)
         assert p.returncode == 1
         for status, why in checked(p.stdout)[n]:
             assert status == "FAIL" and f"NotImplementedError: exercise {n}: " in why, why
+
+
+# ---------------------------------------------------------------------------------------------
+# docs/course.md: every command runs as the page gives it, every name it says to read exists, its exercises
+# are scripts/exercise.py's
+# ---------------------------------------------------------------------------------------------
+COURSE = ROOT / "docs" / "course.md"
+# the scripts that load a model: here they get the tiny model and these flags after the page's (argparse: the
+# last of a flag given twice wins); the playground gets fewer seeds, steps and dialogues, and its own --out
+MODEL_SCRIPTS = ("01_rubric_sft.py", "02_rubric_pref_rl.py", "03_rollout.py", "04_mica_train.py", "05_eval.py")
+QUICK = {
+    "01_rubric_sft.py": ["--steps", "2", "--eval-every", "2", "--eval-limit", "2", "--max-new-tokens", "12"],
+    "02_rubric_pref_rl.py": ["--max-new-tokens", "12", "--report-limit", "2"],
+    "03_rollout.py": ["--max-new-tokens", "6"],
+    "04_mica_train.py": ["--max-new-tokens", "6"],
+    "05_eval.py": ["--max-new-tokens", "6"],
+    "experiments/credit.py": [
+        *("--seeds", "2", "--steps", "6", "--eval-every", "3", "--eval-k", "1", "--final-eval-k", "1"),
+        *("--beam-width", "4", "--survivor-groups", "3"),
+    ],
+}
+# what each command prints, at least: (a piece of the command, lines both the page and the output hold); the
+# first piece found in a command is its entry
+EXPECT = [
+    ("env.hinge_distance", ["[5.916, 3.0, 0.0] [2.916, 3.0]"]),
+    ("python 03_rollout.py", ["trajectories in", "| success ", "judge failed on 0/"]),
+    ("python scripts/worked_example.py", WORKED_EXAMPLE.splitlines()[8:11]),
+    ("python scripts/exercise.py check", ["exercise 13: 1 of 1 tests pass", "exercise 15: 2 of 2 tests pass"]),
+    ("python 04_mica_train.py", ["trainable parameters", "step    2 | reward_mean", "--adapters takes it)"]),
+    ("python scripts/view_run.py", ["/rollouts.html"]),
+    ("metrics.jsonl", ['{"step": 2, "reward_mean": ', '"clip_frac": ']),
+    ("python 01_rubric_sft.py", ["eval_parse_valid", "(02_rubric_pref_rl.py --adapter takes it)"]),
+    ("python 02_rubric_pref_rl.py", ["| preference-recovery accuracy |", "frozen rubric generator: "]),
+    ("python 05_eval.py", ["vs base on 3 scenarios, 6 dialogues paired by scenario, k and seed", "  IDR return "]),
+    ("--survivors", ["## The survivor question (table delayed", "| all |"]),
+    ("--table delayed", ["| MICA (alpha=1) |", "| myopic greedy (argmax r_t, knows the table) |"]),
+    ("python experiments/credit.py", ["| MICA (alpha=0) |", "| search ceiling (beam"]),
+]
+FORK_EXPECT = ["| RLOO |"]
+GROUPS = {"1": [1], "2": [2], "3": [3], "4+6": [4, 6], "5": [5], "7": [7]}  # 6 evaluates 4's adapter
+
+
+def lessons() -> dict[int, str]:
+    """{n: the text of "## Lesson n" up to the next "## "}."""
+    out = {}
+    for part in re.split(r"^## ", COURSE.read_text(encoding="utf-8"), flags=re.M):
+        m = re.match(r"Lesson (\d+)", part)
+        if m:
+            out[int(m.group(1))] = part
+    return out
+
+
+def commands(text: str) -> list[str]:
+    """The lines of the text's ```bash blocks (a line ending in a backslash joined to the next), comments
+    dropped."""
+    out = []
+    for block in re.findall(r"```bash\n(.*?)```", text, re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            line = re.sub(r"(^|\s+)#\s.*$", "", line).strip()
+            if line:
+                out.append(line)
+    return out
+
+
+def python_blocks(text: str) -> list[str]:
+    return re.findall(r"```python\n(.*?)```", text, re.S)
+
+
+def linked_copy(where: Path) -> Path:
+    """A folder that reads as the repository: a link to each of its top-level entries but runs/, so what the
+    page's commands write under runs/ lands here."""
+    where.mkdir()
+    for entry in ROOT.iterdir():
+        skip = entry.name in ("runs", ".git", ".venv", "__pycache__") or entry.name.startswith((".pytest", ".ruff"))
+        if not skip:
+            (where / entry.name).symlink_to(entry)
+    return where
+
+
+def shell(tmp_path: Path) -> dict:
+    """The environment the page's commands run in: `python` is this interpreter, offline."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    (bin_dir / "python").write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+    (bin_dir / "python").chmod(0o755)
+    return dict(
+        os.environ,
+        PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        TOKENIZERS_PARALLELISM="false",
+    )
+
+
+def run_command(line: str, cwd: Path, env: dict, tiny_model: str, n: int) -> subprocess.CompletedProcess:
+    """One command of the page as a user types it, with the tiny model and the quick flags added."""
+    extra = []
+    for script, flags in QUICK.items():
+        if f"python {script}" in line:
+            model = ["--model", tiny_model] if script in MODEL_SCRIPTS else ["--out", f"runs/credit-test{n}"]
+            extra = [*model, *flags]
+    return subprocess.run(
+        ["bash", "-c", line + "".join(" " + shlex.quote(x) for x in extra)],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+def check_output(line: str, p: subprocess.CompletedProcess, page: str, expect=None):
+    assert p.returncode == 0, (line, p.stdout[-2000:], p.stderr[-3000:])
+    keys = expect or next((keys for piece, keys in EXPECT if piece in line), None)
+    assert keys, f"{line}: no entry in EXPECT says what it prints"
+    for key in keys:
+        assert key in page, f"the page does not show {key!r} for {line}"
+        assert key in p.stdout, (line, key, p.stdout[-3000:])
+
+
+def forked(copy: Path, fork_text: str) -> Path:
+    """The fork exercise done in a copy: the page's first python block replaces 04's one-line ADVANTAGES, its
+    second replaces experiments/credit.py's estimator_list."""
+    trainer_block, credit_block = python_blocks(fork_text)
+    (copy / "04_mica_train.py").unlink()
+    text = (ROOT / "04_mica_train.py").read_text(encoding="utf-8")
+    (line,) = [x for x in text.splitlines(keepends=True) if x.startswith("ADVANTAGES = {")]
+    (copy / "04_mica_train.py").write_text(text.replace(line, trainer_block), encoding="utf-8")
+    (copy / "experiments").unlink()
+    (copy / "experiments").mkdir()
+    for f in (ROOT / "experiments").iterdir():
+        if f.suffix == ".py" and f.name != "credit.py":
+            (copy / "experiments" / f.name).symlink_to(f)
+    lines = (ROOT / "experiments" / "credit.py").read_text(encoding="utf-8").splitlines(keepends=True)
+    node = next(n for n in ast.parse("".join(lines)).body if getattr(n, "name", None) == "estimator_list")
+    lines[node.lineno - 1 : node.end_lineno] = [credit_block]
+    (copy / "experiments" / "credit.py").write_text("".join(lines), encoding="utf-8")
+    return copy
+
+
+@pytest.mark.parametrize("group", list(GROUPS))
+def test_every_command_of_the_course_runs_and_prints_what_the_page_shows(group, tiny_model, tmp_path):
+    page, env, by_lesson = COURSE.read_text(encoding="utf-8"), shell(tmp_path), lessons()
+    assert sorted(by_lesson) == sorted(n for ns in GROUPS.values() for n in ns)
+    copy = linked_copy(tmp_path / "repo")
+    ran = 0
+    for lesson in GROUPS[group]:
+        text, _, fork_text = by_lesson[lesson].partition("### The fork exercise")
+        for line in commands(text):
+            ran += 1
+            check_output(line, run_command(line, copy, env, tiny_model, ran), page)
+        if fork_text:
+            fork = forked(linked_copy(tmp_path / "fork"), fork_text)
+            for line in commands(fork_text):
+                ran += 1
+                check_output(line, run_command(line, fork, env, tiny_model, ran), page, FORK_EXPECT)
+    assert ran > 0
+
+
+def test_the_course_shows_the_worked_example_as_it_prints():
+    assert WORKED_EXAMPLE in COURSE.read_text(encoding="utf-8")
+
+
+def test_every_file_and_function_the_course_says_to_read_exists():
+    for n, text in lessons().items():
+        read = re.search(r"\*\*Read\.\*\*(.*?)\n\n", text, re.S)
+        assert read, f"lesson {n} has no **Read.** paragraph"
+        file, names = None, 0
+        for token in re.findall(r"`([^`]+)`", read.group(1)):
+            if token.endswith(".py"):
+                file = ROOT / token
+                assert file.is_file(), f"lesson {n}: no file {token}"
+                source = file.read_text(encoding="utf-8")
+                continue
+            assert file is not None, f"lesson {n}: {token} before any file"
+            for part in token.split("."):
+                pattern = rf"^\s*(def|class)\s+{re.escape(part)}\b|^{re.escape(part)}\s*=|^{re.escape(part)}\s*:"
+                assert re.search(pattern, source, re.M), f"lesson {n}: no {token} in {file.name}"
+            names += 1
+        assert names >= 2, f"lesson {n} names fewer than 2 functions to read"
+
+
+def test_the_lessons_name_the_exercises_of_scripts_exercise_list():
+    p = exercise("list")
+    assert p.returncode == 0
+    listed, lesson = {}, None
+    for line in p.stdout.splitlines():
+        if m := re.match(r"lesson (\d+):", line):
+            lesson = int(m.group(1))
+            listed[lesson] = set()
+        elif m := re.match(r"\s+(\d+)\. ", line):
+            listed[lesson].add(int(m.group(1)))
+    text = COURSE.read_text(encoding="utf-8")
+    for n, body in lessons().items():
+        said = re.search(r"\*\*Exercises: ([^*]+?)\.?\*\*", body)
+        assert said, f"lesson {n} names no exercises"
+        numbers = set() if said.group(1) == "none" else {int(x) for x in said.group(1).split(",")}
+        assert numbers == listed[n], (n, numbers, listed[n])
+        # the overview table's column: "1-6", "16", "none" or "the fork exercise"
+        (cell,) = re.findall(rf"^\| {n} \|.*\| ([^|]+) \|$", text, re.M)
+        ranges = [tuple(map(int, r.split("-"))) for r in re.findall(r"\d+(?:-\d+)?", cell)]
+        table = {x for r in ranges for x in range(r[0], r[-1] + 1)}
+        assert table == listed[n], (n, cell, listed[n])
+    assert set(listed) == set(lessons())
