@@ -4,15 +4,19 @@ template (built once per session in seconds), and the repo root on sys.path."""
 import http.server
 import importlib
 import json
+import multiprocessing
 import os
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
 
 import pytest
 
+# the tests run offline, and the scripts they start too (set before huggingface_hub reads them at import)
+os.environ.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
 # `make test` runs the tests on every core at once (pytest-xdist, one worker a core): each worker and the scripts
 # it starts then compute on its share of the cores, as torch's threads waiting on a busy core cost more than
 # they give (set before torch is imported; the subprocesses inherit it)
@@ -23,6 +27,12 @@ import torch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+import script_process  # noqa: E402
+
+# run_script's processes: forks of one server per test process that imported the libraries once
+FORK_SERVER = multiprocessing.get_context("forkserver")
+FORK_SERVER.set_forkserver_preload(script_process.PRELOAD)
 
 CHATML = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] "
@@ -132,17 +142,25 @@ def env_args(env, check=False, **over):
 
 
 def run_script(script, *args, cwd=None, timeout=900, env_extra=None):
-    """Run one of the stage scripts as a user would; returns the CompletedProcess."""
+    """Run one of the stage scripts as a user would, in a process of its own; returns the CompletedProcess.
+    The process is a fork of a server that has the libraries imported (tests/script_process.py); a run
+    that sets a variable the libraries read at import starts a fresh interpreter."""
     e = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     e.update(env_extra or {})
-    return subprocess.run(
-        [sys.executable, str(ROOT / script), *map(str, args)],
-        cwd=cwd,
-        env=e,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    argv = [sys.executable, str(ROOT / script), *map(str, args)]
+    if any(k.startswith(script_process.READ_AT_IMPORT) for k in env_extra or {}):
+        return subprocess.run(argv, cwd=cwd, env=e, capture_output=True, text=True, timeout=timeout)
+    with tempfile.TemporaryDirectory() as d:
+        out, err = Path(d) / "stdout", Path(d) / "stderr"
+        cwd = str(cwd) if cwd else None
+        p = FORK_SERVER.Process(target=script_process.run, args=(argv[1], argv[2:], e, cwd, str(out), str(err)))
+        p.start()
+        p.join(timeout)
+        if p.exitcode is None:
+            p.kill()
+            p.join()
+            raise subprocess.TimeoutExpired(argv, timeout, out.read_text(), err.read_text())
+        return subprocess.CompletedProcess(argv, p.exitcode, out.read_text(), err.read_text())
 
 
 def write_jsonl(path, records):
