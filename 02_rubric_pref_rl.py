@@ -313,7 +313,8 @@ def train_step(step, args, run_dir, model, tokenizer, judge, train, optimizer, s
             for i, a in zip(idx, A)
             if gens[i][2]
         ]
-    # 4. update: the clipped surrogate on the rubric tokens
+    # 4. update: the clipped surrogate on the rubric tokens (the lr logged is the one this step used)
+    lr = optimizer.param_groups[0]["lr"]
     upd = policy_update(model, tokenizer, optimizer, scheduler, samples, args)
     # 5. log, keep the samples
     runs.append_jsonl(
@@ -344,7 +345,7 @@ def train_step(step, args, run_dir, model, tokenizer, judge, train, optimizer, s
             "judge_failures": sum(r is None for r in rewards),
             "degenerate_groups": degenerate,
             **upd,
-            "lr": optimizer.param_groups[0]["lr"],
+            "lr": lr,
             "step_seconds": time.time() - t0,
         },
     )
