@@ -44,7 +44,7 @@ Judges and users (--judge, --user; what each is and is not: docs/environment.md)
   self       the policy's own frozen base (its LoRA adapter off) is that LLM: no second model is loaded
 
 Departures from EMPA
-  1. The shipped scenarios keep ||P0|| in 12-26 (EMPA's: 17.5-41); the training defaults are short (3 turns,
+  1. The shipped scenarios start at ||P0|| 17.5-25.3 (EMPA's: 17.5-41); the training defaults are short (3 turns,
      no end before turn 2, collapse window 3); the benchmark's rules (45, 12, 5) are flags, 05's empa uses them.
   2. Tokens in, tokens out: each turn appends exactly the sampled reply ids and the template's text of the
      next user message, so training sees the very tokens that were sampled (a thinking model's <think> part
