@@ -152,7 +152,7 @@ def run_script(script, *args, cwd=None, timeout=900, env_extra=None):
         return subprocess.run(argv, cwd=cwd, env=e, capture_output=True, text=True, timeout=timeout)
     with tempfile.TemporaryDirectory() as d:
         out, err = Path(d) / "stdout", Path(d) / "stderr"
-        cwd = str(cwd) if cwd else None
+        cwd = str(cwd or os.getcwd())  # as subprocess: the test's folder now, not the server's
         p = FORK_SERVER.Process(target=script_process.run, args=(argv[1], argv[2:], e, cwd, str(out), str(err)))
         p.start()
         p.join(timeout)

@@ -29,7 +29,7 @@ PRELOAD = [
 READ_AT_IMPORT = ("HF_", "HUGGINGFACE_", "TRANSFORMERS_")
 
 
-def run(script: str, args: list[str], env: dict, cwd: str | None, out_path: str, err_path: str):
+def run(script: str, args: list[str], env: dict, cwd: str, out_path: str, err_path: str):
     """In the forked child: `python script *args` as the command line would run it, then exit with its code."""
     os.environ.clear()
     os.environ.update(env)
@@ -37,8 +37,7 @@ def run(script: str, args: list[str], env: dict, cwd: str | None, out_path: str,
         import torch
 
         torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
-    if cwd:
-        os.chdir(cwd)
+    os.chdir(cwd)
     for fd, path in ((1, out_path), (2, err_path)):
         os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
     sys.stdout = open(1, "w", encoding="utf-8", closefd=False)
