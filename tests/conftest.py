@@ -145,8 +145,7 @@ def run_script(script, *args, cwd=None, timeout=900, env_extra=None):
     """Run one of the stage scripts as a user would, in a process of its own; returns the CompletedProcess.
     The process is a fork of a server that has the libraries imported (tests/script_process.py); a run
     that sets a variable the libraries read at import starts a fresh interpreter."""
-    e = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    e.update(env_extra or {})
+    e = {**os.environ, **(env_extra or {})}  # offline: set above for the whole session
     argv = [sys.executable, str(ROOT / script), *map(str, args)]
     if any(k.startswith(script_process.READ_AT_IMPORT) for k in env_extra or {}):
         return subprocess.run(argv, cwd=cwd, env=e, capture_output=True, text=True, timeout=timeout)
