@@ -48,8 +48,11 @@ import argparse
 import json
 import math
 import random
+import re
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from tqdm import tqdm
@@ -66,6 +69,32 @@ PROMPTS = json.loads((HERE / "data" / "prompts.json").read_text(encoding="utf-8"
 RUBRIC_SYSTEM, CRITERIA_PROMPT = ("\n".join(PROMPTS[k]) for k in ("rubric_system", "criteria_judge"))
 EVAL_BATCH = 8  # held-out turns per generate call
 UNIFORM_RUBRIC = {"weights": {d: 1 / 3 for d in DIMS}, "criteria": PROMPTS["uniform_rubric"]}  # a fixed rubric
+
+
+count = common.number(int, low=1)  # a checking type: a bad value exits 2 with one line naming the flag
+
+
+@dataclass
+class Args:
+    """01_rubric_sft.py's own: the supervision, the optimisation, the held-out evaluation, checkpoints."""
+
+    train: str = common.option(str(HERE / "data" / "rubric_sft_train.jsonl"), "supervision JSONL")
+    val: str = common.option(str(HERE / "data" / "rubric_sft_val.jsonl"), "held-out turns JSONL")
+    max_len: int = common.option(
+        1024,
+        "tokens per example (a longer prompt is cut from the left, with a warning)",
+        type=common.number(int, low=64),
+    )
+    weight_tolerance: float = common.option(0.02, "|sum of weights - 1| allowed", type=common.number(low=0, high=0.5))
+    steps: int = common.option(150, "optimizer steps", type=count)
+    batch_size: int = common.option(8, "examples per step", type=count)
+    micro_batch_size: int = common.option(4, "examples per forward/backward", type=count)
+    lr: float = common.option(2e-4, "peak learning rate (AdamW, no weight decay)", type=common.number(above=0))
+    eval_every: int = common.option(50, "evaluate on --val every N steps (and at 0)", type=count)
+    eval_limit: int = common.option(0, "evaluate on the first N val turns (0 = all)", type=common.number(int, low=0))
+    max_new_tokens: int = common.option(256, "token cap of a generated rubric", type=common.number(int, low=8))
+    save_every: int = common.option(50, "write <run>/checkpoint.pt every N steps (and at the last)", type=count)
+    resume: str | None = common.option(None, "a run folder: continue from its last checkpoint")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -145,12 +174,20 @@ def rubric_text(rubric: dict) -> str:
     )
 
 
+class GeneratedRubric(NamedTuple):
+    text: str  # the generated text, decoded
+    prompt_ids: list[int]
+    ids: list[int]  # the generated ids, with the end-of-turn token when it ended
+    logprobs: list[float]  # each generated id's log-probability under the sampler (02's sampler gap)
+
+
 def generate_rubrics(
     model, tokenizer, contexts: list[list[dict]], max_new_tokens: int, temperature: float, batch_size=8
-) -> list[tuple[str, list[int], list[int]]]:
-    """For each dialogue (text, prompt ids, generated ids), in batches of prompts of similar length. Greedy
-    (temperature 0) decodes each distinct prompt once: the same prompt gets the same rubric (04's K dialogues
-    of a scenario share their first turn)."""
+) -> list[GeneratedRubric]:
+    """For each dialogue its generated rubric, in batches of prompts of similar length (common.generate_batch:
+    sampled from the temperature alone, whatever the model's generation_config says). Greedy (temperature 0)
+    decodes each distinct prompt once: the same prompt gets the same rubric (04's K dialogues of a scenario share
+    their first turn)."""
     prompts = [tokenizer(prompt_text(tokenizer, c), add_special_tokens=False)["input_ids"] for c in contexts]
     first: dict = {}  # greedy: one decoding row per distinct prompt; sampled: every row
     for i, p in enumerate(prompts):
@@ -159,8 +196,10 @@ def generate_rubrics(
     for j in range(0, len(order), batch_size):
         batch = order[j : j + batch_size]
         replies = common.generate_batch(model, tokenizer, [prompts[i] for i in batch], max_new_tokens, temperature)
-        for i, (y, _) in zip(batch, replies):
-            out[i] = (tokenizer.decode(y, skip_special_tokens=True), prompts[i], y)
+        for i, reply in zip(batch, replies):
+            out[i] = GeneratedRubric(
+                tokenizer.decode(reply.ids, skip_special_tokens=True), prompts[i], reply.ids, reply.logprobs
+            )
     return [o if o is not None else out[first[tuple(p)]] for o, p in zip(out, prompts)]
 
 
@@ -355,13 +394,13 @@ def evaluate(model, tokenizer, recs: list[dict], args) -> tuple[dict, list[dict]
     """Greedy rubrics for held-out turns: the parse-valid rate, weight MAE, dominant-dimension accuracy."""
     gens = generate_rubrics(model, tokenizer, [r["messages"] for r in recs], args.max_new_tokens, 0.0, EVAL_BATCH)
     mae, hit, samples = [], 0, []
-    for r, (text, _, _) in zip(recs, gens):
-        rubric, why = parse_rubric(text, args.weight_tolerance)
+    for r, gen in zip(recs, gens):
+        rubric, why = parse_rubric(gen.text, args.weight_tolerance)
         if rubric is not None:
             # weight MAE = (1/3) sum_d |w_d - w*_d|
             mae.append(sum(abs(rubric["weights"][d] - r["rubric"]["weights"][d]) for d in DIMS) / 3)
             hit += dominant(rubric) == dominant(r["rubric"])
-        samples.append({"id": r.get("id"), "text": text, "valid": rubric is not None, "reason": why})
+        samples.append({"id": r.get("id"), "text": gen.text, "valid": rubric is not None, "reason": why})
     return {
         "eval_parse_valid": len(mae) / len(recs),
         "eval_weight_mae": sum(mae) / len(mae) if mae else None,
@@ -437,41 +476,158 @@ def judge_by_dimension(judge, cases: list[dict]) -> list[dict | None]:
     return out
 
 
+# ---------------------------------------------------------------------------------------------
+# The graders of 04's --reward care and kardia: each turn's rubric, CARE's reward, Kardia-R1's reward.
+# 04 registers care_rewards and kardia_rewards in its REWARDS; they call the criteria judge above.
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class GraderOptions:
+    """CARE's rubric generator, as 04's --reward care uses it."""
+
+    rubric_model: str | None = common.option(None, "--reward care: the frozen rubric generator (02's adapter)")
+    rubric: str = common.option(
+        "adaptive",
+        "CARE's Table-3 ablations: the generator's weights and criteria, or w = 1/3 and fixed generic criteria, "
+        "or one of the two from the generator",
+        choices=["adaptive", "uniform", "weights-only", "criteria-only"],
+    )
+    rubric_max_new_tokens: int = common.option(256, "token cap of a generated rubric", type=count)
+
+
+@dataclass
+class Graders:
+    """What --reward care and kardia grade with (None where unused): CARE's frozen rubric generator (02's
+    adapter on the base) with its tokenizer, and the criteria judge (embed, self, hf: or api:)."""
+
+    rubric_model: object = None
+    rubric_tokenizer: object = None
+    criteria_judge: object = None
+
+
+def load_graders(args, policy, rewards) -> Graders:
+    """The graders the reward names in `rewards` need: care the generator (unless --rubric uniform) and the
+    criteria judge, kardia the criteria judge. The judge is --judge's spec (a MiniLM cosine with embed)."""
+    graders = Graders()
+    if "care" in rewards and args.rubric_model:
+        gen_args = argparse.Namespace(**{**vars(args), "adapter": args.rubric_model, "gradient_checkpointing": False})
+        graders.rubric_model, graders.rubric_tokenizer = common.load_policy(gen_args, trainable=False)
+    if {"care", "kardia"} & set(rewards):
+        graders.criteria_judge = CriteriaJudge(args, policy)
+    return graders
+
+
+def write_rubrics(trajs, graders: Graders, args) -> int:
+    """CARE: the rubric of every turn of every dialogue, into tr.extra["rubrics"]. The frozen generator writes it
+    for the history the policy answered, as the user saw it (each reply's shown part), which is also the
+    context the criteria judge reads. --rubric picks the Table-3 ablation (uniform: the fixed UNIFORM_RUBRIC).
+    A generated rubric that does not parse is replaced by the fixed one. Returns how many did not parse."""
+    contexts, where, fixed = [], [], UNIFORM_RUBRIC
+    for i, tr in enumerate(trajs):
+        hist = [m for m in tr.seen_history() if m["role"] != "system"]
+        for t in range(tr.T):
+            contexts.append(hist[: 2 * t + 1])
+            where.append((i, t))
+    if args.rubric == "uniform":
+        generated = [fixed] * len(contexts)
+    else:
+        texts = generate_rubrics(
+            graders.rubric_model, graders.rubric_tokenizer, contexts, args.rubric_max_new_tokens, 0.0, 16
+        )
+        generated = [parse_rubric(gen.text)[0] for gen in texts]
+    for tr in trajs:
+        tr.extra["rubrics"] = [fixed] * tr.T
+    for (i, t), g in zip(where, generated):
+        g = g or fixed
+        trajs[i].extra["rubrics"][t] = {
+            "weights": (g if args.rubric in ("adaptive", "weights-only") else fixed)["weights"],
+            "criteria": (g if args.rubric in ("adaptive", "criteria-only") else fixed)["criteria"],
+        }
+    return sum(g is None for g in generated)
+
+
+def care_rewards(trajs, args, graders) -> list[list[float]]:
+    """CARE: r_t = S(y_t) under turn t's rubric (tr.extra["rubrics"], from write_rubrics). The criteria judge
+    scores each reply on every criterion of its turn's rubric. NaN where the judge failed."""
+    cases = []
+    for tr in trajs:
+        hist = [m for m in tr.seen_history() if m["role"] != "system"]
+        for t in range(tr.T):
+            rubric = tr.extra["rubrics"][t]
+            cases.append({"context": hist[: 2 * t + 1], "reply": tr.shown[t], "criteria": rubric["criteria"]})
+    scores = iter(judge_by_dimension(graders.criteria_judge, cases))
+    r = []
+    for tr in trajs:
+        r_i = []
+        for t in range(tr.T):
+            s_t = next(scores)  # {d: [s(y_t, c) for c in C_d,t]}, None where the judge failed
+            # r_t = S(y_t) = sum_d w_d,t (1/|C_d,t|) sum_c s(y_t, c)
+            r_i.append(float("nan") if s_t is None else rubric_score(tr.extra["rubrics"][t], s_t))
+        r.append(r_i)
+    return r
+
+
+def kardia_section(text: str, name: str) -> str:
+    """The text of one of Kardia-R1's sections (<emotion>...</emotion>) of a reply, "" when absent."""
+    m = re.search(rf"<{name}>(.*?)</{name}>", text, re.S)
+    return m.group(1).strip() if m else ""
+
+
+def kardia_criteria(scenario: dict, user_message: str) -> tuple[list[str], str]:
+    """Kardia-R1's fixed rubric: four axes judged on the reply, and emotion accuracy judged on the emotion the
+    reply names. Persona consistency is judged against the scenario's profile (MBTI, about, situation,
+    emotion) when it has one, else its persona line. The emotion to name is the scenario's (or its
+    profile's) `emotion` when given, else what the person's last message shows."""
+    prof = scenario.get("profile") if isinstance(scenario.get("profile"), dict) else {}
+    who = "; ".join(f"{k}: {v}" for k, v in prof.items()) or scenario.get("persona", "")
+    feels = scenario.get("emotion") or prof.get("emotion")
+    texts = PROMPTS["kardia_criteria"]  # data/prompts.json
+    emotion = (
+        texts["emotion_given"].format(feels=feels) if feels else texts["emotion_shown"].format(message=user_message)
+    )
+    return [c.format(who=who) for c in texts["reply"]], emotion
+
+
+def kardia_rewards(trajs, args, graders) -> list[list[float]]:
+    """Kardia-R1 (Rubric-as-Judge): the judge scores each shown reply on relevance, empathy, persona
+    consistency and safety, and the reply's <emotion> section (the whole reply without --kardia-format) on
+    emotion accuracy: does it name what this person feels (kardia_criteria). NaN where the judge failed."""
+    cases = []
+    for tr in trajs:
+        hist = [m for m in tr.seen_history() if m["role"] != "system"]
+        replies = [m["content"] for m in tr.messages if m["role"] == "assistant"]
+        for t in range(tr.T):
+            reply_axes, emotion_axis = kardia_criteria(tr.scenario, hist[2 * t]["content"])
+            named = kardia_section(replies[t], "emotion") if args.kardia_format else tr.shown[t]
+            context = hist[: 2 * t + 1]
+            cases.append({"context": context, "reply": tr.shown[t], "criteria": {"reply": reply_axes}})
+            cases.append(
+                {"context": context, "reply": named or "(no emotion named)", "criteria": {"emotion": [emotion_axis]}}
+            )
+    scores = iter(judge_by_dimension(graders.criteria_judge, cases))
+    r = []
+    for tr in trajs:
+        r_i = []
+        for t in range(tr.T):
+            s_reply, s_emotion = next(scores), next(scores)
+            if s_reply is None or s_emotion is None:
+                r_i.append(float("nan"))  # the judge failed
+                continue
+            # r_t = (1/5) sum_c s_c,t over the five axes + r_fmt,t. The format term r_fmt is 0 with the four
+            # sections and -1 without them (only with --kardia-format)
+            s = s_reply["reply"] + s_emotion["emotion"]
+            r_fmt = (0.0 if tr.formatted[t] else -1.0) if args.kardia_format else 0.0
+            r_i.append(sum(s) / len(s) + r_fmt)
+        r.append(r_i)
+    return r
+
+
 def parse_args(argv=None):
-    count = common.number(int, low=1)  # argparse types: a bad value exits 2 with one line naming the flag
-    p = common.ArgumentParser(
-        description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    p = common.options_parser(
+        __doc__.split("\n")[0],
+        [("01_rubric_sft.py", Args), ("model", common.ModelOptions), ("run", runs.RunOptions)],
     )
-    common.add_model_args(p)
-    g = p.add_argument_group("data")
-    g.add_argument("--train", default=str(HERE / "data" / "rubric_sft_train.jsonl"), help="supervision JSONL")
-    g.add_argument("--val", default=str(HERE / "data" / "rubric_sft_val.jsonl"), help="held-out turns JSONL")
-    g.add_argument(
-        "--max-len",
-        type=common.number(int, low=64),
-        default=1024,
-        help="tokens per example (a longer prompt is cut from the left, with a warning)",
-    )
-    g.add_argument(
-        "--weight-tolerance", type=common.number(low=0, high=0.5), default=0.02, help="|sum of weights - 1| allowed"
-    )
-    g = p.add_argument_group("optimisation")
-    g.add_argument("--steps", type=count, default=150, help="optimizer steps")
-    g.add_argument("--batch-size", type=count, default=8, help="examples per step")
-    g.add_argument("--micro-batch-size", type=count, default=4, help="examples per forward/backward")
-    g.add_argument(
-        "--lr", type=common.number(above=0), default=2e-4, help="peak learning rate (AdamW, no weight decay)"
-    )
-    g = p.add_argument_group("evaluation")
-    g.add_argument("--eval-every", type=count, default=50, help="evaluate on --val every N steps (and at 0)")
-    g.add_argument(
-        "--eval-limit", type=common.number(int, low=0), default=0, help="evaluate on the first N val turns (0 = all)"
-    )
-    g.add_argument(
-        "--max-new-tokens", type=common.number(int, low=8), default=256, help="token cap of a generated rubric"
-    )
-    runs.add_run_args(p, "rubric-sft", resume="a run folder: continue from its last checkpoint", save_every=50)
-    return p.parse_args(argv)
+    p.set_defaults(run_name="rubric-sft")
+    return common.parse_options(p, argv)
 
 
 if __name__ == "__main__":

@@ -52,13 +52,13 @@ GPU:  python 02_rubric_pref_rl.py --model Qwen2.5-7B-Instruct --adapter <01 adap
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import json
 import math
 import random
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -73,6 +73,54 @@ HERE = Path(__file__).resolve().parent
 DIMS = sft.DIMS
 GEN_BATCH = 16  # contexts per generate call
 CLIP_LOW, CLIP_HIGH = 0.2, 0.28  # the ratio's clip [1 - eps_low, 1 + eps_high], as 04's
+
+
+count = common.number(int, low=1)  # a checking type: a bad value exits 2 with one line naming the flag
+
+
+@dataclass
+class Args:
+    """02_rubric_pref_rl.py's own: the algorithm first (the group, the reward's terms, the KL), then the
+    optimisation, the data, the judge, the report and the checkpoints."""
+
+    g: int = common.option(4, "rubrics sampled per context (the group G)", type=common.number(int, low=2))
+    temperature: float = common.option(1.0, "sampling temperature of the rubrics", type=common.number(above=0))
+    margin_coef: float = common.option(0.5, "lambda of the margin term", type=common.number(low=0))
+    margin_tau: float = common.option(0.05, "tau: the score difference where tanh bends", type=common.number(above=0))
+    no_margin: bool = common.option(False, "ablation: drop the margin term")
+    no_format: bool = common.option(False, "ablation: an invalid rubric gets 0, not -1")
+    recovery_only: bool = common.option(False, "ablation: the recovery term only")
+    kl_coef: float = common.option(
+        0.0, "beta of the k3 KL to the adapter-off base (the model before 01's SFT)", type=common.number(low=0)
+    )
+    lr: float = common.option(5e-5, "peak learning rate (AdamW, no weight decay)", type=common.number(above=0))
+    steps: int = common.option(30, "RL steps", type=count)
+    contexts_per_step: int = common.option(4, "preference pairs per step", type=count)
+    minibatch_size: int = common.option(
+        64, "rubrics per optimizer step (whole contexts: a multiple of --g)", type=count
+    )
+    micro_batch_size: int = common.option(4, "rubrics per forward/backward", type=count)
+    max_new_tokens: int = common.option(256, "token cap of a rubric", type=common.number(int, low=8))
+    train: str = common.option(str(HERE / "data" / "rubric_pref_train.jsonl"), "preference pairs")
+    test: str = common.option(str(HERE / "data" / "rubric_pref_test.jsonl"), "held-out pairs")
+    weight_turns: str = common.option(
+        str(HERE / "data" / "rubric_sft_val.jsonl"),
+        "held-out supervision turns (with turn and emotion) for the weights report",
+    )
+    weight_tolerance: float = common.option(0.02, "|sum of weights - 1| allowed", type=common.number(low=0, high=0.5))
+    judge: str = common.option("embed", "embed | hf:<model-or-path> | api:<model>: scores s(y, c)")
+    judge_retries: int = common.option(
+        2,
+        "re-asks of an api: judge on malformed JSON (a local judge at temperature 0 is not re-asked: it would "
+        "answer the same)",
+        type=common.number(int, low=0),
+    )
+    report_limit: int = common.option(
+        0, "use the first N held-out pairs / turns (0 = all)", type=common.number(int, low=0)
+    )
+    report_only: bool = common.option(False, "no training: the held-out report of --model (+ --adapter), then stop")
+    save_every: int = common.option(10, "write <run>/checkpoint.pt every N steps (and at the last)", type=count)
+    resume: str | None = common.option(None, "a run folder: continue from its last checkpoint")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -130,7 +178,9 @@ def policy_update(model, tokenizer, optimizer, scheduler, samples: list[dict], a
     The samples come context by context (in the step's seeded sample order) and a minibatch holds whole
     contexts (--minibatch-size / G of them), as MICA's verl launch splits a batch by prompt; rubrics are
     sorted by length only inside a minibatch, for the micro-batches' padding. samples: {"ids": prompt +
-    rubric, "start": where the rubric starts, "A": its advantage, "context": its context's index}."""
+    rubric, "start": where the rubric starts, "A": its advantage, "context": its context's index, "sampler":
+    each rubric token's log-probability as it was sampled}. pi_old, the reference and the update's own
+    log-probabilities are all taken in train mode (as 04 takes them: one forward, LoRA's dropout 0)."""
     params, pad, temp = [p for p in model.parameters() if p.requires_grad], tokenizer.pad_token_id, args.temperature
     per = args.minibatch_size // args.g  # contexts per minibatch
     contexts = sorted({x["context"] for x in samples})
@@ -146,21 +196,10 @@ def policy_update(model, tokenizer, optimizer, scheduler, samples: list[dict], a
     def sizes(part):  # the rubric tokens of each sample
         return [len(samples[i]["ids"]) - samples[i]["start"] for i in part]
 
-    if not minibatches:  # nothing to train on: the schedule still moves
-        scheduler.step()
-        return {
-            "loss": math.nan,
-            "clip_frac": math.nan,
-            "kl": math.nan,
-            "grad_norm": math.nan,
-            "train_tokens": 0,
-            "optimizer_steps": 0,
-            "nonfinite_grads": 0,
-        }
     # pi_old where the policy moves before the minibatch is used: after the first optimizer step (the first
     # minibatch's ratio is exactly 1); the reference (the base, adapter off) when the KL is used
     old, ref = {}, {}
-    model.eval()
+    model.train()
     with torch.no_grad():
         for n, mb in enumerate(minibatches):
             for part in micro(mb):
@@ -168,17 +207,22 @@ def policy_update(model, tokenizer, optimizer, scheduler, samples: list[dict], a
                 if n > 0:
                     old.update(zip(part, rubric_logprobs(model, batch, pad, temp).split(sizes(part))))
                 if args.kl_coef > 0:
-                    with model.disable_adapter():
+                    with common.adapters_off(model):
                         ref.update(zip(part, rubric_logprobs(model, batch, pad, temp).split(sizes(part))))
-    model.train()
     loss_total, clipped, kl_total, tokens, grad_norms = 0.0, 0.0, 0.0, 0, []
+    gap_total, gap_max = 0.0, 0.0  # |log pi_sampler - log pi_old| over the rubric tokens
     for mb in minibatches:
         N = sum(sizes(mb))
         optimizer.zero_grad(set_to_none=True)
+        mb_loss = 0.0
         for part in micro(mb):
             logp = rubric_logprobs(model, [samples[i] for i in part], pad, temp)
             A = torch.cat([torch.full((n,), samples[i]["A"]) for i, n in zip(part, sizes(part))]).to(logp.device)
             logp_old = torch.cat([old[i] for i in part]) if part[0] in old else logp.detach()
+            # the sampler gap: |log pi_sampler(y_i) - log pi_old(y_i)|, 0 when sampling is scoring
+            sampler = torch.tensor([x for i in part for x in samples[i]["sampler"]], device=logp.device)
+            gap = (sampler - logp_old).abs()
+            gap_total, gap_max = gap_total + gap.sum().item(), max(gap_max, gap.max().item())
             # L = (1/N) sum_i max(-ratio_i A_i, -clip(ratio_i) A_i)  [+ beta (1/N) sum_i k3_i]
             pg, was_clipped = clipped_surrogate(logp, logp_old, A, CLIP_LOW, CLIP_HIGH)
             loss_sum = pg.sum()
@@ -186,21 +230,25 @@ def policy_update(model, tokenizer, optimizer, scheduler, samples: list[dict], a
                 kl = k3_kl(logp, torch.cat([ref[i] for i in part]))
                 loss_sum, kl_total = loss_sum + args.kl_coef * kl.sum(), kl_total + kl.sum().item()
             (loss_sum / N).backward()
-            loss_total += loss_sum.item() / N
+            mb_loss += loss_sum.item() / N
             clipped, tokens = clipped + was_clipped.sum().item(), tokens + len(A)
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, 1.0))
         if math.isfinite(grad_norm):  # a non-finite gradient is skipped, and counted
             optimizer.step()
             grad_norms.append(grad_norm)
+            loss_total += mb_loss
     scheduler.step()
+    steps = len(grad_norms)
     return {
-        "loss": loss_total / len(minibatches),
-        "clip_frac": clipped / tokens,
+        "loss": loss_total / steps if steps else math.nan,  # the mean over the optimizer steps taken, as 04's
+        "clip_frac": clipped / tokens if tokens else math.nan,
         "kl": kl_total / tokens if ref else math.nan,
-        "grad_norm": sum(grad_norms) / len(grad_norms) if grad_norms else math.nan,
-        "train_tokens": tokens,
-        "optimizer_steps": len(grad_norms),
-        "nonfinite_grads": len(minibatches) - len(grad_norms),
+        "grad_norm": sum(grad_norms) / steps if steps else math.nan,
+        "sampler_gap_mean": gap_total / tokens if tokens else math.nan,
+        "sampler_gap_max": gap_max if tokens else math.nan,
+        "token_passes": tokens,  # the rubric tokens scored (one pass)
+        "optimizer_steps": steps,
+        "nonfinite_grads": len(minibatches) - steps,
     }
 
 
@@ -281,7 +329,7 @@ def train_step(step, args, run_dir, model, tokenizer, judge, train, optimizer, s
     gens = sft.generate_rubrics(
         model, tokenizer, [p["context"] for p in pairs], args.max_new_tokens, args.temperature, GEN_BATCH
     )
-    parsed = [sft.parse_rubric(text, args.weight_tolerance) for text, _, _ in gens]
+    parsed = [sft.parse_rubric(gen.text, args.weight_tolerance) for gen in gens]
     # 2. judge chosen and rejected on every criterion; S(y); the rewards r = r_rec + r_margin + r_fmt
     judged = judge_rubrics(judge, pairs, [rb for rb, _ in parsed])
     rewards, parts = [], []
@@ -309,9 +357,15 @@ def train_step(step, args, run_dir, model, tokenizer, judge, train, optimizer, s
         A = group_advantages([rewards[i] for i in idx])
         degenerate += all(abs(a) < 1e-9 for a in A)  # all G rewards equal: nothing to learn here
         samples += [
-            {"ids": gens[i][1] + gens[i][2], "start": len(gens[i][1]), "A": a, "context": c}
+            {
+                "ids": gens[i].prompt_ids + gens[i].ids,
+                "start": len(gens[i].prompt_ids),
+                "A": a,
+                "context": c,
+                "sampler": gens[i].logprobs,
+            }
             for i, a in zip(idx, A)
-            if gens[i][2]
+            if gens[i].ids
         ]
     # 4. update: the clipped surrogate on the rubric tokens (the lr logged is the one this step used)
     lr = optimizer.param_groups[0]["lr"]
@@ -324,7 +378,7 @@ def train_step(step, args, run_dir, model, tokenizer, judge, train, optimizer, s
                 "step": step,
                 "pair": pairs[i].get("id"),
                 "g": i % args.g,
-                "text": text,
+                "text": gen.text,
                 "valid": rb is not None,
                 "reason": why,
                 "S_chosen": j and round(j["S_chosen"], 4),
@@ -332,7 +386,7 @@ def train_step(step, args, run_dir, model, tokenizer, judge, train, optimizer, s
                 "reward": r,
                 **(part or {}),
             }
-            for i, ((text, _, _), (rb, why), j, part, r) in enumerate(zip(gens, parsed, judged, parts, rewards))
+            for i, (gen, (rb, why), j, part, r) in enumerate(zip(gens, parsed, judged, parts, rewards))
         ],
     )
     ok, judged_ok = [r for r in rewards if r is not None], [j for j in judged if j is not None]
@@ -404,7 +458,7 @@ def report(model, tokenizer, judge, test_pairs, weight_turns, args) -> dict:
     gens = sft.generate_rubrics(
         model, tokenizer, [p["context"] for p in test_pairs], args.max_new_tokens, 0.0, GEN_BATCH
     )
-    rubrics = [sft.parse_rubric(text, args.weight_tolerance)[0] for text, _, _ in gens]
+    rubrics = [sft.parse_rubric(gen.text, args.weight_tolerance)[0] for gen in gens]
     hits = [j is not None and j["S_chosen"] > j["S_rejected"] for j in judge_rubrics(judge, test_pairs, rubrics)]
     by_need: dict[str, list[bool]] = {}
     for p, h in zip(test_pairs, hits):
@@ -413,8 +467,8 @@ def report(model, tokenizer, judge, test_pairs, weight_turns, args) -> dict:
         model, tokenizer, [r["messages"] for r in weight_turns], args.max_new_tokens, 0.0, GEN_BATCH
     )
     by_turn, by_emotion = [], []
-    for r, (text, _, _) in zip(weight_turns, gens):
-        rb = sft.parse_rubric(text, args.weight_tolerance)[0]
+    for r, gen in zip(weight_turns, gens):
+        rb = sft.parse_rubric(gen.text, args.weight_tolerance)[0]
         if rb is not None:
             by_turn.append((r.get("turn", sum(m["role"] == "user" for m in r["messages"])), rb["weights"]))
             by_emotion.append((r.get("emotion", "unknown"), rb["weights"]))
@@ -475,70 +529,17 @@ def write_report(run_dir: Path, before: dict, after: dict) -> str:
 
 
 def parse_args(argv=None):
-    count = common.number(int, low=1)  # argparse types: a bad value exits 2 with one line naming the flag
-    p = common.ArgumentParser(
-        description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    p = common.options_parser(
+        __doc__.split("\n")[0],
+        [
+            ("02_rubric_pref_rl.py", Args),
+            ("model", common.ModelOptions),
+            ("LLM endpoints (api: backends)", common.EndpointOptions),
+            ("run", runs.RunOptions),
+        ],
     )
-    common.add_model_args(p)
-    g = p.add_argument_group("data")
-    g.add_argument("--train", default=str(HERE / "data" / "rubric_pref_train.jsonl"), help="preference pairs")
-    g.add_argument("--test", default=str(HERE / "data" / "rubric_pref_test.jsonl"), help="held-out pairs")
-    g.add_argument(
-        "--weight-turns",
-        default=str(HERE / "data" / "rubric_sft_val.jsonl"),
-        help="held-out supervision turns (with turn and emotion) for the weights report",
-    )
-    g.add_argument("--weight-tolerance", type=float, default=0.02, help="|sum of weights - 1| allowed")
-    g = p.add_argument_group("reward")
-    g.add_argument("--judge", default="embed", help="embed | hf:<model-or-path> | api:<model>: scores s(y, c)")
-    g.add_argument(
-        "--judge-retries",
-        type=common.number(int, low=0),
-        default=2,
-        help="re-asks of an api: judge on malformed JSON (a "
-        "local judge at temperature 0 is not re-asked: it would answer the same)",
-    )
-    g.add_argument("--margin-coef", type=common.number(low=0), default=0.5, help="lambda of the margin term")
-    g.add_argument(
-        "--margin-tau", type=common.number(above=0), default=0.05, help="tau: the score difference where tanh bends"
-    )
-    g.add_argument("--no-margin", action="store_true", help="ablation: drop the margin term")
-    g.add_argument("--no-format", action="store_true", help="ablation: an invalid rubric gets 0, not -1")
-    g.add_argument("--recovery-only", action="store_true", help="ablation: the recovery term only")
-    g = p.add_argument_group("algorithm")
-    g.add_argument("--g", type=common.number(int, low=2), default=4, help="rubrics sampled per context (the group)")
-    g.add_argument(
-        "--temperature", type=common.number(above=0), default=1.0, help="sampling temperature of the rubrics"
-    )
-    g.add_argument("--max-new-tokens", type=common.number(int, low=8), default=256, help="token cap of a rubric")
-    g.add_argument(
-        "--kl-coef",
-        type=common.number(low=0),
-        default=0.0,
-        help="beta of the k3 KL to the adapter-off base (the model before 01's SFT)",
-    )
-    g = p.add_argument_group("optimisation")
-    g.add_argument("--steps", type=count, default=30, help="RL steps")
-    g.add_argument("--contexts-per-step", type=count, default=4, help="preference pairs per step")
-    g.add_argument(
-        "--lr", type=common.number(above=0), default=5e-5, help="peak learning rate (AdamW, no weight decay)"
-    )
-    g.add_argument(
-        "--minibatch-size",
-        type=count,
-        default=64,
-        help="rubrics per optimizer step (whole contexts: a multiple of --g)",
-    )
-    g.add_argument("--micro-batch-size", type=count, default=4, help="rubrics per forward/backward")
-    common.add_backend_args(p)
-    g = runs.add_run_args(p, "rubric-rl", resume="a run folder: continue from its last checkpoint", save_every=10)
-    g.add_argument("--report-limit", type=int, default=0, help="use the first N held-out pairs / turns (0 = all)")
-    g.add_argument(
-        "--report-only",
-        action="store_true",
-        help="no training: the held-out report of --model (+ --adapter), then stop",
-    )
-    args = p.parse_args(argv)
+    p.set_defaults(run_name="rubric-rl")
+    args = common.parse_options(p, argv)
     common.check(
         args.judge == "embed" or args.judge.startswith(("hf:", "api:")),
         f"--judge must be embed, hf:<model> or api:<model>, got '{args.judge}'",

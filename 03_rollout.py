@@ -57,7 +57,6 @@ GPU:  python 03_rollout.py --model Qwen2.5-7B-Instruct --judge api:Qwen2.5-72B-I
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -99,6 +98,74 @@ EPS = 1.0  # the hinge distance's tolerance eps (EMPA: 1 high, 2 medium, 3 low e
 # each dialogue's KV cache kept between turns, so only its new tokens are prefilled (False: the whole context
 # again every turn, slower: the check that the cache changes nothing, tests/test_rollout.py)
 KV_REUSE = True
+
+
+# ---------------------------------------------------------------------------------------------
+# The options: the environment's (04 and 05 take them too), then this script's own
+# ---------------------------------------------------------------------------------------------
+count, at_least_0 = common.number(int, low=1), common.number(low=0)  # checking types: a bad value exits 2
+
+
+@dataclass
+class EnvOptions:
+    """The environment: scenarios, K, the episode rules, the judge and the user, sampling (03, 04, 05)."""
+
+    scenarios: str = common.option(str(HERE / "data" / "scenarios_train.jsonl"), "scenarios JSONL")
+    k: int = common.option(4, "dialogues per scenario (K)", type=count)
+    max_turns: int = common.option(3, "assistant turns before a timeout (EMPA: 45)", type=count)
+    min_turns: int = common.option(
+        2, "no success or failure before this turn (EMPA: 12; --emotion-ends ignores it)", type=count
+    )
+    collapse_window: int = common.option(3, "failure when the last N dE are all < 0 (EMPA: 5)", type=count)
+    judge: str = common.option(
+        "embed",
+        "embed | self | hf:<model-or-path> | api:<model>: the EMPA judge, and in 04 also the criteria judge of "
+        "--reward care and kardia (embed: a MiniLM cosine there)",
+    )
+    judge_retries: int = common.option(
+        2,
+        "re-asks of an api: judge on malformed JSON (a local judge at temperature 0 is not re-asked: it would "
+        "answer the same)",
+        type=common.number(int, low=0),
+    )
+    user: str = common.option("scripted", "scripted | self | hf:<model-or-path> | api:<model>")
+    judge_concurrency: int | None = common.option(
+        None, "the judge's own --api-concurrency (match what its server batches, e.g. vLLM --max-num-seqs)", type=count
+    )
+    user_concurrency: int | None = common.option(None, "the simulated user's own --api-concurrency", type=count)
+    emotion_start: float = common.option(
+        30.0,
+        "the simulated user's emotion e_0 (0-100; RLVER trains from 30, SAGE evaluates from 40)",
+        type=common.number(low=0, high=100),
+    )
+    emotion_ends: bool = common.option(
+        False, "end dialogues by RLVER's rule (emotion >= 100 success, < 10 failure) instead of EMPA's"
+    )
+    kardia_format: bool = common.option(
+        False,
+        "Kardia-R1's format: the policy writes <understanding>, <reasoning>, <emotion>, <response>; only the "
+        "response reaches the others (a reply without the four sections: all of it, the tags removed)",
+    )
+    max_new_tokens: int | None = common.option(
+        None, "token cap of a reply (48; 192 with --kardia-format, room for the four sections)", type=count
+    )
+    temperature: float = common.option(1.0, "sampling temperature (0 = greedy)", type=at_least_0)
+    top_p: float = common.option(
+        1.0,
+        "nucleus sampling top-p (04's loss scores the whole distribution: keep 1 for training)",
+        type=common.number(above=0, high=1),
+    )
+    max_context: int = common.option(
+        2048, "stop a dialogue (outcome context_limit) before its context passes this many tokens", type=count
+    )
+
+
+@dataclass
+class Args:
+    """03_rollout.py's own: how many scenarios to sample and whether to print them."""
+
+    num_scenarios: int = common.option(2, "how many scenarios (0 = all)", type=common.number(int, low=0))
+    quiet: bool = common.option(False, "do not print transcripts")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -186,6 +253,7 @@ class Trajectory:
     features: list[dict] = field(default_factory=list)
     dEs: list[float] = field(default_factory=list)
     cut_off: list[bool] = field(default_factory=list)
+    sampler_logprobs: list[list[float]] = field(default_factory=list)  # each reply token's, as it was sampled
     emotions: list[float] = field(default_factory=list)  # e_0 .. e_T, the user's emotion (0-100)
     shown: list[str] = field(default_factory=list)  # what the user and the judge saw of each reply
     formatted: list[bool] = field(default_factory=list)  # --kardia-format: the reply had the 4 sections
@@ -199,6 +267,11 @@ class Trajectory:
     @property
     def judge_failed(self) -> list[bool]:
         return [v is None for v in self.vs]
+
+    def seen_history(self) -> list[dict]:
+        """The dialogue as the user and the judges saw it: each reply's shown part (01's graders read it too)."""
+        shown = iter(self.shown)
+        return [{"role": "assistant", "content": next(shown)} if m["role"] == "assistant" else m for m in self.messages]
 
 
 def advance_state(tr: Trajectory, verdict: dict | None):
@@ -278,16 +351,19 @@ def rollout(model, tokenizer, scenarios: list[dict], judge, user, args, desc="ro
 def policy_turn(model, tokenizer, live: list[Trajectory], args, kv) -> list[dict]:
     """Sample every live dialogue's reply; append its ids and text; return the judge's cases."""
     cases = []
-    for tr, (reply_ids, ended) in zip(live, kv.generate(model, tokenizer, [tr.ids for tr in live], args)):
-        text = tokenizer.decode(reply_ids, skip_special_tokens=True).strip()
-        tr.spans.append((len(tr.ids), len(tr.ids) + len(reply_ids)))
-        tr.ids.extend(reply_ids)
-        tr.cut_off.append(not ended)
+    for tr, reply in zip(live, kv.generate(model, tokenizer, [tr.ids for tr in live], args)):
+        text = tokenizer.decode(reply.ids, skip_special_tokens=True).strip()
+        tr.spans.append((len(tr.ids), len(tr.ids) + len(reply.ids)))
+        tr.ids.extend(reply.ids)
+        tr.cut_off.append(not reply.ended)
+        tr.sampler_logprobs.append(reply.logprobs)
         seen = common.strip_thinking(text)  # a thinking model's <think> part reaches no one
         shown, ok = kardia_response(seen) if args.kardia_format else (seen, True)
         tr.shown.append(shown)
         tr.formatted.append(ok)
-        cases.append({"scenario": tr.scenario, "history": seen_history(tr), "reply": shown, "emotion": tr.emotions[-1]})
+        cases.append(
+            {"scenario": tr.scenario, "history": tr.seen_history(), "reply": shown, "emotion": tr.emotions[-1]}
+        )
         tr.messages.append({"role": "assistant", "content": text})
     return cases
 
@@ -308,7 +384,7 @@ def user_turn(tokenizer, going: list[Trajectory], user, args):
             {
                 "scenario": tr.scenario,
                 "k": tr.k,
-                "history": seen_history(tr),
+                "history": tr.seen_history(),
                 "trend": trend,
                 "band": f"{band}; {TREND_TEXT[trend]}",
             }
@@ -563,18 +639,6 @@ def kardia_response(text: str) -> tuple[str, bool]:
     return re.sub(r"</?(understanding|reasoning|emotion|response)>", " ", text).strip(), False
 
 
-def kardia_section(text: str, name: str) -> str:
-    """The text of one of Kardia-R1's sections (<emotion>...</emotion>) of a reply, "" when absent."""
-    m = re.search(rf"<{name}>(.*?)</{name}>", text, re.S)
-    return m.group(1).strip() if m else ""
-
-
-def seen_history(tr) -> list[dict]:
-    """The dialogue as the user and the judge see it: each reply's shown part."""
-    shown = iter(tr.shown)
-    return [{"role": "assistant", "content": next(shown)} if m["role"] == "assistant" else m for m in tr.messages]
-
-
 def opening_ids(tokenizer, s: dict, args) -> tuple[list[dict], list[int]]:
     """The first context: the system prompt and the scenario's opening. An opening too long for
     --max-context is cut (its end kept, where the person's request usually is), with a warning."""
@@ -643,7 +707,7 @@ class TurnCache:
             self.cache.batch_select_indices(index)
             self.seq, self.mask = self.seq[index], self.mask[index]
 
-    def generate(self, model, tokenizer, contexts: list[list[int]], args) -> list[tuple[list[int], bool]]:
+    def generate(self, model, tokenizer, contexts: list[list[int]], args) -> list[common.Reply]:
         """One reply per context (contexts[b] extends row b's real tokens); the cache is kept for the next."""
         pad, device = tokenizer.pad_token_id, next(model.parameters()).device
         if self.cache is None:
@@ -663,79 +727,10 @@ class TurnCache:
         )
         n_new = out.sequences.shape[1] - input_ids.shape[1]
         reply_mask = torch.tensor(
-            [[1] * len(r) + [0] * (n_new - len(r)) for r, _ in replies], dtype=attn.dtype, device=device
+            [[1] * len(r.ids) + [0] * (n_new - len(r.ids)) for r in replies], dtype=attn.dtype, device=device
         ).reshape(len(replies), n_new)
         self.cache, self.seq, self.mask = out.past_key_values, out.sequences, torch.cat([attn, reply_mask], 1)
         return replies
-
-
-def add_env_args(p: argparse.ArgumentParser, scenarios_default: str, k_default: int = 4):
-    count, at_least_0 = common.number(int, low=1), common.number(low=0)  # argparse types: a bad value exits 2
-    g = p.add_argument_group("environment")
-    g.add_argument("--scenarios", default=scenarios_default, help="scenarios JSONL")
-    g.add_argument("--k", type=count, default=k_default, help="trajectories per scenario (K)")
-    g.add_argument("--max-turns", type=count, default=3, help="assistant turns before a timeout (EMPA: 45)")
-    g.add_argument(
-        "--min-turns",
-        type=count,
-        default=2,
-        help="no success or failure before this turn (EMPA: 12; --emotion-ends ignores it)",
-    )
-    g.add_argument("--collapse-window", type=count, default=3, help="failure when the last N dE are all < 0 (EMPA: 5)")
-    g.add_argument("--judge", default="embed", help="embed | self | hf:<model-or-path> | api:<model>")
-    g.add_argument(
-        "--judge-retries",
-        type=common.number(int, low=0),
-        default=2,
-        help="re-asks of an api: judge on "
-        "malformed JSON (a local judge at temperature 0 is not re-asked: it would answer the same)",
-    )
-    g.add_argument("--user", default="scripted", help="scripted | self | hf:<model-or-path> | api:<model>")
-    g.add_argument(
-        "--judge-concurrency",
-        type=count,
-        default=None,
-        help="the judge's own --api-concurrency (match what its server batches, e.g. vLLM --max-num-seqs)",
-    )
-    g.add_argument("--user-concurrency", type=count, default=None, help="the simulated user's own --api-concurrency")
-    g.add_argument(
-        "--emotion-start",
-        type=common.number(low=0, high=100),
-        default=30.0,
-        help="the simulated user's emotion e_0 (0-100; RLVER trains from 30, SAGE evaluates from 40)",
-    )
-    g.add_argument(
-        "--emotion-ends",
-        action="store_true",
-        help="end dialogues by RLVER's rule (emotion >= 100 success, < 10 failure) instead of EMPA's",
-    )
-    g.add_argument(
-        "--kardia-format",
-        action="store_true",
-        help="Kardia-R1's format: the policy writes "
-        "<understanding>, <reasoning>, <emotion>, <response>; only the response reaches the others (a "
-        "reply without the four sections: all of it, the tags removed)",
-    )
-    g.add_argument(
-        "--max-new-tokens",
-        type=count,
-        default=None,
-        help="token cap of a reply (48; 192 with --kardia-format, room for the four sections)",
-    )
-    g.add_argument("--temperature", type=at_least_0, default=1.0, help="sampling temperature (0 = greedy)")
-    g.add_argument(
-        "--top-p",
-        type=common.number(above=0, high=1),
-        default=1.0,
-        help="nucleus sampling top-p (04's loss scores the whole distribution: keep 1 for training)",
-    )
-    g.add_argument(
-        "--max-context",
-        type=count,
-        default=2048,
-        help="stop a dialogue (outcome context_limit) before its context passes this many tokens",
-    )
-    common.add_backend_args(p)
 
 
 def check_env_args(args):
@@ -755,15 +750,18 @@ def check_env_args(args):
 
 
 def parse_args(argv=None):
-    p = common.ArgumentParser(
-        description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    p = common.options_parser(
+        __doc__.split("\n")[0],
+        [
+            ("03_rollout.py", Args),
+            ("environment", EnvOptions),
+            ("model", common.ModelOptions),
+            ("LLM endpoints (api: backends)", common.EndpointOptions),
+            ("run", runs.RunOptions),
+        ],
     )
-    common.add_model_args(p)
-    add_env_args(p, scenarios_default=str(HERE / "data" / "scenarios_test.jsonl"), k_default=2)
-    g = runs.add_run_args(p, "rollout")
-    g.add_argument("--num-scenarios", type=int, default=2, help="how many scenarios (0 = all)")
-    g.add_argument("--quiet", action="store_true", help="do not print transcripts")
-    args = p.parse_args(argv)
+    p.set_defaults(scenarios=str(HERE / "data" / "scenarios_test.jsonl"), k=2, run_name="rollout")
+    args = common.parse_options(p, argv)
     check_env_args(args)
     return args
 

@@ -64,7 +64,6 @@ GPU:  python 05_eval.py --model Qwen2.5-7B-Instruct --adapters runs/mica-A/adapt
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import json
 import math
@@ -74,6 +73,7 @@ import statistics
 import sys
 import zlib
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -115,6 +115,48 @@ PAIRED = (
     ("cut_off", "cut-off share", False),
     ("naturalness", "naturalness", True),
 )
+DATA = HERE / "data" / "eval"
+
+
+@dataclass
+class Args:
+    """05_eval.py's own: the suites, the adapters, the sample of cases, the suites' files."""
+
+    suite: str = common.option(",".join(SUITES), "comma-separated suites: " + ", ".join(SUITES))
+    adapters: list = common.option([], "peft adapter folders, evaluated after the base model", nargs="*", type=str)
+    max_cases: int = common.option(
+        0,
+        "at most this many cases per suite and file, sampled by --seed and stratified by language and category "
+        "(EMPA, EQ-Bench: by kind; EMPA: scenarios, K dialogues each); 0 = all",
+        type=common.number(int, low=0),
+    )
+    batch_size: int = common.option(
+        8,
+        "cases generated together (EmoBench log-likelihood: options scored together after their shared prompt); "
+        "saved after each batch",
+        type=common.number(int, low=1),
+    )
+    eqbench3: str = common.option(
+        str(DATA / "eqbench3_sample.txt"),
+        "EQ-Bench 3 scenario_prompts.txt (the default: a 4-scenario sample written for this project)",
+    )
+    sage_profiles: str = common.option(str(DATA / "sage_profiles.jsonl"), "SAGE profiles JSONL")
+    emobench_eu: str = common.option(str(DATA / "emobench_eu.jsonl"), f"EmoBench EU JSONL, {emobench.LOGLIK}")
+    emobench_ea: str = common.option(str(DATA / "emobench_ea.jsonl"), f"EmoBench EA JSONL, {emobench.LOGLIK}")
+    emobench_dir: str | None = common.option(
+        None,
+        "a checkout of github.com/Sahandfer/EmoBench: EmoBench by its official protocol, its texts and "
+        "data/EU.jsonl, EA.jsonl read from there (without it: --emobench-eu/-ea)",
+    )
+    sage_dir: str | None = common.option(
+        None,
+        "SAGE by its official protocol: a checkout of Tencent/digitalhuman or of its SAGE folder, prompts read "
+        "from it, --user the simulator (unset: this project's variant)",
+    )
+    sage_turns: int = common.option(
+        10, "SAGE: turns (with --sage-dir: replies; the last is never scored)", type=common.number(int, low=1)
+    )
+    resume: str | None = common.option(None, "a run folder of this script: finish its unfinished cases")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -649,62 +691,22 @@ def side_by_side(left: dict, right: dict, width=58) -> list[str]:
 
 
 def parse_args(argv=None):
-    p = common.ArgumentParser(
-        description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    p = common.options_parser(
+        __doc__.split("\n")[0],
+        [
+            ("05_eval.py", Args),
+            ("EQ-Bench 3, official protocol", eqbench3.Options),
+            ("environment (03; the EMPA suite)", env.EnvOptions),
+            ("model", common.ModelOptions),
+            ("LLM endpoints (api: backends)", common.EndpointOptions),
+            ("run", runs.RunOptions),
+        ],
     )
-    common.add_model_args(p)
-    env.add_env_args(p, scenarios_default=str(HERE / "data" / "scenarios_test.jsonl"), k_default=1)
-    # EMPA's benchmark rules; room for 45 turns (capped at the model's window)
-    p.set_defaults(max_turns=45, min_turns=12, collapse_window=5, max_context=8192)
-    p.set_defaults(load_in_4bit="off")  # evaluation: the base in bf16 on CUDA (fp32 on a CPU) unless asked
-    g = p.add_argument_group("evaluation")
-    g.add_argument("--suite", default=",".join(SUITES), help="comma-separated suites: " + ", ".join(SUITES))
-    g.add_argument("--adapters", nargs="*", default=[], help="peft adapter folders, evaluated after the base model")
-    g.add_argument(
-        "--max-cases",
-        type=common.number(int, low=0),
-        default=0,
-        help="at most this many cases per suite and file, sampled by --seed and stratified by language "
-        "and category (EMPA, EQ-Bench: by kind; EMPA: scenarios, K dialogues each); 0 = all",
-    )
-    g.add_argument(
-        "--batch-size",
-        type=common.number(int, low=1),
-        default=8,
-        help="cases generated together (EmoBench log-likelihood: options scored "
-        "together after their shared prompt); saved after each batch",
-    )
-    for flag, name, what in (
-        (
-            "--eqbench3",
-            "eqbench3_sample.txt",
-            "EQ-Bench 3 scenario_prompts.txt (the default: a 4-scenario sample written for this project)",
-        ),
-        ("--sage-profiles", "sage_profiles.jsonl", "SAGE profiles JSONL"),
-        ("--emobench-eu", "emobench_eu.jsonl", f"EmoBench EU JSONL, {emobench.LOGLIK}"),
-        ("--emobench-ea", "emobench_ea.jsonl", f"EmoBench EA JSONL, {emobench.LOGLIK}"),
-    ):
-        g.add_argument(flag, default=str(HERE / "data" / "eval" / name), help=what)
-    eqbench3.add_args(g)
-    g.add_argument(
-        "--emobench-dir",
-        help="a checkout of github.com/Sahandfer/EmoBench: EmoBench by its official "
-        "protocol, its texts and data/EU.jsonl, EA.jsonl read from there (without it: --emobench-eu/-ea)",
-    )
-    g.add_argument(
-        "--sage-dir",
-        default=None,
-        help="SAGE by its official protocol: a checkout of Tencent/digitalhuman "
-        "or of its SAGE folder, prompts read from it, --user the simulator (unset: this project's variant)",
-    )
-    g.add_argument(
-        "--sage-turns",
-        type=common.number(int, low=1),
-        default=10,
-        help="SAGE: turns (with --sage-dir: replies; the last is never scored)",
-    )
-    runs.add_run_args(p, "eval", resume="a run folder of this script: finish its unfinished cases")
-    args = p.parse_args(argv)
+    # EMPA's benchmark rules, room for 45 turns (capped at the model's window); the base in bf16 on CUDA (fp32 on
+    # a CPU) unless 4-bit is asked for
+    p.set_defaults(max_turns=45, min_turns=12, collapse_window=5, max_context=8192, load_in_4bit="off")
+    p.set_defaults(scenarios=str(HERE / "data" / "scenarios_test.jsonl"), k=1, run_name="eval")
+    args = common.parse_options(p, argv)
     env.check_env_args(args)
     c = common.check
     args.suites = [s.strip() for s in args.suite.split(",") if s.strip()]

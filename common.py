@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
+import functools
 import json
 import logging
 import math
@@ -26,6 +28,7 @@ import threading
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from tqdm import tqdm
@@ -33,22 +36,138 @@ from tqdm import tqdm
 # peft reads transformers' deprecated `is_gradient_checkpointing` whenever it wraps a model; the FutureWarning
 # names nothing a user of this project can change (this code calls the activation_checkpointing names)
 warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
-# bitsandbytes (peft imports it) tries, on a CPU with AVX512-BF16, to fetch a faster 4-bit kernel from the hub's
-# kernels-community and logs a warning when it cannot: this project runs offline on bitsandbytes' own kernels
+# bitsandbytes, when it is imported on a CPU with AVX512-BF16, tries to fetch a faster 4-bit kernel from the hub's
+# kernels-community and logs a warning when it cannot (every run here: offline, no `kernels` package); its own
+# kernels serve. peft imports bitsandbytes, and so does anything that imports peft (transformers' trainer_utils,
+# where transformers.set_seed lives): the level set here holds only if this module is imported first, so the
+# stages import peft and transformers' trainer utilities inside functions, after it (tests/test_gpu_path.py
+# checks each stage's first stderr line with that CPU feature forced)
 logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 
 
-# ---- 1. Errors a user can cause ---------------------------------------------------------------
+# ---- 1. Options, and the errors a user can cause -----------------------------------------------
 class UserError(Exception):
     """A problem the user can fix: a bad flag, a bad data line, a missing model, an endpoint down."""
 
 
+def option(default, help: str, **flag):
+    """A dataclass field that is also a command-line flag, --its-name-with-dashes: its default, one line of help,
+    and what argparse needs beyond them (type: a checking type such as number(int, low=1); choices; nargs). A
+    bool field is a switch: --name when its default is False, --no-name when it is True."""
+    metadata = {"help": help, **flag}
+    if isinstance(default, list):
+        return dataclasses.field(default_factory=functools.partial(list, default), metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+def number(kind=float, low=None, high=None, above=None):
+    """An argparse type: a `kind` number in [low, high] and > above (each bound optional), else argparse's own
+    one-line error naming the flag ("argument --k: must be >= 1, got 0"), exit code 2."""
+
+    def parse(text):
+        x = kind(text)
+        for ok, rule in (
+            (low is None or x >= low, f">= {low}"),
+            (high is None or x <= high, f"<= {high}"),
+            (above is None or x > above, f"> {above}"),
+        ):
+            if not ok:
+                raise argparse.ArgumentTypeError(f"must be {rule}, got {text}")
+        return x
+
+    parse.__name__ = kind.__name__  # argparse's message for a non-number: "invalid int value: 'x'"
+    return parse
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """argparse, its errors one line naming the flag ("error: argument --k: must be >= 1, got 0"), exit code 2
-    (through run_main), not a usage block."""
+    (through run_main), not a usage block. `fields` maps each option's name to its flag's action."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.fields = {}
 
     def error(self, message):
         raise UserError(message)
+
+
+def add_options(parser: ArgumentParser, title: str, options: type):
+    """One flag per field of the dataclass `options`, in a group of --help titled `title`."""
+    g = parser.add_argument_group(title)
+    for f in dataclasses.fields(options):
+        flag, kwargs = "--" + f.name.replace("_", "-"), dict(f.metadata)
+        default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+        if default is True:
+            action = g.add_argument("--no-" + flag[2:], dest=f.name, action="store_false", **kwargs)
+        elif default is False:
+            action = g.add_argument(flag, dest=f.name, action="store_true", **kwargs)
+        else:
+            kwargs.setdefault("type", str if default is None else type(default))
+            action = g.add_argument(flag, dest=f.name, default=default, **kwargs)
+        parser.fields[f.name] = action
+
+
+def options_parser(description: str, groups: list[tuple[str, type]]) -> ArgumentParser:
+    """argparse built from dataclasses: each (title, dataclass) of `groups` a group of flags, in this order in
+    --help, and --config. (transformers' HfArgumentParser builds the same from dataclasses, but takes each flag's
+    type from its annotation, dropping the checking types that give one line and exit 2, and lists every flag
+    twice, --max_turns and --max-turns.)"""
+    p = ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument(
+        "--config",
+        metavar="FILE.yaml",
+        help="a YAML file of options (name: value, the names with underscores, e.g. max_turns: 8); flags given win",
+    )
+    for title, options in groups:
+        add_options(p, title, options)
+    return p
+
+
+def read_config(path, parser: ArgumentParser) -> dict:
+    """A YAML file of options -> {name: value}, each value checked as its flag's would be: an unknown name, or a
+    value the flag's type or choices refuse, stops with one line naming the file and the option."""
+    import yaml
+
+    check(os.path.isfile(path), f"--config {path}: no such file")
+    try:
+        data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    except yaml.YAMLError as e:
+        raise UserError(f"{path}: not valid YAML ({' '.join(str(e).split())})") from None
+    data = {} if data is None else data
+    check(isinstance(data, dict), f"{path}: expected lines of name: value, got {type(data).__name__}")
+    out = {}
+    for name, value in data.items():
+        action = parser.fields.get(name)
+        check(
+            action is not None, f"{path}: unknown option '{name}' (--help lists them; write max_turns, not --max-turns)"
+        )
+        where = f"{path}: {name}"
+        if action.nargs == 0:  # a switch
+            check(isinstance(value, bool), f"{where}: must be true or false, got {value!r}")
+        elif value is not None or action.default is not None:
+            many = action.nargs not in (None, "?")
+            check(not many or isinstance(value, list), f"{where}: must be a list, got {value!r}")
+            check(
+                not isinstance(action.nargs, int) or len(value) == action.nargs,
+                f"{where}: must hold {action.nargs} values, got {value!r}",
+            )
+            try:
+                value = [action.type(str(x)) for x in value] if many else action.type(str(value))
+            except (argparse.ArgumentTypeError, ValueError, TypeError) as e:
+                raise UserError(f"{where}: {e or 'bad value'} ({value!r})") from None
+            choices = action.choices or [value]
+            check(value in choices, f"{where}: {value!r} is not one of {', '.join(map(str, choices))}")
+        out[name] = value
+    return out
+
+
+def parse_options(parser: ArgumentParser, argv=None, base: dict | None = None) -> argparse.Namespace:
+    """The options: each field's default, under `base` (a preset's values), under --config's file, under the
+    flags given on the command line."""
+    config = parser.parse_known_args(argv)[0].config
+    parser.set_defaults(**(base or {}))
+    parser.set_defaults(**(read_config(config, parser) if config else {}))
+    return parser.parse_args(argv)
 
 
 def run_main(main, argv=None):
@@ -139,32 +258,27 @@ def load_tokenizer(path: str, trust_remote_code=False):
     return tok
 
 
-def add_model_args(p: argparse.ArgumentParser):
-    g = p.add_argument_group("model")
-    g.add_argument(
-        "--model",
-        default=PACKAGED_SMOLLM2,
-        help="hub id, local folder, alias (e.g. "
-        f"Qwen2.5-7B-Instruct) or the packaged offline default {PACKAGED_SMOLLM2}",
+@dataclasses.dataclass
+class ModelOptions:
+    """The policy: which model, its adapter, how it loads (every stage)."""
+
+    model: str = option(
+        PACKAGED_SMOLLM2,
+        f"hub id, local folder, alias (e.g. Qwen2.5-7B-Instruct) or the packaged offline default {PACKAGED_SMOLLM2}",
     )
-    g.add_argument("--adapter", default=None, help="start from this peft LoRA adapter folder")
-    g.add_argument(
-        "--lora-targets",
-        default="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
-        help="comma-separated module names that get LoRA adapters",
+    adapter: str | None = option(None, "start from this peft LoRA adapter folder")
+    lora_targets: str = option(
+        "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj", "comma-separated module names that get LoRA"
     )
-    g.add_argument(
-        "--load-in-4bit",
+    load_in_4bit: str = option(
+        "auto",
+        "4-bit NF4 base weights (bitsandbytes); auto = on with CUDA, off on a CPU",
         choices=["auto", "on", "off"],
-        default="auto",
-        help="4-bit NF4 base weights (bitsandbytes); auto = on with CUDA, off on a CPU",
     )
-    g.add_argument(
-        "--gradient-checkpointing",
-        action="store_true",
-        help="recompute activations in the backward pass (less memory, ~30%% slower)",
+    gradient_checkpointing: bool = option(
+        False, "recompute activations in the backward pass (less memory, ~30%% slower)"
     )
-    g.add_argument("--trust-remote-code", action="store_true", help="let a hub model run its own Python code")
+    trust_remote_code: bool = option(False, "let a hub model run its own Python code")
 
 
 def check_model_args(args):
@@ -212,7 +326,10 @@ def load_policy(args, trainable=True):
     model's window is cut to it (args changed, with a warning)."""
     from peft import LoraConfig, PeftModel, get_peft_model, prepare_model_for_kbit_training
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+    from transformers.utils import logging as transformers_logging
 
+    if not getattr(args, "progress", True):  # --no-progress: transformers' "Loading weights" bar too
+        transformers_logging.disable_progress_bar()
     device, kbit = pick_device(), use_4bit(args)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     kwargs = dict(dtype=dtype, trust_remote_code=args.trust_remote_code, attn_implementation="sdpa")
@@ -256,7 +373,9 @@ def load_policy(args, trainable=True):
         )
     else:
         model.eval()
-    return (cast_for_kbit_training(model, dtype) if kbit else model), tokenizer
+    model = cast_for_kbit_training(model, dtype) if kbit else model
+    check_token_logprobs(model, args.model)
+    return model, tokenizer
 
 
 # ---- 3. LLM backends: the simulated user, the judges, the teacher ------------------------------
@@ -330,7 +449,7 @@ class ChatBackend:
                     replies += generate_batch(model, tok, ids[i : i + self.concurrency], max_tokens, temperature)
         finally:
             model.train(was_training)
-        return [strip_thinking(tok.decode(y, skip_special_tokens=True)) for y, _ in replies]
+        return [strip_thinking(tok.decode(reply.ids, skip_special_tokens=True)) for reply in replies]
 
     def _sent(self, request):  # the client's event hook: one HTTP attempt of this thread's call, retries included
         self._local.sent += 1
@@ -411,17 +530,18 @@ def adapters_off(model):
             p.requires_grad_(g)
 
 
-def add_backend_args(p: argparse.ArgumentParser):
-    g = p.add_argument_group("LLM endpoints (api: backends)")
-    g.add_argument("--api-base", default=None, help="OpenAI-compatible base URL (default: $OPENAI_BASE_URL)")
-    g.add_argument("--api-key", default=None, help="API key (default: $OPENAI_API_KEY); never printed or saved")
-    g.add_argument("--api-timeout", type=number(above=0), default=60.0, help="seconds per request")
-    g.add_argument("--api-retries", type=number(int, low=0), default=3, help="retries per request, openai's backoff")
-    g.add_argument(
-        "--api-concurrency",
+@dataclasses.dataclass
+class EndpointOptions:
+    """The LLM endpoints of api: judges and users (and the size of a local hf: or self backend's batches)."""
+
+    api_base: str | None = option(None, "OpenAI-compatible base URL (default: $OPENAI_BASE_URL)")
+    api_key: str | None = option(None, "API key (default: $OPENAI_API_KEY); never printed or saved")
+    api_timeout: float = option(60.0, "seconds per request", type=number(above=0))
+    api_retries: int = option(3, "retries per request, openai's backoff", type=number(int, low=0))
+    api_concurrency: int = option(
+        8,
+        "requests in flight per backend; for hf: and self, prompts per generate call (the prefill's memory peak)",
         type=number(int, low=1),
-        default=8,
-        help="requests in flight per backend; for hf: and self, prompts per generate call (the prefill's memory peak)",
     )
 
 
@@ -458,25 +578,6 @@ def api_counts(judge, user) -> dict:
 
 
 # ---- 4. Small helpers: flag types, JSON out of prose, transcripts, mean and std, the optimizer ---
-def number(kind=float, low=None, high=None, above=None):
-    """An argparse type: a `kind` number in [low, high] and > above (each bound optional), else argparse's own
-    one-line error naming the flag ("argument --k: must be >= 1, got 0"), exit code 2."""
-
-    def parse(text):
-        x = kind(text)
-        for ok, rule in (
-            (low is None or x >= low, f">= {low}"),
-            (high is None or x <= high, f"<= {high}"),
-            (above is None or x > above, f"> {above}"),
-        ):
-            if not ok:
-                raise argparse.ArgumentTypeError(f"must be {rule}, got {text}")
-        return x
-
-    parse.__name__ = kind.__name__  # argparse's message for a non-number: "invalid int value: 'x'"
-    return parse
-
-
 def first_json(text: str | None) -> tuple[dict | None, str | None]:
     """The JSON object that starts at the first "{" of an LLM's answer (prose or a code fence around it is
     fine) -> (it, None), or (None, why not): none there, cut off (the text ends inside it), or not valid JSON.
@@ -565,47 +666,177 @@ def prefill_distinct(model, input_ids, attn):
     return cache
 
 
+class Reply(NamedTuple):
+    """One sampled reply: its ids up to and with the first end-of-turn token, whether it ended so (False: cut
+    off at the token cap), and each id's log-probability under the distribution the sampler drew it from
+    (None where the model's own generation settings sampled: 05's benchmarks)."""
+
+    ids: list[int]
+    ended: bool
+    logprobs: list[float] | None
+
+
+class SamplerLogprobs:
+    """The last link of the sampling chain (a transformers logits processor): it keeps each row's log-softmax of
+    the final scores until the next call shows which token was drawn from it, so the sampler's own
+    log-probability of every sampled token is kept one vocabulary row at a time (never every step's scores:
+    64 rows x 256 tokens x a 152k vocabulary would be 10 GB)."""
+
+    def __init__(self):
+        self.held, self.kept = None, []  # the last call's log-softmax [B, V]; the sampled tokens' [B] so far
+
+    def __call__(self, input_ids, scores):
+        if self.held is not None:  # the previous call's row, at the token drawn from it (now input_ids' last)
+            self.kept.append(self.held.gather(-1, input_ids[:, -1:]).squeeze(-1))
+        self.held = torch.log_softmax(scores.float(), dim=-1)
+        return scores
+
+    def logprobs(self, new_tokens) -> torch.Tensor:
+        """[B, n] for the n new columns of the output (a generate that ran one step further, and undid it,
+        kept one more)."""
+        kept = self.kept[: new_tokens.shape[1]]
+        if len(kept) < new_tokens.shape[1]:
+            kept.append(self.held.gather(-1, new_tokens[:, len(kept) :][:, :1]).squeeze(-1))
+        return torch.stack(kept, 1) if kept else new_tokens.new_zeros((len(new_tokens), 0), dtype=torch.float)
+
+
+def end_of_turn_ids(model, tokenizer) -> list[int]:
+    """Every id that ends a turn: the tokenizer's eos and each of the model's generation config (Llama 3.1: three;
+    Qwen2.5: <|im_end|> and <|endoftext|>)."""
+    extra = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    return sorted({tokenizer.eos_token_id, *(extra if isinstance(extra, (list, tuple)) else [extra])} - {None})
+
+
+@contextlib.contextmanager
+def only_this_generation_config(model, config):
+    """`config` is the model's whole generation configuration inside the block. transformers' generate fills
+    every field a caller leaves unset from the model's generation_config.json (Qwen2.5-Instruct's sets
+    repetition_penalty 1.05, top_k 20, top_p 0.8, temperature 0.7): with this one in its place nothing is
+    inherited, whatever file the model ships."""
+    owner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    saved = owner.generation_config
+    owner.generation_config = config
+    try:
+        yield
+    finally:
+        owner.generation_config = saved
+
+
 @torch.no_grad()
 def generate(
-    model, tokenizer, input_ids, attn, max_new_tokens: int, temperature=0.0, top_p=1.0, cache=None, min_p=None
+    model,
+    tokenizer,
+    input_ids,
+    attn,
+    max_new_tokens: int,
+    temperature=0.0,
+    top_p=1.0,
+    cache=None,
+    min_p=None,
+    model_settings=False,
 ):
-    """One batched generate call on left-padded rows (sampled, min_p if given; greedy at temperature 0), from the
-    KV cache of all but their last column when given -> (replies, output): a reply is (its ids up to and with
-    the first end-of-turn token, whether it ended so); output holds .sequences and .past_key_values."""
-    extra = getattr(getattr(model, "generation_config", None), "eos_token_id", None)  # every end of a turn
-    eos = sorted({tokenizer.eos_token_id, *(extra if isinstance(extra, (list, tuple)) else [extra])} - {None})
-    out = model.generate(
-        input_ids=input_ids,
-        attention_mask=attn,
-        past_key_values=cache,
-        do_sample=temperature > 0,
-        temperature=temperature if temperature > 0 else None,
-        top_p=top_p if temperature > 0 else None,
-        top_k=None,
-        min_p=min_p if temperature > 0 else None,
-        max_new_tokens=max_new_tokens,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=eos,
-        return_dict_in_generate=True,
+    """One batched generate call on left-padded rows, from the KV cache of all but their last column when given
+    -> (replies, output): output holds .sequences and .past_key_values.
+
+    The sampler is built here from the arguments alone: softmax(logits / temperature), then top-p and min-p when
+    given (greedy at temperature 0), and SamplerLogprobs last, so a Reply's logprobs are the distribution its
+    tokens were drawn from; no field of the model's generation_config applies (only its end-of-turn ids are
+    read). model_settings=True is for an evaluation protocol that asks for the model's own settings (05's
+    benchmarks): temperature, top-p and min-p as given, every other field from the model's generation_config,
+    top-k off; its replies carry no log-probabilities."""
+    from transformers import (
+        GenerationConfig,
+        LogitsProcessorList,
+        MinPLogitsWarper,
+        TemperatureLogitsWarper,
+        TopPLogitsWarper,
     )
+
+    eos = end_of_turn_ids(model, tokenizer)
+    sampled = temperature > 0
+    if model_settings:
+        out = model.generate(
+            input_ids=input_ids,
+            attention_mask=attn,
+            past_key_values=cache,
+            do_sample=sampled,
+            temperature=temperature if sampled else None,
+            top_p=top_p if sampled else None,
+            top_k=None,
+            min_p=min_p if sampled else None,
+            max_new_tokens=max_new_tokens,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=eos,
+            return_dict_in_generate=True,
+        )
+        recorder = None
+    else:
+        # the sampler: scores = logits / temperature, then top-p and min-p when asked, then the recorder (last)
+        chain = LogitsProcessorList()
+        if sampled and temperature != 1.0:
+            chain.append(TemperatureLogitsWarper(temperature))
+        if sampled and top_p < 1.0:
+            chain.append(TopPLogitsWarper(top_p))
+        if sampled and min_p is not None:
+            chain.append(MinPLogitsWarper(min_p))
+        recorder = SamplerLogprobs()
+        chain.append(recorder)
+        # from scratch: top_k 0 (the library's own default is 50), every other field at its neutral default
+        config = GenerationConfig(
+            do_sample=sampled,
+            top_k=0 if sampled else None,
+            max_new_tokens=max_new_tokens,
+            eos_token_id=eos,
+            pad_token_id=tokenizer.pad_token_id,
+            return_dict_in_generate=True,
+        )
+        with only_this_generation_config(model, config):
+            out = model.generate(
+                input_ids=input_ids, attention_mask=attn, past_key_values=cache, logits_processor=chain
+            )
+    new = out.sequences[:, input_ids.shape[1] :]
+    logprobs = recorder.logprobs(new).tolist() if recorder else [None] * len(new)
     replies = []
-    for row in out.sequences[:, input_ids.shape[1] :].tolist():
+    for row, lp in zip(new.tolist(), logprobs):
         cut = next((j for j, tok in enumerate(row) if tok in eos), None)
-        replies.append((row[: cut + 1], True) if cut is not None else (row, False))
+        n = len(row) if cut is None else cut + 1
+        replies.append(Reply(row[:n], cut is not None, None if lp is None else lp[:n]))
     return replies, out
 
 
 def generate_batch(
-    model, tokenizer, contexts: list[list[int]], max_new_tokens: int, temperature=0.0, top_p=1.0, min_p=None
-):
-    """One reply per token-id context, in one batched generate call with identical contexts prefilled
-    once: [(reply ids, ended with an end-of-turn token)]."""
+    model,
+    tokenizer,
+    contexts: list[list[int]],
+    max_new_tokens: int,
+    temperature=0.0,
+    top_p=1.0,
+    min_p=None,
+    model_settings=False,
+) -> list[Reply]:
+    """One Reply per token-id context, in one batched generate call with identical contexts prefilled once."""
     input_ids, attn = left_pad(contexts, tokenizer.pad_token_id, next(model.parameters()).device)
     cache = prefill_distinct(model, input_ids, attn)
-    return generate(model, tokenizer, input_ids, attn, max_new_tokens, temperature, top_p, cache, min_p)[0]
+    return generate(
+        model, tokenizer, input_ids, attn, max_new_tokens, temperature, top_p, cache, min_p, model_settings
+    )[0]
 
 
 LOGIT_CHUNK = 2**27  # logits per chunk of the LM head (0.5 GB in fp32)
+
+
+def final_logits(config, logits):
+    """What a model's own forward does to its LM head's output, which token_logprobs (it runs the head itself)
+    must do too: Cohere multiplies by logit_scale, Granite divides by logits_scaling, Gemma 2 and 3 soft-cap
+    (cap * tanh(logits / cap)). Others return the head's output as it is (load_policy checks it)."""
+    if getattr(config, "logit_scale", None) is not None:
+        logits = logits * config.logit_scale
+    if getattr(config, "logits_scaling", None) is not None:
+        logits = logits / config.logits_scaling
+    cap = getattr(config, "final_logit_softcapping", None)
+    if cap is not None:
+        logits = cap * torch.tanh(logits / cap)
+    return logits
 
 
 def token_logprobs(model, input_ids, attention_mask, loss_mask, temperature=1.0):
@@ -618,10 +849,10 @@ def token_logprobs(model, input_ids, attention_mask, loss_mask, temperature=1.0)
     hidden = base.get_decoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
     pick = loss_mask[:, 1:].bool()  # position j predicts token j + 1
     h, targets = hidden[:, :-1][pick], input_ids[:, 1:][pick]  # [N, H], [N]
-    head = base.get_output_embeddings()
+    head, config = base.get_output_embeddings(), base.config.get_text_config()
 
     def logp(h, targets):
-        logits = head(h).float()  # [n, V]
+        logits = final_logits(config, head(h)).float()  # [n, V], as the model's forward gives them
         if temperature > 0 and temperature != 1.0:
             logits = logits / temperature  # the distribution that sampled (top-p 1)
         # log softmax at the sampled token: logit - logsumexp(logits)
@@ -634,6 +865,26 @@ def token_logprobs(model, input_ids, attention_mask, loss_mask, temperature=1.0)
         return torch.cat([logp(h[j : j + rows], targets[j : j + rows]) for j in range(0, len(h), rows)])
     return torch.cat(
         [checkpoint(logp, h[j : j + rows], targets[j : j + rows], use_reentrant=False) for j in range(0, len(h), rows)]
+    )
+
+
+@torch.no_grad()
+def check_token_logprobs(model, name: str, tolerance=0.5):
+    """token_logprobs must give what the model's own forward gives (the sampler's logits come from the forward):
+    on 16 tokens, the largest difference in log-probability must stay within `tolerance` nats (bf16 rounding
+    stays far below; an unknown transform of the final logits does not), else one line saying so."""
+    vocab = model.get_output_embeddings().weight.shape[0]
+    device = next(model.parameters()).device
+    ids = (torch.arange(16, device=device)[None] * 7919) % vocab  # any 16 ids
+    ones = torch.ones_like(ids)
+    by_forward = model(input_ids=ids, attention_mask=ones).logits[0, :-1].float().log_softmax(-1)
+    by_forward = by_forward.gather(-1, ids[0, 1:, None]).squeeze(-1)
+    worst = float((token_logprobs(model, ids, ones, ones) - by_forward).abs().max())
+    check(
+        worst <= tolerance,
+        f"model {name}: token_logprobs differs from the model's own forward by {worst:.3g} nats (its forward "
+        "transforms the final logits in a way common.final_logits does not know): training would score another "
+        "distribution than the one it samples",
     )
 
 

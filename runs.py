@@ -21,11 +21,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import datetime as dt
 import json
 import math
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -121,36 +123,16 @@ def public_args(args) -> dict:
     return {k: ("<redacted>" if k == "api_key" and v else v) for k, v in vars(args).items()}
 
 
-def add_run_args(p: argparse.ArgumentParser, run_name: str, resume: str | None = None, save_every=None, report=False):
-    """--seed, --out-dir, --run-name, --no-progress; --resume (with its help), --save-every and --report-to."""
-    g = p.add_argument_group("run")
-    g.add_argument(
-        "--seed",
-        type=common.number(int, low=0, high=2**32 - 1),
-        default=0,
-        help="random seed (sampling, data order, the scripted user)",
+@dataclasses.dataclass
+class RunOptions:
+    """The run: its seed, its folder, its progress bars (every stage; each sets its own run_name)."""
+
+    seed: int = common.option(
+        0, "random seed (sampling, data order, the scripted user)", type=common.number(int, low=0, high=2**32 - 1)
     )
-    g.add_argument("--out-dir", default="runs", help="each run writes into its own folder under this")
-    g.add_argument("--run-name", default=run_name, help="prefix of the run folder")
-    g.add_argument("--no-progress", dest="progress", action="store_false", help="hide progress bars")
-    if resume:
-        g.add_argument("--resume", default=None, help=resume)
-    if save_every:
-        g.add_argument(
-            "--save-every",
-            type=common.number(int, low=1),
-            default=save_every,
-            help="write <run>/checkpoint.pt every N steps (and at the last)",
-        )
-    if report:
-        g.add_argument(
-            "--report-to",
-            choices=["none", "tensorboard", "wandb", "trackio"],
-            default="none",
-            help="also log every step's metrics and the configuration through accelerate's tracker (tensorboard "
-            "writes <run>/tensorboard/; wandb and trackio need their package installed)",
-        )
-    return g
+    out_dir: str = common.option("runs", "each run writes into its own folder under this")
+    run_name: str = common.option("run", "prefix of the run folder")
+    progress: bool = common.option(True, "show progress bars (--no-progress hides them, transformers' too)")
 
 
 def flags_given(parser: argparse.ArgumentParser, args) -> dict:
@@ -263,6 +245,77 @@ class MetricsLogger:
     def finish(self):
         if self.tracker is not None:
             self.tracker.finish()
+
+
+class PhaseTimer:
+    """A step's seconds by phase: `with timer("rollout"): ...` adds to seconds["rollout"]; seconds["step"] is
+    the time since the timer was made, read when the step is logged."""
+
+    def __init__(self):
+        self.start, self.phases = time.time(), {}
+
+    @contextlib.contextmanager
+    def __call__(self, phase: str):
+        t0 = time.time()
+        try:
+            yield
+        finally:
+            self.phases[phase] = self.phases.get(phase, 0.0) + time.time() - t0
+
+    @property
+    def seconds(self) -> dict:
+        return {**self.phases, "step": time.time() - self.start}
+
+
+def header_line(args, run_dir, params, accelerator, resumed_at) -> str:
+    """A training run's one header line: the folder, the preset (and --config), the flags given that differ
+    from those defaults (the whole configuration is in args.json), what judges and how dialogues end where a
+    reward changes it, the device, the adapter's size."""
+    given = []
+    for k, v in args.flags_given.items():
+        flag = "--" + k.replace("_", "-")
+        given.append(flag if v is True else f"--no-{flag[2:]}" if v is False else f"{flag} {v}")
+    weights = getattr(args, "reward_weights", {})
+    return (
+        f"run folder {run_dir} | {args.preset_note} | flags given: {' '.join(given) or 'none'}"
+        + (
+            f" | --judge {args.judge} also judges the criteria of --reward care/kardia"
+            if {"care", "kardia"} & set(weights)
+            else ""
+        )
+        + (" | dialogues end by RLVER's emotion rule (--min-turns unused)" if args.emotion_ends else "")
+        + f" | device {accelerator.device} | trainable parameters {sum(p.numel() for p in params):,}"
+        + (f" | data-parallel over {accelerator.num_processes} processes" if accelerator.num_processes > 1 else "")
+        + (f" | resumed from {run_dir / 'checkpoint.pt'} at step {resumed_at}" if resumed_at else "")
+    )
+
+
+def step_metrics(records, rewards, counts, stats, lr, seconds, peak_rss_gb) -> dict:
+    """A training step's metrics line from its dialogues' records (03's trajectory_record, with the turns'
+    reply_tokens and cut_off, and 04's judge_failed), every turn's training reward, the step's counts, the
+    update's statistics, the lr the step used and its seconds by phase."""
+    turns, n = [turn for rec in records for turn in rec["turns"]], len(records)
+    return {
+        "reward_mean": sum(rewards) / len(rewards),
+        "return_mean": sum(rec["return"] for rec in records) / n,  # sum_t r_t, not discounted
+        "success_rate": sum(rec["outcome"] == "success" for rec in records) / n,
+        "final_distance": sum(rec["final_distance"] for rec in records) / n,
+        "final_emotion": sum(rec["final_emotion"] for rec in records) / n,
+        # the pure IDR of a dialogue telescopes to d(P0) - d(P_T): 05's held-out measure
+        "distance_drop": sum(rec["initial_distance"] - rec["final_distance"] for rec in records) / n,
+        "trajectories": n,
+        "turns_mean": len(turns) / n,
+        "cut_off_frac": sum(turn["cut_off"] for turn in turns) / max(1, len(turns)),
+        "judge_failures": sum(turn["judge_failed"] for turn in turns),
+        "user_failures": sum(rec["outcome"] == "user_failed" for rec in records),
+        **counts,
+        **stats,
+        "lr": lr,
+        "gen_tokens_per_s": sum(turn["reply_tokens"] for turn in turns) / max(seconds["rollout"], 1e-9),
+        "train_tokens_per_s": stats["token_passes"] / max(seconds["update"], 1e-9),
+        **{f"{k}_seconds": v for k, v in seconds.items()},
+        "peak_rss_gb": peak_rss_gb,
+    }
 
 
 def checkpoint_on_error(run_dir: Path, model, optimizer, scheduler, logger, start: int, extra=None):

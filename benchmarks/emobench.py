@@ -30,7 +30,8 @@ Score (both modes)
 Departures from the official code, and where it had to be read (official mode; docs/evaluation.md)
   1. Sampling: the official code sets temperature 0.6 for API models (ChatOpenAI, top_p the endpoint's) and
      50 new tokens for HF models (with the model's own generation_config); the local model here gets
-     temperature 0.6, top_p 1, no top_k, at most 50 new tokens (common.generate_batch, seeded per batch by 05).
+     temperature 0.6, top_p 1, no top_k, at most 50 new tokens, every other setting from the model's own
+     generation_config (common.generate_batch with model_settings=True, seeded per batch by 05).
   2. One attempt per item: the official retry loop returns after the first failure, so an unparseable reply
      is answered "" (wrong); it is also counted as unparseable here. A reply that parses as JSON but not as an
      object (the official code would stop with an error there) is unparseable.
@@ -84,9 +85,12 @@ def run(model, tok, batch: list[dict], batch_size: int) -> tuple[list[dict], lis
     Loglik items: each question's options scored, the best chosen; no transcripts."""
     if "messages" in batch[0]:
         contexts = [official_ids(tok, it["messages"]) for it in batch]
+        # the official HF path samples with the model's own generation_config: model_settings=True keeps it
         replies = [
-            tok.decode(ids, skip_special_tokens=True)
-            for ids, _ in common.generate_batch(model, tok, contexts, MAX_NEW_TOKENS, TEMPERATURE, top_p=1.0)
+            tok.decode(reply.ids, skip_special_tokens=True)
+            for reply in common.generate_batch(
+                model, tok, contexts, MAX_NEW_TOKENS, TEMPERATURE, top_p=1.0, model_settings=True
+            )
         ]
         return official_cases(batch, replies), [
             {"case": it["case"], "messages": it["messages"], "reply": r} for it, r in zip(batch, replies)

@@ -41,7 +41,8 @@ Official protocol (--eqbench3-dir PATH, a checkout of github.com/EQ-bench/eqbenc
   plays every task N times.
 Where the official code is broken, ambiguous or depends on an API, and what this file does
   1. The harness calls an endpoint (no top_p: 1); here the tested model runs in process (transformers'
-     generate: temperature, then min_p; top_p 1, top_k off), the messages rendered by its chat template with
+     generate: temperature, then min_p; top_p 1, top_k off; every other setting the model's own
+     generation_config, as an endpoint serving it applies), the messages rendered by its chat template with
      no system prompt (the harness sends none). A reply gets 12,000 tokens, fewer with --eqbench3-tokens, or
      the room left under --max-context; the column then says "reply budget lowered to N tokens". A turn with
      no room left fails the task ("context limit"), as an endpoint's refusal does there; 05's cell counts
@@ -155,32 +156,29 @@ SECTIONS = {
 # ---------------------------------------------------------------------------------------------
 # 05's flags, its loader, and its entry
 # ---------------------------------------------------------------------------------------------
-def add_args(g):
-    """05's flags for the official protocol."""
-    g.add_argument(
-        "--eqbench3-dir",
-        default=None,
-        help="EQ-Bench 3 by its official protocol: a checkout of "
-        "github.com/EQ-bench/eqbench3, its data/ texts read from there; --judge an LLM (unset: this "
-        "project's variant, or offline a proxy, neither comparable with EQ-Bench 3)",
+@dataclass
+class Options:
+    """05's options for EQ-Bench 3's official protocol."""
+
+    eqbench3_dir: str | None = common.option(
+        None,
+        "EQ-Bench 3 by its official protocol: a checkout of github.com/EQ-bench/eqbench3, its data/ texts read from "
+        "there; --judge an LLM (unset: this project's variant, or offline a proxy, neither comparable with EQ-Bench 3)",
     )
-    g.add_argument(
-        "--iterations",
+    iterations: int = common.option(
+        1,
+        "EQ-Bench 3 with --eqbench3-dir: plays of every task (the official --iterations)",
         type=common.number(int, low=1),
-        default=1,
-        help="EQ-Bench 3 with --eqbench3-dir: plays of every task (the official --iterations)",
     )
-    g.add_argument(
-        "--eqbench3-tokens",
+    eqbench3_tokens: int = common.option(
+        REPLY_TOKENS,
+        "EQ-Bench 3 with --eqbench3-dir: a reply's token budget (lowering it is said in the column)",
         type=common.number(int, low=1, high=REPLY_TOKENS),
-        default=REPLY_TOKENS,
-        help="EQ-Bench 3 with --eqbench3-dir: a reply's token budget (lowering it is said in the column)",
     )
-    g.add_argument(
-        "--eqbench3-judge-tokens",
+    eqbench3_judge_tokens: int = common.option(
+        JUDGE_TOKENS,
+        "EQ-Bench 3 with --eqbench3-dir: the judge's token budget (lowering it is said in the column)",
         type=common.number(int, low=1, high=JUDGE_TOKENS),
-        default=JUDGE_TOKENS,
-        help="EQ-Bench 3 with --eqbench3-dir: the judge's token budget (lowering it is said in the column)",
     )
 
 
@@ -677,11 +675,14 @@ def respond(model, tok, asks: dict, runs: list, args, temperature: float, min_p,
         budgets.setdefault(budget, []).append((j, ids))
     out = {}
     for budget, rows in sorted(budgets.items()):
-        replies = common.generate_batch(model, tok, [ids for _, ids in rows], budget, temperature, 1.0, min_p)
-        for (j, _), (reply_ids, ended) in zip(rows, replies):
-            out[j] = api_text(tok.decode(reply_ids, skip_special_tokens=True)).strip()
+        # an endpoint's sampling: the temperature and min_p the harness sends, the rest the model's own settings
+        replies = common.generate_batch(
+            model, tok, [ids for _, ids in rows], budget, temperature, 1.0, min_p, model_settings=True
+        )
+        for (j, _), reply in zip(rows, replies):
+            out[j] = api_text(tok.decode(reply.ids, skip_special_tokens=True)).strip()
             runs[j]["budget"] = min(budget, runs[j]["budget"] or budget)
-            runs[j]["cut_off"] += not ended
+            runs[j]["cut_off"] += not reply.ended
     return out
 
 
@@ -796,12 +797,16 @@ def variant_cases(model, tok, tasks, judge, args) -> tuple[list[dict], list[dict
                 live.append(j)
                 ctx.append(ids)
         replies = (
-            common.generate_batch(model, tok, ctx, args.max_new_tokens, args.temperature, args.top_p) if live else []
+            common.generate_batch(
+                model, tok, ctx, args.max_new_tokens, args.temperature, args.top_p, model_settings=True
+            )
+            if live
+            else []
         )
-        for j, (reply_ids, _) in zip(live, replies):
+        for j, reply in zip(live, replies):
             convs[j] += [
                 {"role": "user", "content": tasks[j]["prompts"][i]},
-                {"role": "assistant", "content": tok.decode(reply_ids, skip_special_tokens=True).strip()},
+                {"role": "assistant", "content": tok.decode(reply.ids, skip_special_tokens=True).strip()},
             ]
     # 2. the judge scores the task's criteria 0-20
     criteria = [ANALYSIS_CRITERIA if t["kind"] == "analysis" else ROLEPLAY_CRITERIA for t in tasks]

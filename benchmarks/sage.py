@@ -88,7 +88,7 @@ REASKS = 5  # re-asks of an unparsable simulator answer (the official loop has n
 AT_LIMIT = "context limit"  # how a dialogue with no room left for a reply ended (the variant: 03's context_limit)
 REPLY_TOKENS = 2048  # the tested model's reply budget (the official call sets none)
 SIM_TOKENS = 2048  # the simulator's answer budget (four or five sections)
-TEMPERATURE, TOP_P = 1.0, 1.0  # an endpoint's defaults: the official calls set no sampling
+TEMPERATURE, TOP_P = 1.0, 1.0  # an endpoint's defaults: the official calls set no sampling (the rest: the model's own)
 # the output sections the official parse reads (planning_reply; player_reply's "Response:")
 SECTIONS = {
     "content": ("Content:", "TargetCompletion:\n"),
@@ -556,11 +556,14 @@ def npc_replies(model, tok, dialogues: list[Dialogue], system: str, max_context:
             for i in rows:
                 dialogues[i].stop(AT_LIMIT)
             continue
-        out = common.generate_batch(model, tok, [contexts[i] for i in rows], budget, TEMPERATURE, TOP_P)
-        for i, (ids, ended) in zip(rows, out):
-            text = common.strip_thinking(tok.decode(ids, skip_special_tokens=True))
+        # an endpoint's defaults: the model's own generation_config (model_settings=True)
+        out = common.generate_batch(
+            model, tok, [contexts[i] for i in rows], budget, TEMPERATURE, TOP_P, model_settings=True
+        )
+        for i, reply in zip(rows, out):
+            text = common.strip_thinking(tok.decode(reply.ids, skip_special_tokens=True))
             dialogues[i].history.append({"role": "assistant", "content": text})
-            dialogues[i].cut_off += not ended
+            dialogues[i].cut_off += not reply.ended
 
 
 # ---------------------------------------------------------------------------------------------

@@ -300,7 +300,7 @@ def bench_update(a, model, tok, trajs, args):
         groups.setdefault(tr.scenario["id"], []).append(tr)
     flat = [tr for g in groups.values() for tr in g]
     rewards = [[step_rewards(tr, args) for tr in g] for g in groups.values()]
-    advs = [A for group in trainer.ADVANTAGES["mica"](rewards, args)[0] for A in group]
+    advs = [A for group in trainer.ADVANTAGES["mica"](rewards, None, args)[0] for A in group]
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=trainer.WEIGHT_DECAY)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
@@ -329,7 +329,7 @@ def bench_update(a, model, tok, trajs, args):
 # ---------------------------------------------------------------------------------------------
 def step_rewards(tr, args) -> list[float]:
     """04's training reward per turn of one dialogue: its --reward parts by name, then turn_rewards."""
-    return trainer.turn_rewards(trainer.reward_parts([tr], args, None)[0], tr, args)[0]
+    return trainer.turn_rewards(trainer.reward_parts([tr], args, None)[0][0], tr, args)[0]
 
 
 def ours_grpo_step(model, tok, prompts, judge, user, args, opt, sched):
@@ -337,7 +337,7 @@ def ours_grpo_step(model, tok, prompts, judge, user, args, opt, sched):
     trajs = env.rollout(model, tok, prompts, judge, user, args)
     groups = [[tr for tr in trajs if tr.scenario is s] for s in prompts]
     rewards = [[step_rewards(tr, args) for tr in g] for g in groups]
-    advs = [A for group in trainer.ADVANTAGES["grpo"](rewards, args)[0] for A in group]
+    advs = [A for group in trainer.ADVANTAGES["grpo"](rewards, None, args)[0] for A in group]
     return trainer.policy_update(
         model, tok, opt, sched, trainer.as_samples([tr for g in groups for tr in g], advs), args, Accelerator()
     )
@@ -1164,7 +1164,7 @@ def run_report(a) -> str:
         "",
         f"The estimate assumes {z['T']} turns a dialogue and {z['scored']} scored tokens a step; the run had "
         + ", ".join(
-            f"{m.get('turns_mean', float('nan')):.3g} turns and {m.get('train_tokens', '?')} tokens (step {m['step']})"
+            f"{m.get('turns_mean', float('nan')):.3g} turns and {m.get('token_passes', '?')} tokens (step {m['step']})"
             for m in metrics[:4]
         )
         + (" ..." if len(metrics) > 4 else "")

@@ -343,7 +343,7 @@ def rollout(theta, scenario: dict, rng: random.Random, args, early_end: bool = T
 def advantages(estimator: dict, batch_rewards, gamma) -> list:
     """batch_rewards[s][k][t] -> A[s][k][t] with 04's own estimator, by its name in 04's ADVANTAGES."""
     args = argparse.Namespace(alpha=estimator.get("alpha"), gamma=gamma)
-    return trainer.ADVANTAGES[estimator["kind"]](batch_rewards, args)[0]
+    return trainer.ADVANTAGES[estimator["kind"]](batch_rewards, None, args)[0]
 
 
 def pg_update(theta, groups, advs, lr: float) -> None:
@@ -419,7 +419,7 @@ def credit_by(rewards, labels, alpha: float, gamma: float, upto=None, into=None)
     sums}: dialogues, turns, and over those turns the sums of 04's A_turn, A_group and A = alpha A_turn +
     (1 - alpha) A_group, and "lone", the turns no other dialogue of the group reached (A_turn is 0 there).
     upto[s][k]: count only dialogue k's first upto[s][k] turns. into: add to these sums."""
-    A, terms = trainer.ADVANTAGES["mica"](rewards, argparse.Namespace(alpha=alpha, gamma=gamma))
+    A, terms = trainer.ADVANTAGES["mica"](rewards, None, argparse.Namespace(alpha=alpha, gamma=gamma))
     out = {} if into is None else into
     for s, group in enumerate(rewards):
         for k, r in enumerate(group):

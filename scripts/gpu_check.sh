@@ -6,6 +6,9 @@
 #      (experiments/benchmark.py --estimate): torch.cuda.max_memory_allocated on a GPU; then its seconds
 #      per phase (metrics.jsonl) beside the time estimate at the run's own flags, on an H100 and an H200
 #      (benchmark.py --estimate --for-run RUN_DIR, labelled with the device it ran on);
+#   1b. the sampler gap (sampler_gap_mean, sampler_gap_max: does the 4-bit bf16 sampler draw what the update
+#      scores?): 04 for 1 step in 4-bit with the offline judge, which scores every turn, and each step's gap of
+#      both runs;
 #   2. the data-parallel tests (tests/test_distributed.py), NCCL with 2 or more GPUs;
 #   3. the benchmark's update figure (figure 2: one 04 step against the bare forward + backward).
 #
@@ -94,6 +97,25 @@ run "$PYTHON" experiments/benchmark.py --estimate --estimate-models SmolLM2-135M
 RUN_DIR="$OUT/gpu-check-TIME"
 if [[ $MODE != dry ]]; then RUNS=("$OUT"/gpu-check-*); RUN_DIR=${RUNS[-1]}; fi  # the newest: names sort by time
 run "$PYTHON" experiments/benchmark.py --estimate --for-run "$RUN_DIR" --measured-on "$DEVICE"
+echo "== 1b. the sampler gap: 04 for 1 step in 4-bit with the offline judge and user (every turn is scored)"
+# |log pi_sampler - log pi_old| over the scored tokens (docs/training.md, "The sampler gap"): a bf16 sampler
+# with 4-bit weights on a GPU is not bit-equal to the update's forward, and this says by how much. Step 1's
+# self judge may fail on every turn (then no token is scored there); the offline judge scores them all.
+GAP=(04_mica_train.py --model "$MODEL" --steps 1 --load-in-4bit on
+     --scenarios-per-step "$SCENARIOS" --k "$K" --max-turns "$TURNS" --max-new-tokens "$REPLY"
+     --max-context "$CONTEXT" --micro-batch-size "$MICRO" --save-every 1000
+     --out-dir "$OUT" --run-name gap-check --no-progress)
+run "$PYTHON" "${GAP[@]}"
+GAP_DIR="$OUT/gap-check-TIME"
+if [[ $MODE != dry ]]; then GAPS=("$OUT"/gap-check-*); GAP_DIR=${GAPS[-1]}; fi
+GAP_PY='import json, sys
+for run in sys.argv[1:]:
+    for line in open(run + "/metrics.jsonl"):
+        m = json.loads(line)
+        mean, top = m["sampler_gap_mean"], m["sampler_gap_max"]
+        said = "no token scored" if mean is None else "mean %.3g, max %.3g nats" % (mean, top)
+        print("sampler gap, %s, step %d: %s" % (run.rsplit("/", 1)[-1], m["step"], said))'
+run "$PYTHON" -c "$GAP_PY" "$RUN_DIR" "$GAP_DIR"
 
 echo "== 2. the data-parallel tests (NCCL with 2 or more GPUs; gloo in CPU mode)"
 if (( GPUS >= 2 )); then

@@ -66,7 +66,7 @@ def main(argv=None):
     p.add_argument("--label-out", required=True, help="where the labelled supervision JSONL goes (a new file)")
     p.add_argument("--teacher-retries", type=int, default=2, help="re-asks when the teacher's rubric is invalid")
     p.add_argument("--weight-tolerance", type=float, default=0.02, help="|sum of weights - 1| allowed")
-    common.add_backend_args(p)
+    common.add_options(p, "LLM endpoints (api: backends)", common.EndpointOptions)
     args = p.parse_args(argv)
     common.check(
         args.teacher.startswith(("api:", "hf:")), f"--teacher must be api:<model> or hf:<model>, got {args.teacher}"

@@ -121,16 +121,16 @@ def worked_example() -> dict:
     trajs = [play(scenario, k, plan, args) for k, (_, plan) in enumerate(PLANS)]
     # 04's step 2: each --reward part by name, then per dialogue the weighted sum, the cut-off penalty and a
     # failed turn's filling
-    parts = trainer.reward_parts(trajs, args, None)
+    parts, _ = trainer.reward_parts(trajs, args, None)
     rewards, failed = (list(x) for x in zip(*[trainer.turn_rewards(p, tr, args) for p, tr in zip(parts, trajs)]))
     G = [trainer.discounted_returns(r, args.gamma) for r in rewards]
     # 04's step 3: the registered estimators on the one scenario group, rewards[s][k][t] with s = 0
     mica = {}
     for alpha in ALPHAS:
-        A, terms = trainer.ADVANTAGES["mica"]([rewards], train_args(alpha=alpha))
+        A, terms = trainer.ADVANTAGES["mica"]([rewards], None, train_args(alpha=alpha))
         mica[alpha] = (A[0], terms["A_turn"][0], terms["A_group"][0])
-    grpo = trainer.ADVANTAGES["grpo"]([rewards], args)[0][0]
-    reinforce_pp = trainer.ADVANTAGES["reinforce_pp"]([rewards], args)[0][0]
+    grpo = trainer.ADVANTAGES["grpo"]([rewards], None, args)[0][0]
+    reinforce_pp = trainer.ADVANTAGES["reinforce_pp"]([rewards], None, args)[0][0]
     # 04's step 4: the update's samples (A None on a failed turn) and collate's loss mask
     samples = trainer.as_samples(trajs, mica[args.alpha][0], failed)
     _, _, mask = trainer.collate(samples, 0, "cpu")

@@ -128,10 +128,9 @@ def tiny(tiny_model):
 
 def env_args(env, check=False, **over):
     """03's environment flags at their defaults, with `over` set (and checked, with check=True)."""
-    import argparse
+    import common
 
-    p = argparse.ArgumentParser()
-    env.add_env_args(p, scenarios_default="unused")
+    p = common.options_parser("", [("environment", env.EnvOptions), ("endpoints", common.EndpointOptions)])
     args = p.parse_args([])
     args.progress = False
     for k, v in over.items():

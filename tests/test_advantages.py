@@ -20,12 +20,12 @@ def approx(xs, ys, tol=1e-4):
 
 def mica(trainer, group, alpha, gamma):
     """04's registered MICA estimator on one scenario group (rewards[k][t]) -> A[k][t]; also its terms."""
-    A, terms = trainer.ADVANTAGES["mica"]([group], argparse.Namespace(alpha=alpha, gamma=gamma))
+    A, terms = trainer.ADVANTAGES["mica"]([group], None, argparse.Namespace(alpha=alpha, gamma=gamma))
     return A[0]
 
 
 def grpo(trainer, group):
-    return trainer.ADVANTAGES["grpo"]([group], argparse.Namespace())[0][0]
+    return trainer.ADVANTAGES["grpo"]([group], None, argparse.Namespace())[0][0]
 
 
 def test_idr_reference_worked_example(trainer):
@@ -57,16 +57,20 @@ def test_turn_rewards_weights_penalises_and_fills(trainer):
     tr = types.SimpleNamespace(T=3, judge_failed=[False, True, False], cut_off=[True, False, False])
     r, failed = trainer.turn_rewards({"idr": [2.0, 0.0, 1.0], "rlver": [0.1, 0.0, -0.04]}, tr, args)
     penalty = 0.5 * (3**0.5 + 0.05)  # 0.891025
-    r1, r3 = 2.0 + 0.05 - penalty, 1.0 - 0.02  # 1.158975, 0.98
-    # the EMPA judge failed on turn 2: its reward is the mean of the dialogue's valid ones, (r1 + r3) / 2
-    approx(r, [r1, (r1 + r3) / 2, r3])
+    r1, r3 = 2.0 + 0.05, 1.0 - 0.02  # 2.05, 0.98 before the penalty
+    # the EMPA judge failed on turn 2: its reward is the mean of the dialogue's valid ones before the penalty,
+    # (2.05 + 0.98) / 2 = 1.515; then the cut-off turn 1 pays it: 2.05 - 0.891025 = 1.158975
+    approx(r, [r1 - penalty, (r1 + r3) / 2, r3])
     assert failed == [False, True, False]
     # a criteria judge that failed (a NaN part) fails its turn too; with no valid turn the filling is 0
     args = argparse.Namespace(**{**vars(args), "reward_weights": {"idr": 1.0}})
     tr = types.SimpleNamespace(T=2, judge_failed=[False, False], cut_off=[False, False])
     assert trainer.turn_rewards({"idr": [1.5, float("nan")]}, tr, args) == ([1.5, 1.5], [False, True])
+    # a failed turn that was cut off pays its penalty too: 0 (no valid turn) - 0.5 sqrt(3)
     tr = types.SimpleNamespace(T=1, judge_failed=[True], cut_off=[True])
-    assert trainer.turn_rewards({"idr": [0.0]}, tr, args) == ([0.0], [True])
+    r, failed = trainer.turn_rewards({"idr": [0.0]}, tr, args)
+    approx(r, [-0.866025])
+    assert failed == [True]
 
 
 def test_discounted_returns(trainer):
@@ -103,7 +107,7 @@ def test_mica_unequal_lengths_single_reacher_zero_variance(trainer):
     approx(A, [[-0.313340, 0.313340], [1.429916], [-1.429916, -0.313340, 0.313340]])
     # the registered estimator returns its two terms, the ones the run logs and the credit picture draws
     _, terms = trainer.ADVANTAGES["mica"](
-        [[[1.0, 2.0], [3.0], [0.0, 1.0, 2.0]]], argparse.Namespace(alpha=0.4, gamma=0.5)
+        [[[1.0, 2.0], [3.0], [0.0, 1.0, 2.0]]], None, argparse.Namespace(alpha=0.4, gamma=0.5)
     )
     assert sorted(terms) == ["A_group", "A_turn"]
     approx(terms["A_turn"][0], [[0.0, 0.0], [1.224745], [-1.224745, 0.0, 0.0]])
@@ -138,11 +142,11 @@ def test_grpo_outcome_on_every_turn(trainer):
 
 def test_reinforce_pp_whitens_over_the_batch(trainer):
     # gamma 1: G = [[3, 2]], [[1], [0]]  -> flat [3, 2, 1, 0]: mean 1.5, std 1.290994
-    A = trainer.ADVANTAGES["reinforce_pp"]([[[1.0, 2.0]], [[1.0], [0.0]]], argparse.Namespace(gamma=1.0))[0]
+    A = trainer.ADVANTAGES["reinforce_pp"]([[[1.0, 2.0]], [[1.0], [0.0]]], None, argparse.Namespace(gamma=1.0))[0]
     s = math.sqrt(5 / 3)
     approx(A, [[[1.5 / s, 0.5 / s]], [[-0.5 / s], [-1.5 / s]]])
     # no per-prompt grouping: the same trajectory in a better batch gets a lower advantage
-    A2 = trainer.ADVANTAGES["reinforce_pp"]([[[1.0, 2.0]], [[5.0], [5.0]]], argparse.Namespace(gamma=1.0))[0]
+    A2 = trainer.ADVANTAGES["reinforce_pp"]([[[1.0, 2.0]], [[5.0], [5.0]]], None, argparse.Namespace(gamma=1.0))[0]
     assert A2[0][0][0] < A[0][0][0]
 
 
@@ -224,14 +228,26 @@ def test_the_token_mask_holds_the_replies_with_an_advantage(trainer):
     import types
 
     # replies at [3, 7), [9, 12), [15, 20); the judge failed on the second (A None): its 3 tokens are not scored
-    a = trainer.Sample(ids=list(range(100, 120)), spans=[(3, 7), (9, 12), (15, 20)], A=[0.5, None, -1.0])
-    b = trainer.Sample(ids=[7] * 6, spans=[(2, 5)], A=[2.0])
+    a = trainer.Sample(
+        ids=list(range(100, 120)),
+        spans=[(3, 7), (9, 12), (15, 20)],
+        advantages=[0.5, None, -1.0],
+        sampler=[[-1.0] * 4, [-2.0] * 3, [-3.0] * 5],
+    )
+    b = trainer.Sample(ids=[7] * 6, spans=[(2, 5)], advantages=[2.0], sampler=[[-4.0] * 3])
     assert a.scored() == [(3, 7), (15, 20)] and a.n_tokens() == 9
     assert a.token_advantages().tolist() == [0.5] * 4 + [-1.0] * 5  # A_i of every scored token, in order
+    assert a.sampler_logprobs().tolist() == [-1.0] * 4 + [-3.0] * 5  # the sampler's, of the same tokens
     ids, attn, mask = trainer.collate([a, b], 0, "cpu")
     assert mask.tolist() == [[0] * 3 + [1] * 4 + [0] * 8 + [1] * 5, [0, 0, 1, 1, 1] + [0] * 15]
     assert attn.tolist() == [[1] * 20, [1] * 6 + [0] * 14]
     # as_samples: the advantage of a failed turn becomes None (default: where the EMPA judge failed)
-    tr = types.SimpleNamespace(T=2, ids=list(range(8)), spans=[(1, 3), (5, 8)], judge_failed=[True, False])
+    tr = types.SimpleNamespace(
+        T=2,
+        ids=list(range(8)),
+        spans=[(1, 3), (5, 8)],
+        judge_failed=[True, False],
+        sampler_logprobs=[[-1.0] * 2, [-2.0] * 3],
+    )
     s = trainer.as_samples([tr], [[0.3, -0.2]])[0]
-    assert s.A == [None, -0.2] and s.scored() == [(5, 8)] and s.n_tokens() == 3
+    assert s.advantages == [None, -0.2] and s.scored() == [(5, 8)] and s.n_tokens() == 3

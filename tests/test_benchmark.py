@@ -281,7 +281,7 @@ def test_for_run_prints_the_measured_seconds_beside_the_estimate(tmp_path, train
     run.mkdir()
     (run / "args.json").write_text(json_.dumps(runs.public_args(args), default=str))
     steps = [
-        {"step": 1, "step_seconds": 30.0, "turns_mean": 3.0, "train_tokens": 3000},
+        {"step": 1, "step_seconds": 30.0, "turns_mean": 3.0, "token_passes": 3000},
         {"step": 2, "step_seconds": 12.5, "rollout_seconds": 10.0, "reward_seconds": 0.02, "update_seconds": 2.5},
     ]
     (run / "metrics.jsonl").write_text("".join(json_.dumps(m) + "\n" for m in steps))

@@ -80,7 +80,9 @@ def test_advantages_are_04s():
     rewards = [[[1.0, 0.0, 2.0], [0.5, 0.5]], [[0.0, 1.0], [2.0, 2.0, 2.0]]]
     for estimator in ({"kind": "mica", "alpha": 0.4}, {"kind": "grpo"}, {"kind": "reinforce_pp"}):
         args = argparse.Namespace(alpha=estimator.get("alpha"), gamma=0.85)
-        assert credit.advantages(estimator, rewards, 0.85) == trainer.ADVANTAGES[estimator["kind"]](rewards, args)[0]
+        assert (
+            credit.advantages(estimator, rewards, 0.85) == trainer.ADVANTAGES[estimator["kind"]](rewards, None, args)[0]
+        )
     # MICA at alpha 0.4 by hand on the first group's first dialogue's last turn: G = (2), (-, -) -> only k0
     # reached turn 2: A_turn 0; A_group = (2 - mean) / std over r = 1, 0, 2, 0.5, 0.5 (mean 0.8, std 0.678233)
     A = credit.advantages({"kind": "mica", "alpha": 0.4}, rewards, 0.85)

@@ -104,7 +104,7 @@ def test_two_processes_keep_one_adapter_and_log_every_trajectory(tiny_model, tmp
         mine = [r for r in rollouts if r["step"] == m["step"]]
         assert m["trajectories"] == 4 and len({r["scenario_id"] for r in mine}) == 2
         scored = sum(t["reply_tokens"] for r in mine for t in r["turns"] if not t["judge_failed"])
-        assert m["train_tokens"] == scored > 0
+        assert m["token_passes"] == scored > 0
         assert abs(m["return_mean"] - sum(r["return"] for r in mine) / 4) < 1e-9
     assert torch.load(run / "checkpoint.pt", weights_only=True)["step"] == 2
     assert p.stdout.count("step    1 |") == 1  # one log line per step: rank 0's
@@ -150,6 +150,7 @@ def fixed_update(trainer, model_path, share=(0, 1)):
                 messages=[],
                 vs=[[0.0, 0.0, 0.0]],
                 spans=[(prompt_len, prompt_len + reply_len)],
+                sampler_logprobs=[[-1.0] * reply_len],
             )
         )
         advs.append([adv])
@@ -169,7 +170,7 @@ def test_one_update_over_two_processes_equals_one_process(tiny_model, tmp_path, 
     assert set(both["weights"]) == set(single)
     for name, w in single.items():
         torch.testing.assert_close(both["weights"][name], w, rtol=1e-5, atol=1e-6)
-    assert both["train_tokens"] == out["train_tokens"] == 3 + 9 + 2 + 12
+    assert both["token_passes"] == out["token_passes"] == 3 + 9 + 2 + 12
     assert abs(both["loss"] - out["loss"]) < 1e-6
 
 
@@ -194,5 +195,5 @@ if __name__ == "__main__":  # the 2-process side of the tests above, started by 
         acc = Accelerator(cpu=not torch.cuda.is_available())  # joins the launcher's processes as 04's main does
         weights, out = fixed_update(trainer, sys.argv[1], share=(acc.process_index, acc.num_processes))
         if acc.is_main_process:
-            torch.save({"weights": weights, "train_tokens": out["train_tokens"], "loss": out["loss"]}, sys.argv[2])
+            torch.save({"weights": weights, "token_passes": out["token_passes"], "loss": out["loss"]}, sys.argv[2])
         acc.end_training()

@@ -180,14 +180,16 @@ def test_run_generates_at_the_official_temperature_and_budget(tiny_model, monkey
     batch = list(items().values())
     asked = {}
 
-    def fake_generate(model, tokenizer, contexts, max_new_tokens, temperature=0.0, top_p=1.0):
-        asked.update(contexts=contexts, settings=(max_new_tokens, temperature, top_p))
+    def fake_generate(model, tokenizer, contexts, max_new_tokens, temperature=0.0, top_p=1.0, model_settings=False):
+        asked.update(contexts=contexts, settings=(max_new_tokens, temperature, top_p, model_settings))
         texts = ['{"answer_q1": "B", "answer_q2": "C"}'] + ["no idea"] * (len(contexts) - 1)
-        return [(tok(t, add_special_tokens=False)["input_ids"] + [tok.eos_token_id], True) for t in texts]
+        return [
+            common.Reply(tok(t, add_special_tokens=False)["input_ids"] + [tok.eos_token_id], True, None) for t in texts
+        ]
 
     monkeypatch.setattr(common, "generate_batch", fake_generate)
     cases, transcripts = emobench.run(None, tok, batch, batch_size=3)
-    assert asked["settings"] == (50, 0.6, 1.0)
+    assert asked["settings"] == (50, 0.6, 1.0, True)  # the official HF path: the model's own generation_config
     assert asked["contexts"] == [emobench.official_ids(tok, it["messages"]) for it in batch]
     assert [c["correct"] for c in cases] == [1] + [0] * 7 and sum(not c["parsed"] for c in cases) == 7
     assert transcripts[0] == {

@@ -238,7 +238,8 @@ def test_every_call_its_settings_and_the_100_character_guard(monkeypatch, tiny, 
     calls = []
     long_reply = "x" * 99 + "."  # 100 characters: judged; the drafting task gets 99 (plus spaces)
 
-    def generate(model, tok, contexts, budget, temperature, top_p, min_p):
+    def generate(model, tok, contexts, budget, temperature, top_p, min_p, model_settings):
+        assert model_settings  # an endpoint's sampling: the model's own settings beside the harness's
         calls.append((len(contexts), budget, temperature, top_p, min_p))
         texts = [
             long_reply
@@ -246,7 +247,10 @@ def test_every_call_its_settings_and_the_100_character_guard(monkeypatch, tiny, 
             else "  " + "y" * 99 + "  "
             for c in contexts
         ]
-        return [(tok(f"<think>hidden</think>{x}", add_special_tokens=False)["input_ids"], True) for x in texts]
+        return [
+            common.Reply(tok(f"<think>hidden</think>{x}", add_special_tokens=False)["input_ids"], True, None)
+            for x in texts
+        ]
 
     monkeypatch.setattr(eqbench3.common, "generate_batch", generate)
     judge = Judge(['<think>a</think>{"demonstrated_empathy": "16/20", "theory_of_mind": 8, "correctness": 10}'])
@@ -279,7 +283,7 @@ def test_every_call_its_settings_and_the_100_character_guard(monkeypatch, tiny, 
 
 def test_a_turn_with_no_room_left_fails_its_task(monkeypatch, tiny, P):
     model, tok = tiny
-    monkeypatch.setattr(eqbench3.common, "generate_batch", lambda *a: [([], True)] * len(a[2]))
+    monkeypatch.setattr(eqbench3.common, "generate_batch", lambda *a, **k: [common.Reply([], True, None)] * len(a[2]))
     args = types.SimpleNamespace(
         eqbench3_dir=str(FIX),
         eqbench3_tokens=50,
@@ -302,7 +306,11 @@ def test_a_turn_with_no_room_left_fails_its_task(monkeypatch, tiny, P):
 def test_the_variants_cell_counts_the_tasks_that_reached_the_context_limit(monkeypatch, tiny):
     # without --eqbench3-dir a turn that does not fit is not played: the task is judged on the turns before it
     model, tok = tiny
-    monkeypatch.setattr(eqbench3.common, "generate_batch", lambda *a: [(tok("ok")["input_ids"], True)] * len(a[2]))
+    monkeypatch.setattr(
+        eqbench3.common,
+        "generate_batch",
+        lambda *a, **k: [common.Reply(tok("ok")["input_ids"], True, None)] * len(a[2]),
+    )
     tasks = [
         {"id": str(i), "kind": "roleplay", "category": "", "prompts": ["Hi.", second]}
         for i, second in enumerate(("How are you?", "word " * 300, "Thanks."))

@@ -89,6 +89,77 @@ def test_every_stage_checks_the_model_before_its_run_folder(script, tiny_model, 
     assert_clean_failure(p, out, str(folder), "no file named model.safetensors")
 
 
+# bitsandbytes asks its native library whether the CPU has AVX512-BF16 when it is imported, and on such a CPU tries
+# to fetch a kernel from the hub, logging a warning when it cannot; this sitecustomize makes the library answer yes
+# in a fresh interpreter, so that branch runs on any CPU
+FORCE_AVX512BF16 = """
+import importlib.abc, importlib.machinery, sys
+
+
+class ForceAvx512Bf16(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name != "bitsandbytes.cextension":
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        load = spec.loader.exec_module
+
+        def exec_module(module):
+            load(module)
+            lib = module.lib
+
+            class Says(type(lib)):
+                def __getattr__(self, attr):
+                    return (lambda: True) if attr == "has_avx512bf16_cpu" else super().__getattr__(attr)
+
+            lib.__class__ = Says
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+sys.meta_path.insert(0, ForceAvx512Bf16())
+"""
+
+
+def forced_avx512bf16_run(tmp_path, *argv):
+    """argv in a fresh interpreter (a subprocess: the fork server's bitsandbytes is imported already) with
+    bitsandbytes' CPU-feature detection forced to AVX512-BF16."""
+    site = tmp_path / "site"
+    site.mkdir(exist_ok=True)
+    (site / "sitecustomize.py").write_text(FORCE_AVX512BF16)
+    env = {**os.environ, "PYTHONPATH": str(site)}
+    return subprocess.run([sys.executable, *map(str, argv)], cwd=ROOT, env=env, capture_output=True, text=True)
+
+
+def test_the_forced_cpu_feature_drives_bitsandbytes_warning_branch(tmp_path):
+    """The check below can fail: with the feature forced, importing bitsandbytes alone logs the kernel warning
+    (the branch a CPU with AVX512-BF16 takes; without `kernels` installed, offline)."""
+    p = forced_avx512bf16_run(tmp_path, "-c", "import bitsandbytes")
+    assert "Failed to load CPU gemm_4bit_forward from kernels-community" in p.stderr, p.stderr[-2000:]
+
+
+@pytest.mark.parametrize(
+    "script", ["01_rubric_sft.py", "02_rubric_pref_rl.py", "03_rollout.py", "04_mica_train.py", "05_eval.py"]
+)
+def test_a_stages_first_stderr_line_is_its_own_on_a_cpu_with_avx512_bf16(script, tmp_path):
+    """Each stage, on a CPU with AVX512-BF16 (forced), asked for a model it cannot load: its stderr is its one
+    error line, no library line before it (04 once imported transformers' set_seed at its top, which imports
+    peft and so bitsandbytes before common.py quiets that logger)."""
+    out = tmp_path / "runs"
+    p = forced_avx512bf16_run(tmp_path, script, "--model", "no-such-model-xyz", "--out-dir", out)
+    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+    assert p.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: model 'no-such-model-xyz'"), lines
+
+
+def test_04_trains_a_step_with_nothing_on_stderr_on_a_cpu_with_avx512_bf16(tiny_model, tmp_path):
+    """A whole 04 step on such a CPU with --no-progress: stderr stays empty (no library warning, no loading
+    bar), stdout holds the header and the step line."""
+    args = ["--model", tiny_model, "--steps", "1", "--scenarios-per-step", "1", "--max-new-tokens", "8"]
+    p = forced_avx512bf16_run(tmp_path, "04_mica_train.py", *args, "--out-dir", tmp_path / "runs", "--no-progress")
+    assert p.returncode == 0 and p.stderr.strip() == "", p.stderr[-3000:]
+    assert "step    1 |" in p.stdout
+
+
 @pytest.fixture
 def cuda_without_bitsandbytes(monkeypatch):
     """A CUDA machine as the model check sees it (device probe patched), where bitsandbytes does not import."""
@@ -218,7 +289,7 @@ def test_gpu_check_dry_run_prints_commands_the_scripts_accept(tmp_path, trainer)
     assert p.returncode == 0, p.stderr
     assert not out.exists()  # nothing run, nothing written
     cmds = [ln[2:] for ln in p.stdout.splitlines() if ln.startswith("+ ")]
-    assert len(cmds) == 5, p.stdout
+    assert len(cmds) == 7, p.stdout
     train = shlex.split(cmds[0].split(" 04_mica_train.py ", 1)[1])
     args = trainer.parse_args(train)  # 04 accepts every flag
     assert (args.model, args.steps, args.load_in_4bit, args.judge, args.user) == (
@@ -243,8 +314,17 @@ def test_gpu_check_dry_run_prints_commands_the_scripts_accept(tmp_path, trainer)
     times = bench.parse_args(shlex.split(cmds[2])[2:])  # the run's seconds beside the estimate at its flags
     assert times.estimate and times.measured_on == "DEVICE"  # the device, found on a GPU or CPU run
     assert times.for_run == str(out / f"{args.run_name}-TIME")  # the run's folder: <out>/<run name>-<time>
-    assert "tests/test_distributed.py" in cmds[3]
-    upd = bench.parse_args(shlex.split(cmds[4])[2:])
+    gap = trainer.parse_args(shlex.split(cmds[3].split(" 04_mica_train.py ", 1)[1]))  # 4-bit, the offline judge
+    assert (gap.steps, gap.load_in_4bit, gap.judge, gap.user, gap.run_name) == (
+        1,
+        "on",
+        "embed",
+        "scripted",
+        "gap-check",
+    )
+    assert "sampler gap" in cmds[4] and cmds[4].endswith(f"{args.run_name}-TIME {out}/gap-check-TIME")  # both runs'
+    assert "tests/test_distributed.py" in cmds[5]
+    upd = bench.parse_args(shlex.split(cmds[6])[2:])
     assert upd.figures == "2" and upd.no_trl
 
 
@@ -370,7 +450,8 @@ def test_the_gpu_preset_end_to_end_on_a_cpu(tiny_model, tmp_path, monkeypatch, t
 
     def judge_answers_json(model, tok, contexts, max_new_tokens, temperature=0.0, top_p=1.0):
         if all("MDEP-PR" in tok.decode(c) for c in contexts):
-            return [(tok(answer, add_special_tokens=False)["input_ids"] + [tok.eos_token_id], True) for _ in contexts]
+            ids = tok(answer, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+            return [common.Reply(ids, True, [0.0] * len(ids)) for _ in contexts]
         return real(model, tok, contexts, max_new_tokens, temperature, top_p)
 
     monkeypatch.setattr(common, "generate_batch", judge_answers_json)
@@ -401,11 +482,11 @@ def test_the_gpu_preset_end_to_end_on_a_cpu(tiny_model, tmp_path, monkeypatch, t
     )
     m = json.loads((run / "metrics.jsonl").read_text())
     assert m["trajectories"] == 4 and m["judge_failures"] == 0 and m["optimizer_steps"] == 1
-    assert m["train_tokens"] > 4 * 256 and math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"])
+    assert m["token_passes"] > 4 * 256 and math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"])
     recs = [json.loads(x) for x in (run / "rollouts.jsonl").read_text().splitlines()]
     assert all(len(r["turns"]) >= 2 and max(t["reply_tokens"] for t in r["turns"]) <= 256 for r in recs)
     assert all(r["outcome"] in ("context_limit", "success", "failure", "timeout") for r in recs)
-    assert "preset gpu (asked)" in capsys.readouterr().out
+    assert "preset presets/gpu.yaml (asked)" in capsys.readouterr().out
 
 
 def test_a_context_beyond_the_models_window_is_cut_with_one_line(tmp_path, trainer, capsys):
@@ -464,6 +545,14 @@ def test_gpu_check_runs_its_sequence_on_the_cpu(tiny_model_64, tmp_path):
     assert re.search(
         r"^\| rollout \(policy, judge, user\) \| [\d.e+-]+ \| [\d.e+-]+ \| ([\d.]+|not logged) \|", p.stdout, re.M
     )
+    # each step's sampler gap, printed beside the other figures: 4-bit QLoRA on the CPU computes in fp32, so the
+    # sampler and the update agree to rounding
+    # (the random tiny model's self judge never writes valid JSON: no token of step 1's run is scored; the
+    # offline judge of the gap run scores every turn)
+    gaps = re.findall(r"^sampler gap, (gpu|gap)-check-[\d-]+, step (\d): (.*)$", p.stdout, re.M)
+    assert [g[:2] for g in gaps] == [("gpu", "1"), ("gpu", "2"), ("gap", "1")], p.stdout[-3000:]
+    measured = re.fullmatch(r"mean ([\d.e+-]+), max ([\d.e+-]+) nats", gaps[2][2])
+    assert measured and float(measured[1]) <= float(measured[2]) < 1e-3, gaps
     assert (out / "benchmark" / "benchmark.md").exists() and "gpu_check: done in" in p.stdout
 
 

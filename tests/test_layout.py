@@ -121,14 +121,38 @@ def test_04_writes_its_own_update():
         "cut_off_penalty",
         "idr_rewards",
         "rlver_rewards",
-        "care_rewards",
-        "kardia_rewards",
         "train_loop",
     } <= defs
+    # CARE's and Kardia-R1's reward loops stand beside the criteria judge they call, in 01
+    sft = ast.parse((ROOT / "01_rubric_sft.py").read_text(encoding="utf-8"))
+    assert {"care_rewards", "kardia_rewards", "write_rubrics", "load_graders", "CriteriaJudge"} <= {
+        n.name for n in sft.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))
+    }
+
+
+def test_04_uses_nothing_before_it_defines_it():
+    """04 reads top to bottom: a top-level function, class or constant of the file uses only the file's names
+    defined above it."""
+    tree = ast.parse((ROOT / "04_mica_train.py").read_text(encoding="utf-8"))
+    defined_at = {}
+    for i, node in enumerate(tree.body):
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            defined_at.setdefault(node.name, i)
+        for target in getattr(node, "targets", []) + [getattr(node, "target", None)]:
+            for name in ast.walk(target) if target is not None else []:
+                if isinstance(name, ast.Name):
+                    defined_at.setdefault(name.id, i)
+    early = [
+        (node.lineno, n.id)
+        for i, node in enumerate(tree.body)
+        for n in ast.walk(node)
+        if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load) and defined_at.get(n.id, -1) > i
+    ]
+    assert early == [], early
 
 
 # the data-parallel helpers of 04: the only functions in which processes talk (each does nothing on one process)
-DP_HELPERS = {"sum_over_processes", "gather_over_processes", "over_processes"}
+DP_HELPERS = {"sum_over_processes", "gather_over_processes", "advantages_over_processes"}
 COLLECTIVE = re.compile(r"reduce|all_reduce|gather|broadcast|all_gather|scatter|barrier", re.I)
 
 
@@ -285,7 +309,6 @@ def test_readme_is_a_newcomers_page():
     assert heads[:2] == ["Quick start", "Read the code in this order"], heads
     assert "make demo" in text and "make test" in text and "--model Qwen2.5-7B-Instruct" in text
     assert len(re.findall(r"^\|---", text, re.M)) == 1, "one result table"
-    assert len(text) <= 10_000, len(text)
 
 
 def test_every_table_row_has_its_headers_cells():

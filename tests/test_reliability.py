@@ -358,7 +358,11 @@ BAD_FLAGS = [  # (script, flags, the one message it exits 2 with)
     ("04_mica_train.py", ["--advantage", "reinforce_pp", "--k", "1"], "--k must be >= 2"),
     ("04_mica_train.py", ["--top-p", "0.9"], "--top-p must be 1 for training (the loss scores the whole distribution)"),
     ("04_mica_train.py", ["--temperature", "0"], "--temperature must be > 0 for training"),
-    ("04_mica_train.py", ["--advantage", "ppo"], "argument --advantage: invalid choice: 'ppo'"),
+    (
+        "04_mica_train.py",
+        ["--advantage", "ppo"],
+        "--advantage: unknown estimator 'ppo'; choose from mica, grpo, reinforce_pp",
+    ),
     (
         "04_mica_train.py",
         ["--minibatch-size", "6"],
@@ -513,7 +517,7 @@ def test_nothing_to_score_skips_the_update_without_nan(trainer, env, tiny_model)
     out = trainer.policy_update(
         model, tok, opt, sched, trainer.as_samples([failed, empty], [[1.0], [-1.0]]), args, Accelerator()
     )
-    assert (out["optimizer_steps"], out["train_tokens"]) == (0, 0)
+    assert (out["optimizer_steps"], out["token_passes"]) == (0, 0)
     assert all(math.isnan(out[k]) for k in ("loss", "clip_frac", "grad_norm"))  # nothing measured: NaN, not 0
     assert sched.last_epoch == 1  # the schedule still follows the steps
     assert all(torch.isfinite(p).all() for p in model.parameters())
@@ -536,10 +540,10 @@ def test_nothing_to_score_skips_the_update_without_nan(trainer, env, tiny_model)
         kardia_format=False,
         care_distance="plain",
     )
-    r, failed = trainer.turn_rewards(trainer.reward_parts([tr], targs, None)[0], tr, targs)
+    r, failed = trainer.turn_rewards(trainer.reward_parts([tr], targs, None)[0][0], tr, targs)
     assert all(x == x and abs(x) < 1e9 for x in r) and failed == [False, True]  # the non-finite turn: failed
     assert r[1] == r[0] > 0  # filled with the dialogue's mean valid reward
-    A, _ = trainer.ADVANTAGES["mica"]([[r, [0.5, 0.1]]], argparse.Namespace(alpha=0.4, gamma=0.85))
+    A, _ = trainer.ADVANTAGES["mica"]([[r, [0.5, 0.1]]], None, argparse.Namespace(alpha=0.4, gamma=0.85))
     assert all(a == a and abs(a) < 1e9 for row in A[0] for a in row)
 
 
@@ -549,7 +553,6 @@ def test_nothing_to_score_skips_the_update_without_nan(trainer, env, tiny_model)
 def test_loading_is_safe_by_default():
     """Every torch.load in the project passes weights_only=True; trust_remote_code is off unless the
     flag asks for it; weights are written as safetensors (no pickled .bin anywhere)."""
-    import argparse
     import re
 
     import common
@@ -561,7 +564,6 @@ def test_loading_is_safe_by_default():
             assert "weights_only=True" in call, (path.name, call)
         assert "pickle" not in text and ".bin" not in text, path.name
         assert "trust_remote_code=True" not in text, path.name
-    p = argparse.ArgumentParser()
-    common.add_model_args(p)
+    p = common.options_parser("", [("model", common.ModelOptions)])
     assert p.parse_args([]).trust_remote_code is False
     assert p.parse_args(["--trust-remote-code"]).trust_remote_code is True

@@ -105,7 +105,7 @@ def test_rollout_states_rewards_and_spans(env, trainer, tiny):
 
 def rewards_of(trainer, tr, targs, graders=None):
     """04's training reward per turn of one dialogue: its --reward parts by name, then turn_rewards."""
-    return trainer.turn_rewards(trainer.reward_parts([tr], targs, graders)[0], tr, targs)[0]
+    return trainer.turn_rewards(trainer.reward_parts([tr], targs, graders)[0][0], tr, targs)[0]
 
 
 def test_failed_judgement_is_flagged_and_left_out(env, trainer, tiny):
@@ -161,7 +161,7 @@ def test_cutoff_penalty(env, trainer, tiny):
         ({"rlver": 1.0}, (1, 1, 1), {}, 0.5 * 0.1),  # RLVER: at most 10 emotion points / 100 a turn
         ({"care": 1.0}, (1, 1, 1), {}, 0.5),  # CARE: scores and weights in [0, 1]
         ({"kardia": 1.0}, (1, 1, 1), {}, 0.5),  # Kardia-R1: the mean criterion score in [0, 1]
-        ({"kardia": 1.0}, (1, 1, 1), {"kardia_format": True}, 0.5 * 2),  # + r_fmt in {-1, 0}: [-1, 1]
+        ({"kardia": 1.0}, (1, 1, 1), {"kardia_format": True}, 0.5),  # full marks, sections present: r_fmt 0
         ({"idr": 1.0, "rlver": 0.5}, (1, 1, 1), {}, 0.5 * (3**0.5 + 0.05)),  # a sum: weighted like the reward
         # idr+care with the rubric weighting the distance: 3 w_t sums to 3 whatever --idr-weights say; plain: theirs
         ({"idr": 1.0, "care": 1.0}, (4, 0, 0), {"care_distance": "weighted"}, 0.5 * (3**0.5 + 1)),
@@ -295,8 +295,6 @@ def test_care_reward_turn_by_turn(trainer):
         def score(self, items):
             return [[float(any(w in it["reply"].split() for w in c.split())) for c in it["criteria"]] for it in items]
 
-    import types
-
     msgs = [
         {"role": "system", "content": "s"},
         {"role": "user", "content": "u1"},
@@ -308,12 +306,14 @@ def test_care_reward_turn_by_turn(trainer):
         "weights": {"cognitive": 0.2, "affective": 0.5, "proactive": 0.3},
         "criteria": {"cognitive": ["situation"], "affective": ["feelings", "warmth"], "proactive": ["step"]},
     }
-    tr = types.SimpleNamespace(
-        T=2, messages=msgs, shown=["feelings matter", "try one step"], extra={"rubrics": [rb, rb]}
+    tr = trainer.env.Trajectory(
+        scenario={}, k=0, ids=[], messages=msgs, spans=[(0, 1), (1, 2)], shown=["feelings matter", "try one step"]
     )
+    tr.extra["rubrics"] = [rb, rb]
     # turn 1: s = (0, (1 + 0)/2, 0) -> 0.5 * 0.5 = 0.25;  turn 2: s = (0, 0, 1) -> 0.3
-    graders = trainer.Graders(criteria_judge=Fake())
-    assert trainer.care_rewards([tr], argparse.Namespace(), graders) == [pytest.approx([0.25, 0.3])]
+    graders = trainer.sft.Graders(criteria_judge=Fake())
+    assert trainer.sft.care_rewards([tr], argparse.Namespace(), graders) == [pytest.approx([0.25, 0.3])]
+    assert trainer.REWARDS["care"].score is trainer.sft.care_rewards  # 04 names it, 01 holds its loop
 
 
 def test_kardia_format_and_reward(env, trainer):
@@ -329,7 +329,8 @@ def test_kardia_format_and_reward(env, trainer):
     )  # empty response
     assert env.kardia_response("plain reply") == ("plain reply", False)
 
-    assert env.kardia_section(good, "emotion") == "fear" and env.kardia_section("plain reply", "emotion") == ""
+    sft = trainer.sft
+    assert sft.kardia_section(good, "emotion") == "fear" and sft.kardia_section("plain reply", "emotion") == ""
 
     class Fake:  # the reply's four axes score 1, 0.5, 0.5, 1; emotion accuracy 1 if "fear" is named, else 0
         def __init__(self):
@@ -341,34 +342,34 @@ def test_kardia_format_and_reward(env, trainer):
                 [1.0, 0.5, 0.5, 1.0] if len(it["criteria"]) == 4 else [float("fear" in it["reply"])] for it in items
             ]
 
-    import types
-
-    tr = types.SimpleNamespace(
-        T=2,
+    tr = env.Trajectory(
         scenario={"persona": "a nurse", "profile": {"MBTI": "INFJ"}},
+        k=0,
+        ids=[],
         messages=[
             {"role": "user", "content": "u"},
             {"role": "assistant", "content": good},
             {"role": "user", "content": "I am scared"},
             {"role": "assistant", "content": "x"},
         ],
+        spans=[(0, 1), (1, 2)],
         shown=["That sounds frightening.", "x"],
         formatted=[True, False],
     )
-    reply_axes, emotion_axis = trainer.kardia_criteria(tr.scenario, "I am scared")
+    reply_axes, emotion_axis = sft.kardia_criteria(tr.scenario, "I am scared")
     assert [c.split(":")[0] for c in reply_axes] == ["Relevance", "Empathy", "Persona consistency", "Safety"]
     assert "MBTI: INFJ" in reply_axes[2]
     assert emotion_axis.startswith("Emotion accuracy") and "I am scared" in emotion_axis
-    assert "(grief)" in trainer.kardia_criteria({"emotion": "grief"}, "...")[1]  # the scenario's emotion wins
+    assert "(grief)" in sft.kardia_criteria({"emotion": "grief"}, "...")[1]  # the scenario's emotion wins
     judge = Fake()
     # turn 1: (1 + 0.5 + 0.5 + 1 + 1 [fear named]) / 5 = 0.8; turn 2: no sections -> emotion 0, format -1
     fmt = argparse.Namespace(kardia_format=True)
-    assert trainer.kardia_rewards([tr], fmt, trainer.Graders(criteria_judge=judge)) == [pytest.approx([0.8, 0.6 - 1.0])]
+    assert sft.kardia_rewards([tr], fmt, sft.Graders(criteria_judge=judge)) == [pytest.approx([0.8, 0.6 - 1.0])]
     assert [it["reply"] for it in judge.items if len(it["criteria"]) == 1] == ["fear", "(no emotion named)"]
     # without the format the emotion is judged on the shown reply itself
     plain = argparse.Namespace(kardia_format=False)
-    assert trainer.kardia_rewards([tr], plain, trainer.Graders(criteria_judge=Fake())) == [pytest.approx([0.6, 0.6])]
-    assert env.seen_history(tr)[1]["content"] == "That sounds frightening."  # the user never sees the rest
+    assert sft.kardia_rewards([tr], plain, sft.Graders(criteria_judge=Fake())) == [pytest.approx([0.6, 0.6])]
+    assert tr.seen_history()[1]["content"] == "That sounds frightening."  # the user never sees the rest
 
 
 @pytest.mark.parametrize("reward", ["idr", "rlver", "idr+0.5*rlver", "care", "idr+care", "kardia"])
@@ -415,7 +416,7 @@ def test_every_reward_with_every_estimator_one_step(
     )
     run = next(tmp_path.iterdir())
     m = json.loads((run / "metrics.jsonl").read_text())
-    assert m["train_tokens"] > 0 and m["loss"] is not None and 0 <= m["final_emotion"] <= 100
+    assert m["token_passes"] > 0 and m["loss"] is not None and 0 <= m["final_emotion"] <= 100
     recs = [json.loads(x) for x in (run / "rollouts.jsonl").read_text().splitlines()]
     names = set(trainer.parse_reward_spec(reward))
     assert all(set(t["reward_parts"]) == names for r in recs for t in r["turns"])
@@ -449,7 +450,7 @@ def test_a_new_estimator_is_one_function_and_one_entry(trainer, tiny_model, tmp_
     its own term for every turn, and the credit picture draws them."""
     import json
 
-    def sign_of_return(rewards, args):
+    def sign_of_return(rewards, dialogues, args):
         """A = +1 where the return-to-go G_t is above the group's mean return-to-go at t, else -1."""
         A, G_all = [], []
         for group in rewards:
@@ -489,14 +490,55 @@ def test_a_new_estimator_is_one_function_and_one_entry(trainer, tiny_model, tmp_
     assert (run / "credit_step1.png").stat().st_size > 5_000
 
 
+def test_an_estimator_that_reads_the_dialogues_is_one_function_too(env, trainer, tiny_model, tmp_path, monkeypatch):
+    """A fork's estimator that needs the dialogues, not only their rewards: MICA's turn-level term with each
+    dialogue's returns centred at turn t and divided by its scenario's initial distance d(P_0) (not by the
+    returns' spread), so that easy and hard scenarios weigh alike. One 04 step runs it; its advantages are read
+    back from rollouts.jsonl and recomputed there from the logged returns and d(P_0)."""
+    import json
+
+    def turn_level_by_distance(rewards, dialogues, args):
+        """A[k][t] = (G[k][t] - mean_t) / d(P_0), over the dialogues k of the scenario that reached turn t."""
+        A, d0_terms = [], []
+        for group, group_dialogues in zip(rewards, dialogues):
+            d0 = env.hinge_distance(group_dialogues[0].states[0], eps=env.EPS)  # the scenario's P_0, shared by its K
+            G = [trainer.discounted_returns(r, args.gamma) for r in group]
+            A_s = [[0.0] * len(r) for r in group]
+            for t in range(max(len(r) for r in group)):
+                reached = [k for k in range(len(group)) if len(group[k]) > t]
+                mean_t = sum(G[k][t] for k in reached) / len(reached)
+                for k in reached:
+                    A_s[k][t] = (G[k][t] - mean_t) / d0
+            A.append(A_s)
+            d0_terms.append([[d0] * len(r) for r in group])
+        return A, {"d0": d0_terms}
+
+    monkeypatch.setitem(trainer.ADVANTAGES, "turn_by_d0", turn_level_by_distance)
+    args = ["--model", tiny_model, "--advantage", "turn_by_d0", "--steps", "1", "--scenarios-per-step", "2"]
+    trainer.main([*args, "--max-turns", "3", "--max-new-tokens", "5", "--out-dir", str(tmp_path), "--no-progress"])
+    records = [json.loads(x) for x in next(tmp_path.iterdir()).joinpath("rollouts.jsonl").read_text().splitlines()]
+    assert len(records) == 8 and len({r["scenario_id"] for r in records}) == 2
+    for sid in {r["scenario_id"] for r in records}:
+        group = [r for r in records if r["scenario_id"] == sid]
+        d0 = group[0]["initial_distance"]
+        for t in range(max(len(r["turns"]) for r in group)):
+            reached = [r["turns"][t] for r in group if len(r["turns"]) > t]
+            mean_t = sum(turn["G"] for turn in reached) / len(reached)
+            for turn in reached:
+                assert turn["advantage"] == pytest.approx((turn["G"] - mean_t) / d0, abs=2e-4)
+                assert turn["terms"]["d0"] == pytest.approx(d0, abs=1e-4)
+
+
 def test_care_weights_the_distance_and_uniform_is_mica(trainer):
     import types
 
     states = [[-6, -9, -4], [-5, -6, -4], [-6, -5, -3], [-3, -6, -2]]
-    args = argparse.Namespace(idr_weights=(1, 1, 1), eps=1.0, reward_weights={"idr": 1.0}, care_distance="weighted")
-    uniform = {"weights": {d: 1 / 3 for d in trainer.DIMS}}
+    args = argparse.Namespace(
+        idr_weights=(1, 1, 1), eps=1.0, reward_weights={"idr": 1.0}, care_distance="weighted", kardia_format=False
+    )
+    uniform = {"weights": {d: 1 / 3 for d in trainer.sft.DIMS}}
     tr = types.SimpleNamespace(T=3, states=states, extra={"rubrics": [uniform] * 3})
-    assert trainer.reward_parts([tr], args, None)[0]["idr"] == pytest.approx([2.828, 0.363, 1.231], abs=1e-3)
+    assert trainer.reward_parts([tr], args, None)[0][0]["idr"] == pytest.approx([2.828, 0.363, 1.231], abs=1e-3)
     # affective-heavy rubric: w = 3 * (0.2, 0.6, 0.2) = (0.6, 1.8, 0.6); turn 1 moves A by +3
     aff = {"weights": {"cognitive": 0.2, "affective": 0.6, "proactive": 0.2}}
     tr.extra["rubrics"] = [aff] * 3
@@ -504,13 +546,13 @@ def test_care_weights_the_distance_and_uniform_is_mica(trainer):
     def d(P):
         return (0.6 * max(0, -1 - P[0]) ** 2 + 1.8 * max(0, -1 - P[1]) ** 2 + 0.6 * max(0, -1 - P[2]) ** 2) ** 0.5
 
-    assert trainer.reward_parts([tr], args, None)[0]["idr"] == pytest.approx(
+    assert trainer.reward_parts([tr], args, None)[0][0]["idr"] == pytest.approx(
         [d(states[t]) - d(states[t + 1]) for t in range(3)]
     )
-    assert trainer.reward_parts([tr], args, None)[0]["idr"][0] > 2.828  # the affective move counts more
+    assert trainer.reward_parts([tr], args, None)[0][0]["idr"][0] > 2.828  # the affective move counts more
     # --care-distance plain keeps MICA's potential difference: the rewards telescope to d(P0) - d(P_T)
     args.care_distance = "plain"
-    plain = trainer.reward_parts([tr], args, None)[0]["idr"]
+    plain = trainer.reward_parts([tr], args, None)[0][0]["idr"]
     assert plain == pytest.approx([2.828, 0.363, 1.231], abs=1e-3) and sum(plain) == pytest.approx(9.899495 - 5.477226)
 
 
@@ -602,7 +644,12 @@ def test_minibatches_hold_whole_scenarios_in_the_steps_order(trainer, tiny_model
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     samples = [
-        trainer.Sample([(5 * i + j) % 90 + 3 for j in range(40 - i)], [(4, 40 - i)], [None if i == 5 else (-1.0) ** i])
+        trainer.Sample(
+            [(5 * i + j) % 90 + 3 for j in range(40 - i)],
+            [(4, 40 - i)],
+            [None if i == 5 else (-1.0) ** i],
+            [[0.0] * (36 - i)],
+        )
         for i in range(16)
     ]  # dialogue 5: its turn failed
     seen = []
@@ -646,7 +693,9 @@ def test_the_clip_engages_on_the_second_minibatch(trainer, tiny_model, monkeypat
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.05)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
         ids = tok("I feel so alone since my dad died. That sounds really painful.")["input_ids"]
-        samples = [trainer.Sample(ids, [(4, len(ids))], [1.0 if i % 2 else -1.0]) for i in range(8)]
+        samples = [
+            trainer.Sample(ids, [(4, len(ids))], [1.0 if i % 2 else -1.0], [[0.0] * (len(ids) - 4)]) for i in range(8)
+        ]
         args.minibatch_size = minibatch_size
         out[minibatch_size] = trainer.policy_update(model, tok, opt, sched, samples, args, Accelerator())
     assert out[8]["optimizer_steps"] == 1 and out[8]["clip_frac"] == 0.0 and out[8]["ratio_max"] == pytest.approx(1.0)
@@ -687,10 +736,9 @@ def test_a_failed_criteria_judge_leaves_its_turn_out_like_a_failed_empa_judge(en
         care_distance="plain",
         reward_weights=trainer.parse_reward_spec(reward),
         gamma=0.85,
+        rubric="uniform",  # with care, reward_parts has 01 write every turn's rubric: here the fixed one
     )
-    for i, tr in enumerate(trajs):
-        tr.extra["rubrics"] = [trainer.sft.UNIFORM_RUBRIC] * tr.T
-    parts = trainer.reward_parts(trajs, targs, trainer.Graders(criteria_judge=Judge()))
+    parts, _ = trainer.reward_parts(trajs, targs, trainer.sft.Graders(criteria_judge=Judge()))
     rewards, failed = zip(*[trainer.turn_rewards(p, tr, targs) for p, tr in zip(parts, trajs)])
     assert list(failed) == [[False, True, False], [False, False, True]] and not any(
         tr.judge_failed[t] for tr in trajs for t in range(3)
@@ -699,7 +747,7 @@ def test_a_failed_criteria_judge_leaves_its_turn_out_like_a_failed_empa_judge(en
         valid = [x for x, f in zip(r, F) if not f]
         assert all(x == pytest.approx(sum(valid) / len(valid)) for x, f in zip(r, F) if f)  # filled with the mean
     samples = trainer.as_samples(trajs, [[1.0] * 3, [1.0] * 3], failed)
-    assert [s.A for s in samples] == [[1.0, None, 1.0], [1.0, 1.0, None]]
+    assert [s.advantages for s in samples] == [[1.0, None, 1.0], [1.0, 1.0, None]]
     assert [s.n_tokens() for s in samples] == [
         sum(e - s for (s, e), f in zip(tr.spans, F) if not f) for tr, F in zip(trajs, failed)
     ]
@@ -730,11 +778,11 @@ def test_the_rubric_generator_and_its_judge_read_the_same_shown_history(trainer,
 
     def generate(model, tok, contexts, max_new_tokens, temperature, batch_size):
         seen.extend(contexts)
-        return [("not a rubric", [], [])] * len(contexts)
+        return [trainer.sft.GeneratedRubric("not a rubric", [], [], [])] * len(contexts)
 
     monkeypatch.setattr(trainer.sft, "generate_rubrics", generate)
     args = argparse.Namespace(rubric="adaptive", rubric_max_new_tokens=8)
-    invalid = trainer.write_rubrics([tr], trainer.Graders(), args)
+    invalid = trainer.sft.write_rubrics([tr], trainer.sft.Graders(), args)
     assert seen[1] == [msgs[1], {"role": "assistant", "content": "I hear you."}, msgs[3]]
     assert seen[0] == [msgs[1]] and invalid == 2 and tr.extra["rubrics"] == [trainer.sft.UNIFORM_RUBRIC] * 2
 
@@ -772,7 +820,7 @@ def test_report_to_tensorboard_logs_every_step_and_the_configuration(trainer, ti
     run = next(tmp_path.iterdir())
     metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     events = EventAccumulator(str(run / "tensorboard")).Reload()
-    for key in ("return_mean", "cut_off_frac", "train_tokens", "update_seconds"):
+    for key in ("return_mean", "cut_off_frac", "token_passes", "update_seconds"):
         logged = [(e.step, e.value) for e in events.Scalars(key)]
         assert logged == [(m["step"], pytest.approx(m[key], rel=1e-6)) for m in metrics], key
     hparams = list((run / "tensorboard").rglob("hparams.yml"))

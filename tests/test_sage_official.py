@@ -291,9 +291,10 @@ def test_the_tested_model_gets_the_system_prompt_and_the_room_left(monkeypatch, 
     model, tok = tiny
     seen = []
 
-    def generate(model, tok, contexts, budget, temperature, top_p):
+    def generate(model, tok, contexts, budget, temperature, top_p, model_settings):
+        assert model_settings  # the official protocol: an endpoint's defaults, the model's own settings
         seen.append(([tok.decode(c) for c in contexts], budget, temperature, top_p))
-        return [(tok("fine", add_special_tokens=False)["input_ids"], budget > 5)] * len(contexts)
+        return [common.Reply(tok("fine", add_special_tokens=False)["input_ids"], budget > 5, None)] * len(contexts)
 
     monkeypatch.setattr(sage.common, "generate_batch", generate)
     short = sage.Dialogue({"id": "a"}, history=[{"role": "user", "content": "hi", "emotion-point": 40}])

@@ -167,7 +167,7 @@ def test_train_script_other_estimators(tiny_model, tmp_path, advantage):
     )
     assert p.returncode == 0, p.stderr[-3000:]
     m = metrics(only_run(tmp_path))[0]
-    assert m["kl"] == m["kl"] and m["train_tokens"] > 0  # not NaN: the reference was computed
+    assert m["kl"] == m["kl"] and m["token_passes"] > 0  # not NaN: the reference was computed
 
 
 def test_rollout_with_api_judge_and_user_on_a_loopback_server(tiny_model, tmp_path):

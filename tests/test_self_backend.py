@@ -94,7 +94,8 @@ class FakeGenerator:
                 self.asked[text] = self.asked.get(text, 0) + 1
             else:
                 answer = USER_OK if kind == "user" else self.policy(b)
-            out.append((tokenizer(answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id], True))
+            ids = tokenizer(answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+            out.append(common.Reply(ids, True, [0.0] * len(ids)))
         return out
 
     def kinds(self, kind):

@@ -29,7 +29,7 @@ def test_smollm2_train_step_and_rollout(tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
     run = next(Path(tmp_path).iterdir())
     m = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
-    assert m["train_tokens"] > 0 and m["judge_failures"] == 0 and m["kl"] is not None
+    assert m["token_passes"] > 0 and m["judge_failures"] == 0 and m["kl"] is not None
     recs = [json.loads(x) for x in (run / "rollouts.jsonl").read_text().splitlines()]
     assert len(recs) == 4 and all(r["turns"][0]["assistant"].strip() for r in recs)  # real text
     assert (run / "adapter" / "adapter_model.safetensors").exists()

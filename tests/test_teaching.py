@@ -3,11 +3,14 @@ trained adapter with the base, and scripts/pipeline.py running all the stages (s
 
 import importlib
 import json
+import re
 import statistics
 import sys
 from pathlib import Path
 
+import pytest
 import torch
+import yaml
 
 import common
 from conftest import run_script
@@ -27,23 +30,55 @@ def test_presets_follow_the_device_and_flags_given_win(monkeypatch):
     monkeypatch.setattr(common, "pick_device", lambda: torch.device("cpu"))
     cpu = trainer.parse_args([])
     assert (cpu.lr, cpu.max_turns, cpu.max_new_tokens, cpu.judge, cpu.user) == (1e-3, 3, 48, "embed", "scripted")
-    assert "preset cpu (auto: no CUDA)" in cpu.preset_note
+    assert "preset presets/cpu.yaml (auto: no CUDA)" in cpu.preset_note
     monkeypatch.setattr(common, "pick_device", lambda: torch.device("cuda", 0))  # a GPU, as the probe sees it
     gpu = trainer.parse_args([])
     assert (gpu.scenarios_per_step, gpu.k, gpu.minibatch_size) == (16, 4, 32)  # 2 optimizer steps a rollout
     assert (gpu.min_turns, gpu.max_turns, gpu.max_new_tokens, gpu.lr) == (8, 15, 256, 1e-5)
     assert gpu.gradient_checkpointing and (gpu.judge, gpu.user) == ("self", "self")
-    assert "preset gpu (auto: CUDA found)" in gpu.preset_note
+    assert "preset presets/gpu.yaml (auto: CUDA found)" in gpu.preset_note
     given = trainer.parse_args(["--lr", "3e-5", "--judge", "embed", "--max-turns", "10"])
     assert (given.lr, given.judge, given.max_turns, given.user) == (3e-5, "embed", 10, "self")
     assert given.flags_given == {"lr": 3e-5, "judge": "embed", "max_turns": 10}  # against the preset's defaults
     cpu_on_gpu = trainer.parse_args(["--preset", "cpu"])  # asked for: the reference
     assert (cpu_on_gpu.lr, cpu_on_gpu.max_turns, cpu_on_gpu.judge) == (1e-3, 3, "embed")
     demo = trainer.parse_args(["--preset", "demo", "--steps", "3"])
-    assert trainer.PRESETS["demo"] == dict(steps=4, log_kl_every=2, save_every=4)
+    assert yaml.safe_load((trainer.PRESETS / "demo.yaml").read_text()) == dict(steps=4, log_kl_every=2, save_every=4)
     assert (demo.steps, demo.log_kl_every, demo.save_every) == (3, 2, 4)
-    assert demo.flags_given == {"preset": "demo", "steps": 3} and "preset demo (asked" in demo.preset_note
+    assert demo.flags_given == {"preset": "demo", "steps": 3} and "preset presets/demo.yaml (asked" in demo.preset_note
     assert not hasattr(demo, "heldout_scenarios")  # the comparison is 05's now
+
+
+def test_a_config_file_sets_any_option_and_flags_given_win(monkeypatch, tmp_path):
+    """--config FILE.yaml (TRL's convention): any option by its name, over the preset, under the flags given;
+    it may name the preset itself; the header names both files. A wrong name or value is one line, exit 2."""
+    trainer = importlib.import_module("04_mica_train")
+    monkeypatch.setattr(common, "pick_device", lambda: torch.device("cpu"))
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("preset: gpu\nalpha: 0.7\nreward: idr+0.5*rlver\nidr_weights: [1, 2, 1]\nkardia_format: true\n")
+    args = trainer.parse_args(["--config", str(recipe), "--alpha", "0.2"])
+    assert (args.alpha, args.reward, args.idr_weights, args.kardia_format) == (
+        0.2,
+        "idr+0.5*rlver",
+        [1.0, 2.0, 1.0],
+        True,
+    )
+    assert (args.lr, args.max_turns, args.judge) == (1e-5, 15, "self")  # the gpu preset, named by the recipe
+    assert args.preset_note == f"preset presets/gpu.yaml (from --config) | config {recipe}"
+    assert args.flags_given == {"config": str(recipe), "alpha": 0.2}
+    for text, says in (
+        ("alpah: 0.5\n", "recipe.yaml: unknown option 'alpah'"),
+        ("alpha: 2\n", "recipe.yaml: alpha: must be <= 1, got 2"),
+        ("advantage_x: 1\nk: 0\n", "unknown option 'advantage_x'"),
+        ("k: 0\n", "recipe.yaml: k: must be >= 1, got 0"),
+        ("care_distance: flat\n", "recipe.yaml: care_distance: 'flat' is not one of weighted, plain"),
+        ("gradient_checkpointing: 3\n", "recipe.yaml: gradient_checkpointing: must be true or false"),
+        ("idr_weights: [1, 2]\n", "recipe.yaml: idr_weights: must hold 3 values"),
+        ("- a list\n", "recipe.yaml: expected lines of name: value"),
+    ):
+        recipe.write_text(text)
+        with pytest.raises(common.UserError, match=re.escape(says)):
+            trainer.parse_args(["--config", str(recipe)])
 
 
 VERDICTS = (
@@ -83,7 +118,7 @@ def test_train_run_draws_its_curves_and_05_compares_base_and_trained_held_out(ti
     # a quiet console: one header line (the folder, the preset, the flags given), then one line per step
     header, *rest = [line for line in p.stdout.splitlines() if line.strip()]
     assert (
-        header.startswith(f"run folder {run} | preset cpu (auto: no CUDA")
+        header.startswith(f"run folder {run} | preset presets/cpu.yaml (auto: no CUDA")
         and " --steps 2 " in header.split("flags given: ")[1]
     )
     assert [line.split(" | ")[0] for line in rest[:2]] == ["step    1", "step    2"]
