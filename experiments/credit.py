@@ -1,10 +1,12 @@
-"""experiments/credit.py: a credit-assignment playground where MICA, GRPO and REINFORCE++ meet on equal terms.
+"""experiments/credit.py: a credit-assignment playground where MICA, GRPO, REINFORCE++ and RLOO meet on equal terms.
 
 What it shows
-  How the three advantage estimators of 04_mica_train.py (MICA at several alphas, GRPO, REINFORCE++)
-  compare when everything else is held fixed and exact: the same environment, the same tiny policy, the
-  same plain policy-gradient update, the same seeds, 20+ seeds in minutes on a CPU. The environment is
-  03_rollout's EMPA state dynamics, imported and not copied: a scenario's deficit P0, P_t = P_{t-1} + v_t
+  How the three advantage estimators of 04_mica_train.py (MICA at several alphas, GRPO, REINFORCE++), and
+  RLOO, the estimator the course's fork adds (docs/training.md, "Adding an estimator or a reward"; here the
+  playground's own rloo_advantages, with the same numbers), compare when everything else is held fixed and
+  exact: the same environment, the same tiny policy, the same plain policy-gradient update, the same seeds,
+  20+ seeds in minutes on a CPU. The environment is 03_rollout's EMPA state dynamics, imported and not
+  copied: a scenario's deficit P0, P_t = P_{t-1} + v_t
   with v_t = levels_to_v(levels) (03's advance_state), dE_t = v_t . v*, the IDR reward
   r_t = d(P_{t-1}) - d(P_t) (03's incremental_distance_rewards) and EMPA's success / collapse / timeout
   rules (03's episode_status). Only the judge is replaced: instead of a model reading a reply, a fixed
@@ -26,12 +28,17 @@ What it cannot show
 Reads   data/scenarios_train.jsonl (training) and data/scenarios_test.jsonl (held-out), via 03's load_scenarios.
 Writes  <out>/credit.md (the table, as printed), <out>/credit.png (held-out return by step, mean and
         ±1 sd band over seeds, one line per estimator), <out>/credit.jsonl (one line per seed and estimator);
-        with --survivors only <out>/survivors.md (the survivor question's tables, as printed).
+        with --survivors only <out>/survivors.md (the survivor question's tables, as printed); with --tune
+        only <out>/tuned.md (the tuning table, the tuned table and the paired comparisons, as printed),
+        <out>/tuned.jsonl (one line per run, tuning and fresh) and <out>/tuned.png (the fresh seeds'
+        curves). <out> defaults to runs/credit or runs/credit-delayed under the current folder.
 
 Equations (03 and 04 compute every one of them; this file adds the judge table, the policy and the update)
   state, reward     P_t = P_{t-1} + v_t,  dE_t = v_t . v*,  r_t = d(P_{t-1}) - d(P_t)           (03)
   advantages        MICA A = alpha A_turn + (1 - alpha) A_group;  GRPO A = (R_k - mean) / std;
                     REINFORCE++ A = (G - mean) / std over the batch                                (04)
+                    RLOO A[k][t] = R_k - b_k, b_k = the mean of the other K - 1 outcomes R_j, on every
+                    turn, not divided by a std                      (the course's fork; rloo_advantages)
   policy            pi(a | o) = softmax(theta[o])_a,  o = observe(P, P0, memory)   (36 x 7 logits, from 0;
                     observe_delayed under the delayed table, also 36 values)
   update            theta[o_t] += lr * (1/N) sum_{k,t} A[k][t] (onehot(a_t) - pi(. | o_t))   (N: turns in
@@ -60,6 +67,35 @@ the opening question on 4 of 8 test scenarios; 64 on 3). Its yardsticks at these
 myopic greedy -6.79 (success 0: it collapses on 6 of the 8 test scenarios, times out on 2), search
 ceiling 20.51 (= the mean d(P0), success 1.00). The rules were committed before any estimator ran and are
 not changed after.
+
+Each estimator at its own step size (--tune; issue 57, protocol committed before it ran)
+  The one-lr table (every estimator at --lr 1.0) compares step sizes as much as credit: GRPO, REINFORCE++ and
+  MICA divide by a std, RLOO does not, so at one shared lr RLOO takes larger steps; and at lr 1 the delayed
+  table's best curves are still rising at step 300. --tune compares each estimator at its own best lr, chosen
+  before the reported runs:
+  estimators   MICA at each of --alphas (0, 0.4, 1), GRPO, REINFORCE++, RLOO (--estimators); the yardsticks
+               (uniform, myopic greedy, search ceiling) have no lr and are printed as in the one-lr table
+  lr grid      --lr-grid, fixed in advance: 10^(i/2) for i = -2 .. 4, i.e. 0.1, 0.316, 1, 3.16, 10, 31.6, 100.
+               Edge rule, fixed in advance: where an estimator's best lr is the grid's largest (smallest), the
+               next half-decade beyond it is run for that estimator on the same tuning seeds, and again, at
+               most --extend-edges (2) times a side; a best still at the edge after that is reported as such
+  tuning       every (estimator, lr) trained from each of --tune-seeds (1000-1003) with the training defaults
+               (300 steps, ...), each scored by its final IDR return on the 24 training scenarios
+               (--final-eval-k dialogues each, its own seeded random numbers; no curves): the held-out test
+               scenarios are not looked at while tuning
+  selection    the lr with the largest mean score over the tuning seeds (choose_lr; ties: the smaller lr)
+  reported     each estimator at its chosen lr, trained from each of --fresh-seeds (100-123, disjoint from the
+               tuning seeds and from the one-lr table's 0-23), measured on the held-out test scenarios as in
+               the one-lr table: mean ± sd [95% t interval] over the fresh seeds, and the paired differences
+               of COMPARISONS over the fresh seeds (mean ± sd [t interval], and on how many seeds > 0)
+  decides    fixed in advance: turn-level credit "pays where payoff is delayed" only if, on the delayed table,
+               MICA alpha 1 - GRPO and MICA alpha 1 - RLOO are above 0 and MICA alpha 0 - MICA alpha 1 below
+               0 (paired t intervals over the fresh seeds); RLOO against GRPO is the RLOO - GRPO interval
+  Budget: at the defaults one (estimator, seed) run takes 5-8 s on one core of this project's 2-core machine
+  (measured 2026-12-06 under other jobs), so a table is 6 x 7 x 4 tuning + 6 x 24 fresh = 312 runs (and 4
+  per edge extension), about 36 minutes with --workers 1.
+  python experiments/credit.py --tune [--table delayed]      (--quick: 60 steps, tuning seeds 1000-1001,
+                                                              fresh seeds 100-102, a look, not a result)
 
 CPU (about 7 minutes on one core of 2):  python experiments/credit.py
 Quick look (under a minute):        python experiments/credit.py --quick
@@ -340,8 +376,29 @@ def rollout(theta, scenario: dict, rng: random.Random, args, early_end: bool = T
 # ---------------------------------------------------------------------------------------------
 # The main loop: train one estimator from one seed (rollouts, 04's advantages, a policy-gradient step)
 # ---------------------------------------------------------------------------------------------
+def rloo_advantages(rewards) -> list:
+    """RLOO (REINFORCE leave-one-out), the estimator the course's fork adds to 04 (docs/training.md, "Adding an
+    estimator or a reward"): each dialogue's outcome against the mean outcome of its scenario's other K - 1
+    dialogues, the same on every turn and not divided by a std. It is not in 04's ADVANTAGES; this is the
+    playground's own, with the fork's numbers: rewards [[[1, 0], [0]]] -> A [[[1, 1], [-1]]]."""
+    A = []
+    for group in rewards:
+        # R_k = sum_t r[k][t];  b_k = (1 / (K - 1)) sum_{j != k} R_j;  A[k][t] = R_k - b_k on every turn
+        R = [sum(r) for r in group]
+        K = len(R)
+        A_group = []
+        for k in range(K):
+            b_k = sum(R[j] for j in range(K) if j != k) / (K - 1)
+            A_group.append([R[k] - b_k] * len(group[k]))
+        A.append(A_group)
+    return A
+
+
 def advantages(estimator: dict, batch_rewards, gamma) -> list:
-    """batch_rewards[s][k][t] -> A[s][k][t] with 04's own estimator, by its name in 04's ADVANTAGES."""
+    """batch_rewards[s][k][t] -> A[s][k][t] with 04's own estimator, by its name in 04's ADVANTAGES (RLOO, not
+    one of them: the playground's rloo_advantages)."""
+    if estimator["kind"] == "rloo":
+        return rloo_advantages(batch_rewards)
     args = argparse.Namespace(alpha=estimator.get("alpha"), gamma=gamma)
     return trainer.ADVANTAGES[estimator["kind"]](batch_rewards, None, args)[0]
 
@@ -371,16 +428,21 @@ def evaluate(theta, test: list[dict], rng: random.Random, args) -> dict:
     }
 
 
-def train(estimator: dict, seed: int, train_set: list[dict], test: list[dict], args, watch=None) -> dict:
+def train(
+    estimator: dict, seed: int, train_set: list[dict], test: list[dict], args, watch=None, curves: bool = True
+) -> dict:
     """Same seed, same first batch, same evaluation dialogues' random numbers for every estimator.
-    args.no_early_end: the training dialogues run to --max-turns (the held-out ones keep EMPA's ends).
-    watch(groups): called with each step's rollouts (the survivor analysis looks at their credit)."""
+    The step size: estimator["lr"] where it has one (--tune), else --lr. test: the scenarios the curves and
+    the final return are measured on (--tune's tuning runs pass the training scenarios, curves False: only
+    the final return). args.no_early_end: the training dialogues run to --max-turns (the held-out ones keep
+    EMPA's ends). watch(groups): called with each step's rollouts (the survivor analysis looks at their credit)."""
+    lr = estimator.get("lr", args.lr)
     rng = random.Random(seed)
     theta = [[0.0] * len(MOVES) for _ in range(N_OBS)]  # the uniform policy
     curve = []
     for step_i in range(args.steps + 1):
         # 1. evaluate on the held-out scenarios every --eval-every steps (its own seeded random numbers)
-        if step_i % args.eval_every == 0 or step_i == args.steps:
+        if curves and (step_i % args.eval_every == 0 or step_i == args.steps):
             curve.append(evaluate(theta, test, random.Random(1_000_003 * seed + step_i), args)["return"])
         if step_i == args.steps:
             break
@@ -394,13 +456,14 @@ def train(estimator: dict, seed: int, train_set: list[dict], test: list[dict], a
         # 3. per-turn IDR rewards -> the estimator's advantages (04's functions)
         advs = advantages(estimator, [[tr.extra["rewards"] for tr in g] for g in groups], args.gamma)
         # 4. one plain policy-gradient step on the logits
-        pg_update(theta, groups, advs, args.lr)
+        pg_update(theta, groups, advs, lr)
     final = evaluate(
         theta, test, random.Random(7_919 * seed + 1), argparse.Namespace(**{**vars(args), "eval_k": args.final_eval_k})
     )
     return {
         "estimator": estimator["name"],
         "seed": seed,
+        "lr": lr,
         "curve": curve,
         "steps_done": args.steps,
         "final_return": final["return"],
@@ -691,17 +754,19 @@ def table(
     ceiling: tuple,
     args,
     seconds: float,
+    tuned: bool = False,
 ) -> str:
     """The markdown table: one row per estimator, then the uniform policy, the myopic greedy policy and the
-    search ceiling."""
+    search ceiling. tuned: each estimator at its own lr (estimator["lr"], an lr column)."""
     seeds = sorted({r["seed"] for r in rows})
     by = {
         e["name"]: sorted((r for r in rows if r["estimator"] == e["name"]), key=lambda r: r["seed"]) for e in estimators
     }
+    lr_head, lr_rule, lr_blank = ("lr (tuned) | ", "---|", " |") if tuned else ("", "", "")
     lines = [
-        "| estimator | final held-out return | success rate | steps to threshold | reached | "
+        f"| estimator | {lr_head}final held-out return | success rate | steps to threshold | reached | "
         "return - GRPO's (paired) |",
-        "|---|---|---|---|---|---|",
+        f"|---|{lr_rule}---|---|---|---|---|",
     ]
     grpo = {r["seed"]: r["final_return"] for r in by.get("GRPO", [])}
     for e in estimators:
@@ -709,18 +774,20 @@ def table(
         hit = [steps_to(r["curve"], threshold, args) for r in rs]
         censored = [args.steps if s is None else s for s in hit]  # never reached: counted as --steps
         diff = [r["final_return"] - grpo[r["seed"]] for r in rs if r["seed"] in grpo]
+        lr_cell = f" {lr_text(e['lr'])} |" if tuned else ""
         lines.append(
-            f"| {e['name']} | {ci_cell([r['final_return'] for r in rs])} | "
+            f"| {e['name']} |{lr_cell} {ci_cell([r['final_return'] for r in rs])} | "
             f"{ci_cell([r['final_success'] for r in rs])} | {ci_cell(censored, 0)} | "
             f"{sum(s is not None for s in hit)}/{len(rs)} | "
             f"{'—' if e['name'] == 'GRPO' or not diff else ci_cell(diff)} |"
         )
-    lines.append(f"| untrained (uniform) policy | {uniform:.2f} | | | | |")
-    lines.append(f"| myopic greedy (argmax r_t, knows the table) | {greedy[0]:.2f} | {greedy[1]:.2f} | | | |")
-    lines.append(f"| search ceiling (beam {args.beam_width}) | {ceiling[0]:.2f} | {ceiling[1]:.2f} | | | |")
+    lines.append(f"| untrained (uniform) policy |{lr_blank} {uniform:.2f} | | | | |")
+    lines.append(f"| myopic greedy (argmax r_t, knows the table) |{lr_blank} {greedy[0]:.2f} | {greedy[1]:.2f} | | | |")
+    lines.append(f"| search ceiling (beam {args.beam_width}) |{lr_blank} {ceiling[0]:.2f} | {ceiling[1]:.2f} | | | |")
+    lr_note = "lr: each estimator's own, tuned (the lr column)" if tuned else f"lr {args.lr}"
     note = (
         f"\nmean ± sd [95% CI: t_{{0.975, n-1}} sd / sqrt(n)] over {len(seeds)} seeds ({seeds[0]}-{seeds[-1]}); "
-        f"{args.steps} steps of {args.scenarios_per_step} train scenarios x K={args.k}, lr {args.lr}, "
+        f"{args.steps} steps of {args.scenarios_per_step} train scenarios x K={args.k}, {lr_note}, "
         f"gamma {args.gamma}; held-out: {args.final_eval_k} dialogues per test scenario at the end, {args.eval_k} "
         f"every {args.eval_every} steps (the curves, steps to threshold); {args.max_turns} turns "
         f"(min {args.min_turns}, collapse window {args.collapse_window}); threshold {threshold:.2f} = "
@@ -732,17 +799,184 @@ def table(
     return "\n".join(lines) + "\n" + note
 
 
+ESTIMATORS = ("mica", "grpo", "reinforce_pp", "rloo")  # --estimators' names, in the tables' order
+
+
 def estimator_list(args) -> list[dict]:
-    """MICA at each of --alphas, GRPO, REINFORCE++: 04's estimators by their names in ADVANTAGES."""
-    return [{"name": f"MICA (alpha={a:g})", "kind": "mica", "alpha": a} for a in args.alphas] + [
-        {"name": "GRPO", "kind": "grpo"},
-        {"name": "REINFORCE++", "kind": "reinforce_pp"},
-    ]
+    """Of --estimators: MICA at each of --alphas, GRPO, REINFORCE++ (04's estimators by their names in
+    ADVANTAGES) and RLOO (the fork's, rloo_advantages)."""
+    rows = []
+    for kind in ESTIMATORS:
+        if kind not in args.estimators:
+            continue
+        if kind == "mica":
+            for a in args.alphas:
+                rows.append({"name": f"MICA (alpha={a:g})", "kind": "mica", "alpha": a})
+        elif kind == "grpo":
+            rows.append({"name": "GRPO", "kind": "grpo"})
+        elif kind == "reinforce_pp":
+            rows.append({"name": "REINFORCE++", "kind": "reinforce_pp"})
+        else:
+            rows.append({"name": "RLOO", "kind": "rloo"})
+    return rows
 
 
 def run_job(job):
-    estimator, seed, train_set, test, args = job
-    return train(estimator, seed, train_set, test, args)
+    estimator, seed, train_set, test, args, curves = job
+    return train(estimator, seed, train_set, test, args, curves=curves)
+
+
+def run_jobs(jobs: list, args) -> list[dict]:
+    """(estimator, seed, train set, scored-on set, args, curves) jobs -> their rows, --workers processes."""
+    if args.workers > 1:
+        import multiprocessing
+
+        with multiprocessing.Pool(args.workers) as pool:
+            return pool.map(run_job, jobs)
+    return [run_job(j) for j in jobs]
+
+
+# ---------------------------------------------------------------------------------------------
+# --tune: each estimator at its own step size (the protocol is in the docstring; issue 57)
+# ---------------------------------------------------------------------------------------------
+# the paired comparisons the course makes, (a, b): a - b over the fresh seeds; one whose rows are not run
+# (--alphas, --estimators) is left out
+COMPARISONS = (
+    ("RLOO", "GRPO"),
+    ("MICA (alpha=1)", "GRPO"),
+    ("MICA (alpha=0.4)", "GRPO"),
+    ("MICA (alpha=0)", "MICA (alpha=1)"),
+    ("MICA (alpha=0.4)", "MICA (alpha=0)"),
+    ("REINFORCE++", "GRPO"),
+    ("MICA (alpha=1)", "RLOO"),
+)
+
+
+def lr_text(lr: float) -> str:
+    """An lr as the tables print it: 3 significant digits, no exponent (0.316, 31.6, 1000)."""
+    return f"{float(f'{lr:.3g}'):g}"
+
+
+def choose_lr(scores: dict) -> float:
+    """{lr: [score per tuning seed]} -> the lr with the largest mean score; ties: the smaller lr."""
+    # lr* = argmax_lr (1 / n) sum_i score_i(lr), the smallest such lr
+    best_lr, best_mean = None, -math.inf
+    for lr in sorted(scores):
+        mean = sum(scores[lr]) / len(scores[lr])
+        if mean > best_mean:
+            best_lr, best_mean = lr, mean
+    return best_lr
+
+
+def beyond_edge(lrs: list[float], chosen: float) -> float | None:
+    """The edge rule: the chosen lr is the grid's largest (smallest) -> the next lr beyond it, the grid's own
+    ratio further (its last two points' ratio up, its first two points' down); inside the grid -> None."""
+    lrs = sorted(lrs)
+    if len(lrs) < 2:
+        return None
+    if chosen == lrs[-1]:
+        return lrs[-1] * lrs[-1] / lrs[-2]
+    if chosen == lrs[0]:
+        return lrs[0] * lrs[0] / lrs[1]
+    return None
+
+
+def tune(estimators: list[dict], train_set: list[dict], args) -> tuple[dict, list[dict], dict]:
+    """Every estimator at every lr of --lr-grid, from each of --tune-seeds, scored by its final return on the
+    training scenarios (the test scenarios are not touched); the edge rule adds lrs beyond an edge that
+    wins, at most --extend-edges a side. -> ({name: chosen lr}, the tuning rows, {name: "low"/"high" where
+    the chosen lr is still an edge of what was run})."""
+    rows, chosen, at_edge = [], {}, {}
+    for e in estimators:
+        lrs = list(args.lr_grid)
+        jobs = [({**e, "lr": lr}, seed, train_set, train_set, args, False) for lr in lrs for seed in args.tune_seeds]
+        mine = run_jobs(jobs, args)
+        extended = {"low": 0, "high": 0}
+        while True:
+            scores = {}
+            for r in mine:
+                scores.setdefault(r["lr"], []).append(r["final_return"])
+            best = choose_lr(scores)
+            nxt = beyond_edge(lrs, best)
+            side = None if nxt is None else ("high" if nxt > best else "low")
+            if side is None or extended[side] >= args.extend_edges:
+                break
+            extended[side] += 1
+            lrs.append(nxt)
+            mine += run_jobs(
+                [({**e, "lr": nxt}, seed, train_set, train_set, args, False) for seed in args.tune_seeds], args
+            )
+        chosen[e["name"]] = best
+        if side is not None:
+            at_edge[e["name"]] = side
+        for r in mine:
+            r["phase"] = "tune"
+        rows += mine
+    return chosen, rows, at_edge
+
+
+def tuning_table(rows: list[dict], estimators: list[dict], chosen: dict, at_edge: dict, n_train: int, args) -> str:
+    """Estimators x lrs: mean ± sd of the final return on the training scenarios over the tuning seeds; the
+    chosen lr in bold."""
+    lrs = sorted({r["lr"] for r in rows})
+    lines = [
+        "| estimator | " + " | ".join(f"lr {lr_text(lr)}" for lr in lrs) + " | chosen |",
+        "|---|" + "---|" * (len(lrs) + 1),
+    ]
+    for e in estimators:
+        cells = []
+        for lr in lrs:
+            xs = [r["final_return"] for r in rows if r["estimator"] == e["name"] and r["lr"] == lr]
+            if not xs:
+                cells.append("—")
+                continue
+            mean, sd = common.mean_std(xs, ddof=1) if len(xs) > 1 else (xs[0], 0.0)
+            cell = f"{mean:.2f} ± {sd:.2f}"
+            cells.append(f"**{cell}**" if lr == chosen[e["name"]] else cell)
+        edge = f" (the grid's {at_edge[e['name']]} edge)" if e["name"] in at_edge else ""
+        lines.append(f"| {e['name']} | " + " | ".join(cells) + f" | {lr_text(chosen[e['name']])}{edge} |")
+    seeds = args.tune_seeds
+    note = (
+        f"\nfinal IDR return on the {n_train} training scenarios ({args.final_eval_k} dialogues each), mean ± sd "
+        f"over the {len(seeds)} tuning seeds ({', '.join(map(str, seeds))}); bold: the chosen lr (the largest mean; "
+        f"ties: the smaller lr); grid {', '.join(lr_text(lr) for lr in args.lr_grid)}, extended beyond an edge "
+        f"that wins at most {args.extend_edges} times a side; {args.steps} steps, the other settings as below\n"
+    )
+    return "\n".join(lines) + "\n" + note
+
+
+def comparisons(rows: list[dict], estimators: list[dict]) -> str:
+    """The paired differences of COMPARISONS over the fresh seeds: mean ± sd [95% t interval], seeds > 0."""
+    names = {e["name"] for e in estimators}
+    by = {}
+    for r in rows:
+        by.setdefault(r["estimator"], {})[r["seed"]] = r["final_return"]
+    lines = [
+        "| comparison (paired over the fresh seeds) | difference of final held-out return | seeds where > 0 |",
+        "|---|---|---|",
+    ]
+    for a, b in COMPARISONS:
+        if a not in names or b not in names:
+            continue
+        seeds = sorted(set(by[a]) & set(by[b]))
+        diff = [by[a][s] - by[b][s] for s in seeds]
+        lines.append(f"| {a} - {b} | {ci_cell(diff)} | {sum(d > 0 for d in diff)}/{len(diff)} |")
+    return "\n".join(lines) + "\n"
+
+
+def seed_list(text: str) -> list[int]:
+    """ "100-123" -> [100, ..., 123]; "1,5,7" -> [1, 5, 7]; ranges and single seeds mix."""
+    seeds = []
+    for part in text.split(","):
+        part = part.strip()
+        if "-" in part:
+            lo, hi = part.split("-")
+            seeds += list(range(int(lo), int(hi) + 1))
+        elif part:
+            seeds.append(int(part))
+    if not seeds or len(set(seeds)) != len(seeds):
+        raise ValueError(f"seeds {text!r}: none, or one twice")
+    return seeds
 
 
 def parse_args(argv=None):
@@ -751,6 +985,12 @@ def parse_args(argv=None):
     )
     p.add_argument("--seeds", type=int, default=24, help="number of seeds (0 .. N-1), the same for every estimator")
     p.add_argument("--alphas", default="0.0,0.4,1.0", help="MICA's alphas (weight of the turn-level advantage)")
+    p.add_argument(
+        "--estimators",
+        default=",".join(ESTIMATORS),
+        help="the estimators to run, of " + ", ".join(ESTIMATORS) + " (mica: at each of --alphas; rloo: the "
+        "course's fork estimator, rloo_advantages)",
+    )
     p.add_argument(
         "--quick",
         action="store_true",
@@ -768,9 +1008,36 @@ def parse_args(argv=None):
     p.add_argument(
         "--out",
         default=None,
-        help="folder for credit.md, credit.png, credit.jsonl (default: runs/credit, runs/credit-delayed)",
+        help="folder for credit.md, credit.png, credit.jsonl (default: runs/credit, runs/credit-delayed, under "
+        "the current folder)",
     )
     p.add_argument("--workers", type=int, default=1, help="processes that train (seed, estimator) pairs at once")
+    g = p.add_argument_group("each estimator at its own step size (--tune; the protocol is in the docstring)")
+    g.add_argument(
+        "--tune",
+        action="store_true",
+        help="instead of the table: every estimator at every lr of --lr-grid on --tune-seeds, scored on the "
+        "training scenarios; each at its chosen lr on --fresh-seeds, on the test scenarios (writes <out>/tuned.md, "
+        "tuned.jsonl, tuned.png)",
+    )
+    g.add_argument(
+        "--lr-grid",
+        default=",".join(f"{10 ** (i / 2):.6g}" for i in range(-2, 5)),
+        help="--tune: the lrs tried, fixed in advance (10^(i/2), i = -2 .. 4)",
+    )
+    g.add_argument(
+        "--extend-edges",
+        type=int,
+        default=2,
+        help="--tune: where the best lr is an edge of the grid, run the next lr beyond it (the grid's ratio), at "
+        "most this many times a side",
+    )
+    g.add_argument("--tune-seeds", default="1000-1003", help="--tune: the seeds the lr is chosen on (a-b, or a,b,c)")
+    g.add_argument(
+        "--fresh-seeds",
+        default="100-123",
+        help="--tune: the seeds the tuned table reports (disjoint from --tune-seeds)",
+    )
     g = p.add_argument_group("the survivor question (MICA's A_turn compares only the dialogues that reached turn t)")
     g.add_argument(
         "--survivors",
@@ -830,10 +1097,18 @@ def parse_args(argv=None):
     )
     args = p.parse_args(argv)
     if args.quick:  # new defaults; flags given explicitly still win
-        p.set_defaults(seeds=3, steps=60, eval_every=10, eval_k=4, final_eval_k=8)
+        p.set_defaults(
+            seeds=3,
+            steps=60,
+            eval_every=10,
+            eval_k=4,
+            final_eval_k=8,
+            tune_seeds="1000-1001",
+            fresh_seeds="100-102",
+        )
         args = p.parse_args(argv)
-    if args.out is None:
-        args.out = str(ROOT / "runs" / ("credit" if args.table == "short" else f"credit-{args.table}"))
+    if args.out is None:  # under the current folder, wherever the script is
+        args.out = str(Path("runs") / ("credit" if args.table == "short" else f"credit-{args.table}"))
     if args.beam_width is None:
         args.beam_width = 32 if args.table == "short" else 128
     if args.min_turns is None:
@@ -854,6 +1129,20 @@ def parse_args(argv=None):
     ):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.extend_edges < 0:
+        p.error("--extend-edges must be >= 0")
+    args.estimators = [e.strip() for e in args.estimators.split(",") if e.strip()]
+    if not args.estimators or not set(args.estimators) <= set(ESTIMATORS):
+        p.error(f"--estimators: comma-separated names of {', '.join(ESTIMATORS)}, got {args.estimators}")
+    try:
+        args.lr_grid = sorted({float(x) for x in args.lr_grid.split(",") if x.strip()})
+        args.tune_seeds, args.fresh_seeds = seed_list(args.tune_seeds), seed_list(args.fresh_seeds)
+    except ValueError as err:
+        p.error(f"--lr-grid, --tune-seeds, --fresh-seeds: {err}")
+    if not args.lr_grid or min(args.lr_grid) <= 0:
+        p.error(f"--lr-grid: positive numbers, got {args.lr_grid}")
+    if set(args.tune_seeds) & set(args.fresh_seeds):
+        p.error(f"--tune-seeds and --fresh-seeds share {sorted(set(args.tune_seeds) & set(args.fresh_seeds))}")
     if args.k < 2:
         p.error("--k must be >= 2: the group estimators compare a scenario's K rollouts")
     try:
@@ -883,6 +1172,8 @@ def main(argv=None):
         print("\n" + text)
         return
     estimators = estimator_list(args)
+    if args.tune:  # the lr chosen before the test scenarios are looked at
+        chosen, tune_rows, at_edge = tune(estimators, train_set, args)
     # the yardsticks, on the test scenarios: the uniform policy (every run's step 0), the myopic greedy
     # policy and the search ceiling
     uniform = evaluate(
@@ -895,14 +1186,35 @@ def main(argv=None):
     ceiling = (sum(r for r, _ in found) / len(found), sum(ok for _, ok in found) / len(found))
     greedy = (sum(r for r, _ in mine) / len(mine), sum(ok for _, ok in mine) / len(mine))
     threshold = uniform + args.threshold_frac * (ceiling[0] - uniform)
-    jobs = [(e, seed, train_set, test, args) for seed in range(args.seeds) for e in estimators]
-    if args.workers > 1:
-        import multiprocessing
-
-        with multiprocessing.Pool(args.workers) as pool:
-            rows = pool.map(run_job, jobs)
-    else:
-        rows = [run_job(j) for j in jobs]
+    if args.tune:
+        tuned = [{**e, "lr": chosen[e["name"]]} for e in estimators]
+        rows = run_jobs([(e, seed, train_set, test, args, True) for seed in args.fresh_seeds for e in tuned], args)
+        for r in rows:
+            r["phase"] = "fresh"
+        with open(out / "tuned.jsonl", "w") as f:
+            for r in tune_rows + rows:
+                f.write(json.dumps(r) + "\n")
+        plots.series(
+            {
+                f"{e['name']} (lr {lr_text(e['lr'])})": [r["curve"] for r in rows if r["estimator"] == e["name"]]
+                for e in tuned
+            },
+            "held-out IDR return",
+            out / "tuned.png",
+            xlabel=f"evaluation (every {args.eval_every} training steps)",
+        )
+        text = (
+            f"## Each estimator at its own step size (table {args.table})\n\n### Tuning (training scenarios, "
+            f"tuning seeds)\n\n{tuning_table(tune_rows, estimators, chosen, at_edge, len(train_set), args)}\n"
+            f"### Tuned (held-out test scenarios, fresh seeds)\n\n"
+            f"{table(rows, tuned, threshold, uniform, greedy, ceiling, args, time.time() - t0, tuned=True)}\n"
+            f"{comparisons(rows, tuned)}"
+        )
+        (out / "tuned.md").write_text(text)
+        print("\n" + text)
+        return
+    jobs = [(e, seed, train_set, test, args, True) for seed in range(args.seeds) for e in estimators]
+    rows = run_jobs(jobs, args)
     with open(out / "credit.jsonl", "w") as f:
         for r in rows:
             f.write(json.dumps(r) + "\n")

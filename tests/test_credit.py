@@ -1,11 +1,17 @@
 """experiments/credit.py: its environment is 03's EMPA dynamics (a scripted dialogue checked by hand, under
-each of the two tables), its estimators are 04's, --quick runs end to end with a row per estimator and the
-learning curves (both tables), and the survivor analysis' arithmetic is checked on a hand-made group."""
+each of the two tables), its estimators are 04's (and RLOO, the fork's, by hand), --quick runs end to end with
+a row per estimator and the learning curves (both tables), the survivor analysis' arithmetic is checked on a
+hand-made group, and --tune chooses each lr on the tuning seeds and training scenarios only and reports it on
+the fresh seeds and test scenarios."""
 
 import argparse
 import importlib
+import json
 import math
 import sys
+from pathlib import Path
+
+import pytest
 
 from conftest import ROOT, run_script
 
@@ -99,6 +105,7 @@ def test_quick_run_prints_a_row_per_estimator_and_draws_the_curves(tmp_path):
         "| MICA (alpha=1) |",
         "| GRPO |",
         "| REINFORCE++ |",
+        "| RLOO |",
         "| untrained (uniform) policy |",
         "| myopic greedy",
         "| search ceiling",
@@ -264,3 +271,108 @@ def test_survivors_runs_end_to_end_and_a_turn_is_centred_over_all_dialogues(tmp_
     assert all(abs(float(r[4].split(" ± ")[0])) < 0.005 and r[4].split(" ± ")[1].startswith("0.00") for r in rows)
     for name in ("MICA (alpha=0)", "MICA (alpha=0.4)", "MICA (alpha=1)", "GRPO", "REINFORCE++"):
         assert f"| {name} |" in md.split("### Learning with and without")[1], name
+
+
+def test_rloo_is_the_forks_estimator_by_hand():
+    assert "rloo" not in trainer.ADVANTAGES  # the playground's own, as the course's fork adds it to 04
+    # docs/training.md's example: outcomes R = (1, 0); b_0 = 0, b_1 = 1; A = R_k - b_k on every turn
+    assert credit.rloo_advantages([[[1.0, 0.0], [0.0]]]) == [[[1.0, 1.0], [-1.0]]]
+    # K = 3: R = (3, 0, 1.5); b = (0.75, 2.25, 1.5); A = (2.25, -2.25, 0), not divided by a std
+    rewards = [[[1.0, 2.0], [0.0, 0.0, 0.0], [1.5]], [[4.0], [2.0]]]
+    A = credit.advantages({"kind": "rloo"}, rewards, 0.85)
+    assert A == [[[2.25, 2.25], [-2.25, -2.25, -2.25], [0.0]], [[2.0], [-2.0]]]
+
+
+def test_default_output_folder_is_under_the_current_folder():
+    assert credit.parse_args([]).out == str(Path("runs") / "credit")
+    assert credit.parse_args(["--table", "delayed"]).out == str(Path("runs") / "credit-delayed")
+
+
+def test_choose_lr_and_the_edge_rule():
+    # means 1.5, 1.5, 1.0: a tie between 0.1 and 1 goes to the smaller lr
+    assert credit.choose_lr({1.0: [1.0, 2.0], 0.1: [1.5, 1.5], 10.0: [3.0, -1.0]}) == 0.1
+    assert credit.choose_lr({1.0: [1.0, 2.0], 10.0: [3.0, 0.5]}) == 10.0
+    grid = [0.1, 1.0, 10.0]
+    assert credit.beyond_edge(grid, 1.0) is None
+    assert math.isclose(credit.beyond_edge(grid, 10.0), 100.0)
+    assert math.isclose(credit.beyond_edge(grid, 0.1), 0.01)
+    assert [credit.lr_text(10 ** (i / 2)) for i in range(-2, 5)] == ["0.1", "0.316", "1", "3.16", "10", "31.6", "100"]
+    default = credit.parse_args([])
+    assert [credit.lr_text(x) for x in default.lr_grid] == ["0.1", "0.316", "1", "3.16", "10", "31.6", "100"]
+    assert default.tune_seeds == [1000, 1001, 1002, 1003] and default.fresh_seeds == list(range(100, 124))
+
+
+def test_tune_seeds_and_fresh_seeds_must_be_disjoint():
+    with pytest.raises(SystemExit):
+        credit.parse_args(["--tune", "--tune-seeds", "1-3", "--fresh-seeds", "3-5"])
+
+
+def test_tune_chooses_on_tuning_seeds_and_training_scenarios_and_reports_on_fresh_seeds(tmp_path, monkeypatch):
+    calls = []
+    train_set, test = env.load_scenarios(credit.parse_args([]).train), env.load_scenarios(credit.parse_args([]).test)
+    peak = {"MICA (alpha=0)": 0.0, "GRPO": 3.0, "RLOO": -3.0}  # log10 of each estimator's best lr when tuning
+
+    def fake_train(estimator, seed, train_scenarios, scored_on, args, watch=None, curves=True):
+        on_train = scored_on == train_set
+        assert on_train or scored_on == test  # scored on the training scenarios or on the test ones, not a mix
+        calls.append((estimator["name"], estimator["lr"], seed, on_train, curves))
+        x = math.log10(estimator["lr"])
+        # on the training scenarios the score peaks at 10^peak; on the test ones it would peak elsewhere (so a
+        # choice made on them would differ)
+        score = -((x - peak[estimator["name"]]) ** 2) if on_train else -((x + 5) ** 2)
+        return {
+            "estimator": estimator["name"],
+            "seed": seed,
+            "lr": estimator["lr"],
+            "curve": [score, score],
+            "final_return": score + 0.001 * (seed % 7),
+            "final_success": 0.0,
+        }
+
+    monkeypatch.setattr(credit, "train", fake_train)
+    credit.main(
+        [
+            *("--tune", "--estimators", "mica,grpo,rloo", "--alphas", "0", "--lr-grid", "0.1,1,10"),
+            *("--tune-seeds", "1000-1002", "--fresh-seeds", "100-103", "--beam-width", "4", "--eval-k", "1"),
+            *("--out", str(tmp_path)),
+        ]
+    )
+    tuning = [c for c in calls if c[2] >= 1000]
+    fresh = [c for c in calls if c[2] < 1000]
+    assert len(tuning) + len(fresh) == len(calls)
+    # tuning: the training scenarios, no curves, the tuning seeds only
+    assert all(on_train and not curves for _, _, _, on_train, curves in tuning)
+    assert {c[2] for c in tuning} == {1000, 1001, 1002}
+    # the edge rule: GRPO's best (10, the top edge) -> 100, then 1000; RLOO's (0.1) -> 0.01, then 0.001
+    assert sorted({c[1] for c in tuning if c[0] == "GRPO"}) == pytest.approx([0.1, 1, 10, 100, 1000])
+    assert sorted({c[1] for c in tuning if c[0] == "RLOO"}) == pytest.approx([0.001, 0.01, 0.1, 1, 10])
+    assert sorted({c[1] for c in tuning if c[0] == "MICA (alpha=0)"}) == [0.1, 1, 10]
+    # reported: each estimator at its lr chosen while tuning, on the fresh seeds and the test scenarios
+    chosen = {name: lr for name, lr, _, _, _ in fresh}
+    assert chosen["MICA (alpha=0)"] == 1.0
+    assert chosen["GRPO"] == pytest.approx(1000) and chosen["RLOO"] == pytest.approx(0.001)
+    assert all(not on_train and curves for _, _, _, on_train, curves in fresh)
+    assert sorted(c[2] for c in fresh if c[0] == "GRPO") == [100, 101, 102, 103]
+    rows = [json.loads(line) for line in (tmp_path / "tuned.jsonl").read_text().splitlines()]
+    assert {r["phase"] for r in rows} == {"tune", "fresh"}
+    assert all((r["seed"] >= 1000) == (r["phase"] == "tune") for r in rows)
+    md = (tmp_path / "tuned.md").read_text()
+    assert "| GRPO | 1000 |" in md and "| RLOO | 0.001 |" in md  # the tuned table's lr column
+    assert "1000 (the grid's high edge)" in md and "0.001 (the grid's low edge)" in md
+    assert "| RLOO - GRPO |" in md and "over the 3 tuning seeds (1000, 1001, 1002)" in md
+    assert "over 4 seeds (100-103)" in md
+
+
+def test_quick_tune_runs_end_to_end(tmp_path):
+    p = run_script(
+        "experiments/credit.py",
+        *("--tune", "--quick", "--table", "delayed", "--steps", 4, "--lr-grid", "1,10", "--extend-edges", 0),
+        *("--tune-seeds", "1000-1001", "--fresh-seeds", "100-101", "--final-eval-k", 1, "--eval-k", 1),
+        *("--beam-width", 4, "--out", tmp_path),
+    )
+    assert p.returncode == 0, p.stderr[-3000:]
+    md = (tmp_path / "tuned.md").read_text()
+    for row in ("| MICA (alpha=0) |", "| MICA (alpha=0.4) |", "| MICA (alpha=1) |", "| GRPO |", "| REINFORCE++ |"):
+        assert md.count(row) == 2, row  # once in the tuning table, once in the tuned one
+    assert "| RLOO |" in md and "| RLOO - GRPO |" in md and "| MICA (alpha=0) - MICA (alpha=1) |" in md
+    assert "lr: each estimator's own, tuned" in md and (tmp_path / "tuned.png").stat().st_size > 0
