@@ -38,7 +38,7 @@ Departures from the paper (and why)
   3. Length-grouped batches (turns of similar length together) instead of packing: with rubric-only loss
      masks packing saves little and complicates the attention mask.
 
-CPU:  python 01_rubric_sft.py                                       (SmolLM2, 18-39 s a step on 2 cores, 150 steps)
+CPU:  python 01_rubric_sft.py                     (SmolLM2, 150 steps; docs/results.md has the seconds a step)
 GPU:  python 01_rubric_sft.py --model Qwen2.5-7B-Instruct --batch-size 16 --steps 300 --lr 1e-4
 """
 

@@ -45,7 +45,7 @@ Departures from the paper (and why)
      on the rubrics just sampled: the ratio is 1 and the clip never acts (clip_frac 0), as in GRPO with one
      iteration per batch; with --minibatch-size below contexts x G the later minibatches are clipped.
 
-CPU:  python 02_rubric_pref_rl.py --adapter runs/rubric-sft-<time>/adapter       (~1-2 min a step)
+CPU:  python 02_rubric_pref_rl.py --adapter runs/rubric-sft-<time>/adapter   (docs/results.md has the seconds a step)
 GPU:  python 02_rubric_pref_rl.py --model Qwen2.5-7B-Instruct --adapter <01 adapter> \\
           --judge api:Qwen/Qwen2.5-72B-Instruct --api-base http://localhost:8000/v1 --contexts-per-step 16 --g 8
 """

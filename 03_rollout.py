@@ -567,8 +567,10 @@ class LLMJudge:
 # the LLM user: items {scenario, k, history, trend, band} -> the user's next message, or None (failed);
 # offline.ScriptedUser answers the same way
 class LLMUser:
-    def __init__(self, backend: common.ChatBackend):
-        self.backend = backend
+    def __init__(self, backend: common.ChatBackend, seed: int = 0):
+        # `seed`, as every user has (04 sets it each step): an LLM user samples from torch's generator, which the
+        # same seed sets, and from its server's for api:
+        self.backend, self.seed = backend, seed
 
     def reply(self, items: list[dict]) -> list[str | None]:
         convs = []
@@ -619,7 +621,7 @@ def make_judge(args, policy=None):  # policy: the (model, tokenizer) whose froze
 def make_user(args, policy=None):  # policy: as for make_judge, for --user self
     if args.user == "scripted":
         return offline.ScriptedUser(args.seed)
-    return LLMUser(common.make_chat_backend(args.user, args, args.user_concurrency, policy))
+    return LLMUser(common.make_chat_backend(args.user, args, args.user_concurrency, policy), args.seed)
 
 
 # tokens in, tokens out: the opening, Kardia-R1's sections, what the user and the judge see, the KV cache

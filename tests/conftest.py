@@ -166,6 +166,17 @@ def write_jsonl(path, records):
     return path
 
 
+# one scenario for the rollout tests: the opening, a deficit, the scripted user's lines
+SCEN = {
+    "id": "s",
+    "persona": "p",
+    "situation": "s",
+    "opening": "I feel so alone since my dad died.",
+    "p0": [-6.0, -9.0, -4.0],
+    "user_lines": {"better": ["That helps."], "stuck": ["Maybe."], "worse": ["You are not listening."]},
+}
+
+
 JUDGE_OK = (
     '{"C": {"progress": 1, "negative": 0}, "A": {"progress": 1, "negative": 0}, "P": {"progress": 0, "negative": 0}}'
 )

@@ -9,7 +9,7 @@ from accelerate import Accelerator
 
 import common
 import offline
-from conftest import env_args
+from conftest import SCEN, env_args
 
 
 class StubJudge:
@@ -25,16 +25,6 @@ class StubJudge:
             out.append(None if lv is None else {"levels": lv, "features": {}})
         self.calls += 1
         return out
-
-
-SCEN = {
-    "id": "s",
-    "persona": "p",
-    "situation": "s",
-    "opening": "I feel so alone since my dad died.",
-    "p0": [-6.0, -9.0, -4.0],
-    "user_lines": {"better": ["That helps."], "stuck": ["Maybe."], "worse": ["You are not listening."]},
-}
 
 
 @pytest.mark.parametrize(
@@ -527,6 +517,44 @@ def test_an_estimator_that_reads_the_dialogues_is_one_function_too(env, trainer,
             for turn in reached:
                 assert turn["advantage"] == pytest.approx((turn["G"] - mean_t) / d0, abs=2e-4)
                 assert turn["terms"]["d0"] == pytest.approx(d0, abs=1e-4)
+
+
+def test_an_estimator_from_outside_the_repository_by_module_and_function(trainer, tiny_model, tmp_path, monkeypatch):
+    """--advantage module:function imports an estimator that lives outside the repository (here a file in a
+    folder on sys.path): a potential-based one that reads each dialogue's states, A[k][t] = the distance the
+    turn closed, d(P_{t-1}) - d(P_t), centred over the group's turns. One 04 step runs it; a name that does not
+    import is one line."""
+    import json
+
+    (tmp_path / "my_credit.py").write_text(
+        "import math\n\n\n"
+        "def closed_distance(rewards, dialogues, args):\n"
+        "    # A[k][t] = (d(P_{t-1}) - d(P_t)) - mean over the group's turns, from the states alone\n"
+        "    def d(P):\n"
+        "        return math.sqrt(sum(max(0.0, -1.0 - x) ** 2 for x in P))\n"
+        "    A = []\n"
+        "    for group in dialogues:\n"
+        "        closed = [[d(tr.states[t]) - d(tr.states[t + 1]) for t in range(tr.T)] for tr in group]\n"
+        "        mean = sum(x for c in closed for x in c) / sum(len(c) for c in closed)\n"
+        "        A.append([[x - mean for x in c] for c in closed])\n"
+        "    return A, {}\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(trainer, "ADVANTAGES", dict(trainer.ADVANTAGES))  # what the run registers goes with the test
+    out = tmp_path / "runs"
+    args = ["--model", tiny_model, "--advantage", "my_credit:closed_distance", "--steps", "1", "--scenarios-per-step"]
+    trainer.main([*args, "1", "--max-turns", "2", "--max-new-tokens", "4", "--out-dir", str(out), "--no-progress"])
+    records = [json.loads(x) for x in next(out.iterdir()).joinpath("rollouts.jsonl").read_text().splitlines()]
+    assert len(records) == 4
+    prev = [[r["initial_distance"]] + [t["distance"] for t in r["turns"]] for r in records]
+    steps = [[p[t] - p[t + 1] for t in range(len(p) - 1)] for p in prev]
+    mean = sum(x for s in steps for x in s) / sum(len(s) for s in steps)
+    for r, s in zip(records, steps):
+        assert [t["advantage"] for t in r["turns"]] == pytest.approx([x - mean for x in s], abs=1e-3)
+    with pytest.raises(common.UserError, match="--advantage my_credit:nothing: cannot import it"):
+        trainer.parse_args(["--advantage", "my_credit:nothing"])
+    with pytest.raises(common.UserError, match="--advantage no_such_module:f: cannot import it"):
+        trainer.parse_args(["--advantage", "no_such_module:f"])
 
 
 def test_care_weights_the_distance_and_uniform_is_mica(trainer):

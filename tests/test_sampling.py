@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 
 import common
 import offline
-from conftest import CHATML, env_args, run_script
+from conftest import CHATML, SCEN, env_args, run_script
 
 # Qwen2.5-7B-Instruct's published generation_config.json (its sampling fields), and a no_repeat_ngram_size that
 # bans every repeated token: each would change what generate samples if it leaked in
@@ -39,15 +39,6 @@ LLAMA31_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
 )
 LLAMA31_SPECIALS = ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|eom_id|>"]
-
-SCENARIO = {
-    "id": "s",
-    "persona": "p",
-    "situation": "s",
-    "opening": "I feel so alone since my dad died.",
-    "p0": [-6.0, -9.0, -4.0],
-    "user_lines": {"better": ["That helps."], "stuck": ["Maybe."], "worse": ["You are not listening."]},
-}
 
 
 class MildJudge:
@@ -103,7 +94,7 @@ def sampled_and_scored(trainer, env, model, tok, temperature=1.0, turns=3, **ove
     args = env_args(
         env, check=True, k=4, max_turns=turns, min_turns=turns, max_new_tokens=16, temperature=temperature, **over
     )
-    trajs = env.rollout(model, tok, [SCENARIO], MildJudge(), offline.ScriptedUser(0), args)
+    trajs = env.rollout(model, tok, [SCEN], MildJudge(), offline.ScriptedUser(0), args)
     samples = trainer.as_samples(trajs)
     ids, attn, mask = trainer.collate(samples, tok.pad_token_id, "cpu")
     model.train()
