@@ -91,9 +91,8 @@ Each estimator at its own step size (--tune; issue 57, protocol committed before
   decides    fixed in advance: turn-level credit "pays where payoff is delayed" only if, on the delayed table,
                MICA alpha 1 - GRPO and MICA alpha 1 - RLOO are above 0 and MICA alpha 0 - MICA alpha 1 below
                0 (paired t intervals over the fresh seeds); RLOO against GRPO is the RLOO - GRPO interval
-  Budget: at the defaults one (estimator, seed) run takes 5-8 s on one core of this project's 2-core machine
-  (measured 2026-12-06 under other jobs), so a table is 6 x 7 x 4 tuning + 6 x 24 fresh = 312 runs (and 4
-  per edge extension), about 36 minutes with --workers 1.
+  Budget: a table is 6 x 7 x 4 tuning + 6 x 24 fresh = 312 runs of 300 steps (and 4 per edge extension);
+  docs/results.md has the minutes they took on one core, and the results.
   python experiments/credit.py --tune [--table delayed]      (--quick: 60 steps, tuning seeds 1000-1001,
                                                               fresh seeds 100-102, a look, not a result)
 
