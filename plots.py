@@ -4,6 +4,8 @@
   credit(run_dir, step)          <run>/rollouts.jsonl -> credit_step<N>.png, how the estimator assigned credit (04)
   rubric_weights(run_dir)        <run>/report.json -> weights_by_turn.png, weights_by_emotion.png (02)
   comparison, trajectories, series                  05's held-out pictures (results.json, transcripts.jsonl)
+  hinge_box, credit_grid, clip_surrogate            docs/course.md's pictures, from the functions the caller
+                                                    passes in (scripts/course_figures.py)
 
 A stage calls these at its end (04 also at each checkpoint); any of them can redraw a finished run later:
   python -c "import plots; plots.credit(__import__('pathlib').Path('runs/mica-<time>'), 3)"
@@ -215,3 +217,138 @@ def series(curves: dict, ylabel: str, path: Path, xlabel: str = "turn (0 = befor
     ax.xaxis.get_major_locator().set_params(integer=True)
     fig.tight_layout()
     return save(fig, path)
+
+
+# ---- the course's pictures (docs/course.md): each drawn from the functions its caller passes in ----------------
+def hinge_box(path: Path, distance, eps: float, moves) -> dict:
+    """hinge_box.png: the hinge distance d over two axes (C, A; P = 0, inside the box), as contours, and the
+    tolerance box where d = 0 shaded; each move (P before, P after) as an arrow with its reward d(before) -
+    d(after). distance(P) is the environment's own (03's hinge_distance), called at every grid point; eps only
+    labels the box. Returns the numbers drawn: the grid, its distances, and each move's distances."""
+    plt = pyplot()
+    axis = [-8.0 + 0.1 * i for i in range(121)]  # -8 .. 4
+    grid = [[distance([c, a, 0.0]) for c in axis] for a in axis]  # grid[i][j]: A = axis[i], C = axis[j]
+    fig, ax = plt.subplots(figsize=(6.2, 5.4))
+    lines = ax.contour(axis, axis, grid, levels=[1, 2, 3, 4, 5, 6, 7, 8, 9], colors="0.45", linewidths=0.8)
+    ax.clabel(lines, fontsize=7, fmt="d = %g")
+    inside = [[1.0 if d == 0 else 0.0 for d in row] for row in grid]
+    ax.contourf(axis, axis, inside, levels=[0.5, 1.5], colors=["#b7e1b0"])
+    ax.text(1.0, 2.5, f"tolerance box:\nevery P_a >= -eps = {-eps:g}\nd = 0 here", fontsize=8, ha="center")
+    drawn = []
+    for before, after in moves:
+        d0, d1 = distance(before), distance(after)
+        drawn.append({"before": list(before), "after": list(after), "d_before": d0, "d_after": d1})
+        ax.annotate("", xy=(after[0], after[1]), xytext=(before[0], before[1]), arrowprops={"arrowstyle": "->"})
+        ax.plot([before[0]], [before[1]], "ko", markersize=3)
+        note = f"d {d0:.2f} -> {d1:.2f}\nr = {d0 - d1:+.2f}"
+        box = {"facecolor": "white", "edgecolor": "none", "alpha": 0.85}
+        ax.text((before[0] + after[0]) / 2 + 0.3, (before[1] + after[1]) / 2 - 0.3, note, fontsize=7, bbox=box)
+    ax.axhline(0, color="0.8", linewidth=0.6)
+    ax.axvline(0, color="0.8", linewidth=0.6)
+    ax.set_xlabel("P_C (cognitive)", fontsize=8)
+    ax.set_ylabel("P_A (affective)", fontsize=8)
+    ax.tick_params(labelsize=7)
+    ax.set_aspect("equal")
+    ax.set_title("d(P) = sqrt( sum_a w_a max(0, -eps - P_a)^2 ), w = (1, 1, 1), P_P = 0", fontsize=9)
+    fig.tight_layout()
+    save(fig, Path(path))
+    return {"axis": axis, "grid": grid, "moves": drawn}
+
+
+def credit_grid(path: Path, rewards, gamma: float, returns, turn_level, group_level, turn: int) -> dict:
+    """credit_grid.png: one scenario group's dialogues (rows) x turns (columns), twice. Left, A_turn at one turn:
+    it compares the returns G_t of the dialogues that reached that turn (framed), and nothing else. Right,
+    A_group: it pools every reward of the group (all framed). Each cell holds the values of the functions passed
+    in (04's discounted_returns, turn_level_advantages, group_level_advantages); a turn a dialogue never reached
+    is grey. turn is 1-based. Returns the numbers drawn."""
+    plt = pyplot()
+    from matplotlib.patches import Rectangle
+
+    K, T = len(rewards), max(len(r) for r in rewards)
+    G = [returns(r, gamma) for r in rewards]
+    A_turn, A_group = turn_level(rewards, gamma), group_level(rewards)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 0.9 * K + 1.6))
+    panels = (
+        (
+            axes[0],
+            G,
+            "G",
+            A_turn,
+            "A_turn",
+            f"A_turn at turn {turn}: compares G_{turn} of the dialogues that reached it",
+        ),
+        (axes[1], rewards, "r", A_group, "A_group", "A_group: pools every reward r_t of the group"),
+    )
+    for ax, values, name, advantage, a_name, title in panels:
+        for k in range(K):
+            for t in range(T):
+                reached = t < len(rewards[k])
+                framed = reached and (name == "r" or t == turn - 1)
+                face = "#fde7c4" if framed else "white" if reached else "0.85"
+                ax.add_patch(Rectangle((t, k), 1, 1, facecolor=face, edgecolor="0.5", linewidth=0.6))
+                if framed:
+                    ax.add_patch(Rectangle((t + 0.04, k + 0.06), 0.92, 0.88, fill=False, edgecolor="C1", linewidth=2))
+                if reached:
+                    text = f"{name} {values[k][t]:+.3f}\n{a_name} {advantage[k][t]:+.3f}"
+                    ax.text(t + 0.5, k + 0.5, text, ha="center", va="center", fontsize=7)
+                else:
+                    ax.text(t + 0.5, k + 0.5, "ended", ha="center", va="center", fontsize=7, color="0.4")
+        ax.set_xlim(0, T)
+        ax.set_ylim(K, 0)
+        ax.set_xticks([t + 0.5 for t in range(T)], [f"turn {t + 1}" for t in range(T)], fontsize=8)
+        ax.set_yticks([k + 0.5 for k in range(K)], [f"k = {k}" for k in range(K)], fontsize=8)
+        ax.tick_params(length=0)
+        ax.set_title(title, fontsize=9)
+    fig.suptitle(
+        f"one scenario group of K = {K} dialogues, gamma {gamma:g}: which cells each term compares", fontsize=9
+    )
+    fig.tight_layout()
+    save(fig, Path(path))
+    return {"G": G, "A_turn": A_turn, "A_group": A_group}
+
+
+def clip_surrogate(path: Path, surrogate, clip_low: float, clip_high: float) -> dict:
+    """clip_surrogate.png: the per-token loss against the ratio, for A = +1 and A = -1, as the function passed in
+    computes it (surrogate(ratios, A) -> (losses, clipped flags): 04's clipped_surrogate), with -ratio A (no
+    clip) dashed, the band [1 - clip_low, 1 + clip_high] dotted, and shaded where the clip chose the loss (its
+    gradient is 0 there). Returns the numbers drawn."""
+    plt = pyplot()
+    ratios = [0.3 + 0.005 * i for i in range(321)]  # 0.3 .. 1.9
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), sharex=True)
+    drawn = {"ratios": ratios}
+    for ax, A in zip(axes, (1.0, -1.0)):
+        losses, clipped = surrogate(ratios, A)
+        drawn[A] = {"loss": losses, "clipped": clipped}
+        ax.plot(ratios, [-x * A for x in ratios], "--", color="0.6", linewidth=1, label="-ratio A (no clip)")
+        ax.plot(ratios, losses, color="C0", linewidth=2, label="the loss: max(-ratio A, -clip(ratio) A)")
+        low, high = 1 - clip_low, 1 + clip_high
+        ax.axvline(low, color="0.4", linestyle=":", linewidth=1)
+        ax.axvline(high, color="0.4", linestyle=":", linewidth=1)
+        bottom, top = min(losses + [-x * A for x in ratios]), max(losses + [-x * A for x in ratios])
+        ax.fill_between(
+            ratios,
+            bottom,
+            top,
+            where=[c > 0 for c in clipped],
+            color="C3",
+            alpha=0.15,
+            label="the clip chose the loss (counted in clip_frac; no gradient)",
+        )
+        ax.set_ylim(bottom - 0.05, top + 0.3)
+        # outside the band on the other side the unclipped term is the larger loss: not clipped
+        free = [x for x, c in zip(ratios, clipped) if (x < low or x > high) and c == 0]
+        if free:
+            side = "below" if free[0] < low else "above"
+            note = f"{side} the band, not clipped:\n-ratio A is the larger loss"
+            ax.text(sum(free) / len(free), (bottom + top) / 2, note, fontsize=7, ha="center")
+        ax.text(low, top + 0.1, f" {low:g}", fontsize=7)
+        ax.text(high, top + 0.1, f" {high:g}", fontsize=7)
+        ax.set_title(f"A = {A:+g}", fontsize=9)
+        ax.set_xlabel("ratio = pi(y) / pi_old(y)", fontsize=8)
+        ax.tick_params(labelsize=7)
+    axes[0].set_ylabel("loss of one token", fontsize=8)
+    axes[0].legend(fontsize=7, loc="lower left")
+    fig.suptitle(f"the clipped surrogate, clip [1 - {clip_low:g}, 1 + {clip_high:g}]", fontsize=9)
+    fig.tight_layout()
+    save(fig, Path(path))
+    return drawn

@@ -5,12 +5,13 @@
                               flushed and fsynced, so a kill tears at most the last line; repair_jsonl_tail
                               cuts such a line on --resume
   atomic_write                a file whole or not at all (args.json, results.json)
-  add_run_args, open_run      --seed, --out-dir, --run-name, --no-progress, --resume, --save-every,
-                              --report-to; the run folder and its args.json (the API key redacted:
-                              public_args); flags_given, what a run's header line shows
+  RunOptions, open_run        --seed, --out-dir, --run-name, --no-progress; the run folder and its args.json
+                              (the API key redacted: public_args); flags_given and header_line, a training
+                              run's header
   save_checkpoint, load_checkpoint, checkpoint_on_error
                               <run>/checkpoint.pt: torch.save of the adapter (peft's state dict), the
                               optimizer and the schedule, renamed over the last (kill -9 safe)
+  PhaseTimer, step_metrics    a training step's seconds by phase, and its metrics line from its records
   MetricsLogger               a step's line on the console, in metrics.jsonl and, with --report-to, in
                               accelerate's tracker
 

@@ -96,8 +96,8 @@ Each estimator at its own step size (--tune; issue 57, protocol committed before
   python experiments/credit.py --tune [--table delayed]      (--quick: 60 steps, tuning seeds 1000-1001,
                                                               fresh seeds 100-102, a look, not a result)
 
-CPU (about 7 minutes on one core of 2):  python experiments/credit.py
-Quick look (under a minute):        python experiments/credit.py --quick
+CPU (docs/results.md has the minutes each took on one core):  python experiments/credit.py
+Quick look (3 seeds, 60 steps):     python experiments/credit.py --quick
 The second table:                   python experiments/credit.py --table delayed [--quick]
 The survivor question:              python experiments/credit.py --survivors [--table delayed] [--quick]
   MICA's A_turn at turn t compares only the dialogues that reached t: the mean A_turn, A_group and A by how

@@ -11,6 +11,12 @@ What it does
   check N [N ...] [--dir DIR]
                     runs the tests that pin those functions (one `python -m pytest` in DIR, default this
                     repository: the real code) and prints PASS or FAIL per test; exit 0 only when all pass.
+                    A failure says what the exercise checks (its equation) and why the test failed: the case,
+                    its inputs, the equation, expected and got (tests/test_advantages.py's `expect`), or the
+                    line of the student's code that raised, or the test's lines up to the check that failed. A
+                    file of the copy that does not parse, or fails on import, is named with its line.
+  The copy has no .venv: it runs with the python that runs this script (keep the repository's environment
+  active; `make` prints how).
   An exercise is one row of EXERCISES: add a row (and, where no test pins the function by hand-computed
   numbers, such a test); tests/test_course.py checks that every check fails on its blank and passes on the
   real code.
@@ -31,6 +37,7 @@ import argparse
 import ast
 import io
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -71,7 +78,8 @@ EXERCISES = [
         "03_rollout.py",
         "initial_deficit",
         1,
-        "EMPA's initial deficit P0 from the nine items",
+        "EMPA's initial deficit P0 from the nine items: C = -2(C1 + C2 + 1.5 C3), A = -2(A1 + 2 A2 + 1.5 A3), "
+        "P = -2(P1 + 2 P2 + 1.5 P3)",
         (f"{ENV}::test_initial_deficit_ranges",),
     ),
     Exercise(
@@ -79,16 +87,24 @@ EXERCISES = [
         "03_rollout.py",
         "levels_to_v",
         1,
-        "the progress vector v_t from the judge's MDEP-PR levels",
+        "the progress vector v_t from the judge's MDEP-PR levels: v_t,a = the progress level's points (0, +1, +3) + "
+        "the negative level's (0, -2, -4 on C; 0, -2, -5 on A and P)",
         (f"{ENV}::test_levels_to_v_reference_example",),
     ),
-    Exercise(3, "03_rollout.py", "hinge_distance", 1, "the hinge distance d(P)", (f"{ENV}::test_hinge_distance",)),
+    Exercise(
+        3,
+        "03_rollout.py",
+        "hinge_distance",
+        1,
+        "the hinge distance d(P) = sqrt( sum_a w_a max(0, -eps - P_a)^2 )",
+        (f"{ENV}::test_hinge_distance",),
+    ),
     Exercise(
         4,
         "03_rollout.py",
         "incremental_distance_rewards",
         1,
-        "the incremental distance reward r_t = d(P_{t-1}) - d(P_t)",
+        "the incremental distance reward r_t = d(P_{t-1}) - d(P_t), with the weights and eps given",
         (
             f"{ADV}::test_idr_reference_worked_example",
             f"{ADV}::test_idr_weights_eps_and_overshoot",
@@ -100,7 +116,8 @@ EXERCISES = [
         "03_rollout.py",
         "episode_status",
         1,
-        "EMPA's episode end rules (success, collapse, stagnation: the module's docstring)",
+        "EMPA's episode end rules: none before min_turns; success when E_total >= ||P0||; collapse; stagnation (the "
+        "module's docstring)",
         (f"{ENV}::test_episode_rules",),
     ),
     Exercise(
@@ -116,7 +133,7 @@ EXERCISES = [
         "04_mica_train.py",
         "discounted_returns",
         2,
-        "the discounted return G_t",
+        "the discounted return G_t = r_t + gamma G_{t+1}",
         (f"{ADV}::test_discounted_returns",),
     ),
     Exercise(
@@ -124,7 +141,8 @@ EXERCISES = [
         "04_mica_train.py",
         "turn_level_advantages",
         2,
-        "MICA's turn-level advantage A_turn",
+        "MICA's turn-level advantage A_turn[k][t] = (G[k][t] - mean_t) / (std_t + 1e-6) over the dialogues that "
+        "reached turn t (the population std)",
         (f"{ADV}::test_turn_level_advantages_compare_the_dialogues_that_reached_each_turn",),
     ),
     Exercise(
@@ -132,7 +150,8 @@ EXERCISES = [
         "04_mica_train.py",
         "group_level_advantages",
         2,
-        "MICA's group-level advantage A_group",
+        "MICA's group-level advantage A_group[k][t] = (r[k][t] - mean) / (std + 1e-6) over all the group's rewards "
+        "(the population std)",
         (f"{ADV}::test_group_level_advantages_pool_every_reward",),
     ),
     Exercise(
@@ -140,7 +159,7 @@ EXERCISES = [
         "04_mica_train.py",
         "mica_advantages",
         2,
-        "MICA's mix A = alpha A_turn + (1 - alpha) A_group",
+        "MICA's mix A = alpha A_turn + (1 - alpha) A_group, per scenario group, and its terms A_turn and A_group",
         (
             f"{ADV}::test_mica_unequal_lengths_single_reacher_zero_variance",
             f"{ADV}::test_mica_alpha_extremes",
@@ -152,7 +171,8 @@ EXERCISES = [
         "04_mica_train.py",
         "grpo_advantages",
         2,
-        "GRPO's advantage: each dialogue's normalised outcome",
+        "GRPO's advantage: A[k][t] = (R_k - mean) / (std + 1e-6) on every turn, R_k = sum_t r[k][t], over the "
+        "scenario group (the sample std)",
         (f"{ADV}::test_grpo_outcome_on_every_turn",),
     ),
     Exercise(
@@ -160,7 +180,7 @@ EXERCISES = [
         "04_mica_train.py",
         "reinforce_pp_advantages",
         2,
-        "REINFORCE++'s advantage: the returns whitened over the batch",
+        "REINFORCE++'s advantage: the returns G_t whitened over every turn of the batch (the sample std)",
         (f"{ADV}::test_reinforce_pp_whitens_over_the_batch",),
     ),
     Exercise(
@@ -176,7 +196,8 @@ EXERCISES = [
         "04_mica_train.py",
         "clipped_surrogate",
         3,
-        "the clipped surrogate max(-ratio A, -clip(ratio) A)",
+        "the clipped surrogate max(-ratio A, -clip(ratio, 1 - clip_low, 1 + clip_high) A) per token, and whether "
+        "the clipped term was the larger (the clip chose the loss)",
         (f"{ADV}::test_clipped_surrogate_and_kl",),
     ),
     Exercise(
@@ -184,7 +205,7 @@ EXERCISES = [
         "04_mica_train.py",
         "k3_kl",
         3,
-        "the k3 estimate of KL(pi || ref) per token",
+        "the k3 estimate of KL(pi || ref) per token: exp(ref - logp) - (ref - logp) - 1",
         (f"{ADV}::test_clipped_surrogate_and_kl", f"{ADV}::test_k3_kl_averages_to_the_kl_under_the_policy"),
     ),
     Exercise(
@@ -192,7 +213,7 @@ EXERCISES = [
         "01_rubric_sft.py",
         "rubric_score",
         5,
-        "CARE's rubric score S(y)",
+        "CARE's rubric score S(y) = sum_d w_d (1/|C_d|) sum_{c in C_d} s(y, c)",
         ("tests/test_rubric.py::test_care_score_hand_computed", f"{ROLL}::test_care_reward_turn_by_turn"),
     ),
     Exercise(
@@ -345,12 +366,23 @@ def make(out: Path, exercises: list[Exercise]) -> int:
         f"{', '.join(str(e.number) for e in exercises)} blanked (python scripts/exercise.py list names them)"
     )
     print(f"write each body, then: cd {out} && python scripts/exercise.py check N")
+    activate = Path(sys.prefix) / "bin" / "activate"
+    if activate.is_file():  # the copy has no .venv: the checks run with this one
+        print(f"(the copy has no .venv: keep this repository's environment active there, source {activate})")
     return 0
 
 
 # ---------------------------------------------------------------------------------------------
-# check: the tests that pin them, one pytest run
+# check: the tests that pin them, one pytest run, and what each failure teaches
 # ---------------------------------------------------------------------------------------------
+@dataclass
+class Outcome:
+    """One test's result: why it failed (one line; "" when it passed) and the lines that explain it."""
+
+    why: str
+    detail: list[str]
+
+
 def node_id(case: ET.Element, where: Path) -> str:
     """A junit testcase's pytest node id: classname "tests.test_env[.Class]" and name -> file::[Class::]name."""
     parts = case.get("classname", "").split(".")
@@ -360,47 +392,135 @@ def node_id(case: ET.Element, where: Path) -> str:
     return ".".join(parts) + "::" + case.get("name", "")
 
 
-def run_tests(where: Path, ids: list[str]) -> tuple[dict[str, str], str]:
-    """{node id: "" when it passed, else the reason} for every test pytest ran, and pytest's last line."""
+def test_lines(where: Path, file: str, line: int, most=10) -> list[str]:
+    """The lines of a test from its def (or its last `most` lines) to `line`: the case's inputs and the comments
+    that work it out by hand."""
+    lines = (where / file).read_text(encoding="utf-8").splitlines()[:line]
+    start = max((i for i, x in enumerate(lines) if x.startswith("def ")), default=0)
+    return lines[max(start, line - most) : line]
+
+
+def failure(message: str, text: str, where: Path) -> Outcome:
+    """A failed test as the student reads it, from its error message and pytest's short traceback (--tb=short).
+    A test that names its case (tests/test_advantages.py's `expect`) gives the case, its inputs, the equation,
+    expected and got. Otherwise the error's own lines, and where it came from: the line of the student's code
+    that raised it, or the test's lines up to the check that failed (its inputs, worked out in comments)."""
+    errors = [re.sub(r"^E {0,3}", "", line) for line in text.splitlines() if line.startswith("E ")]
+    errors = [line for line in errors if line.strip()] or message.splitlines() or ["failed"]
+    first = re.sub(r"^AssertionError: (?=case: )", "", errors[0])
+    if first.startswith("case: "):
+        return Outcome(first, errors[1:24])
+    frames = re.findall(r"^(\S+?):(\d+): in (\S+)\n((?: {4}.*\n?)*)", text, re.M)
+    detail = errors[1:24]
+    code = [f for f in frames if Path(f[0]).parts[:1] != ("tests",)]
+    if code:
+        file, line, function, source = code[-1]
+        source_lines = [x.strip() for x in source.splitlines() if x.strip() and set(x.strip()) != {"^"}]
+        detail += [f"raised at {file} line {line}, in {function}", *[f"    {x}" for x in source_lines[-2:]]]
+    elif frames and (where / frames[-1][0]).is_file():
+        file, line, function, _ = frames[-1]
+        detail.append(f"the check that failed, {file} line {line}, in {function}:")
+        detail += [f"    {x}" for x in test_lines(where, file, int(line))]
+    return Outcome(first[:200], detail)
+
+
+def run_tests(where: Path, ids: list[str]) -> tuple[dict[str, Outcome], str]:
+    """{node id: its Outcome} for every test pytest ran, and pytest's last line."""
     with tempfile.TemporaryDirectory() as tmp:
         xml = Path(tmp) / "report.xml"
         env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={xml}", *ids]
-        p = subprocess.run(cmd, cwd=where, capture_output=True, text=True, env=env)
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--tb=short", f"--junitxml={xml}"]
+        p = subprocess.run([*cmd, *ids], cwd=where, capture_output=True, text=True, env=env)
+        if "No module named pytest" in p.stderr:
+            raise ExerciseError(
+                f"{sys.executable} has no pytest: check with the repository's environment active (the copy has "
+                "no .venv of its own): source /path/to/the/repository/.venv/bin/activate"
+            )
         last = (p.stdout.strip().splitlines() or [f"pytest exited {p.returncode}"])[-1]
         results = {}
         if xml.exists():
             for case in ET.parse(xml).getroot().iter("testcase"):
                 bad = [c for c in case if c.tag in ("failure", "error", "skipped")]
-                why = ""
+                outcome = Outcome("", [])
                 if bad:
-                    message = bad[0].get("message") or bad[0].tag
-                    why = ("skipped: " if bad[0].tag == "skipped" else "") + message.strip().splitlines()[0][:200]
+                    message = (bad[0].get("message") or bad[0].tag).strip()
+                    first = (message.splitlines() or [bad[0].tag])[0][:200]
+                    if bad[0].tag == "failure":
+                        outcome = failure(message, bad[0].text or "", where)
+                    elif bad[0].tag == "error":
+                        first = re.sub(r'^failed on setup with "?', "", first).strip()
+                        outcome = Outcome(f"error while setting the test up: {first}", [])
+                    else:
+                        outcome = Outcome(f"skipped: {first}", [])
                 key = node_id(case, where)
-                results[key] = results.get(key) or why  # a teardown error after a pass still fails it
+                if key not in results or not results[key].why:
+                    results[key] = outcome  # a teardown error after a pass still fails it
     return results, last
+
+
+def syntax_problem(where: Path, file: str) -> list[str]:
+    """Where the copy's file does not parse, as lines for the student; [] when it parses."""
+    try:
+        compile((where / file).read_text(encoding="utf-8"), file, "exec")
+    except SyntaxError as e:
+        out = [f"{file} line {e.lineno}: {type(e).__name__}: {e.msg}"]
+        if e.text:
+            out.append("    " + e.text.strip())
+        return out
+    return []
+
+
+def import_problem(where: Path, file: str) -> list[str]:
+    """Why importing the copy's file fails (the error, and the line of a file of the copy it came from), as lines
+    for the student; [] when it imports."""
+    module = file.removesuffix(".py").replace("/", ".")
+    code = f"import importlib; importlib.import_module({module!r})"
+    p = subprocess.run([sys.executable, "-c", code], cwd=where, capture_output=True, text=True)
+    if p.returncode == 0:
+        return []
+    lines = p.stderr.strip().splitlines() or [f"python exited {p.returncode}"]
+    here = where.resolve()
+    frames = []
+    for f, n in re.findall(r'File "([^"]+)", line (\d+)', p.stderr):
+        if Path(f).resolve().is_relative_to(here):
+            frames.append(f"{Path(f).resolve().relative_to(here).as_posix()} line {n}")
+    at = f" at {frames[-1]}" if frames else ""
+    return [f"importing {file} fails{at}: {lines[-1]}"]
 
 
 def check(exercises: list[Exercise], where: Path) -> int:
     if not (where / "tests").is_dir():
         raise ExerciseError(f"--dir {where}: no tests/ folder there (a copy made by `make`, or the repository)")
+    # a file that does not parse fails every test that imports it: say where, before the tests run
+    problems = {f: syntax_problem(where, f) for f in sorted({e.file for e in exercises})}
+    for file, lines in problems.items():
+        if lines:
+            print(f"error: {file} does not parse, so no test that imports it can run; fix this line first:")
+            for line in lines:
+                print(f"    {line}")
     ids = list(dict.fromkeys(t for e in exercises for t in e.tests))
     results, last = run_tests(where, ids)
     all_pass = True
     for e in exercises:
         print(f"exercise {e.number}: {e.function} ({e.file}, lesson {e.lesson})")
-        passed = total = 0
+        mine = {}
         for t in e.tests:
-            mine = {k: v for k, v in results.items() if k == t or k.startswith(t + "[")}
-            if not mine:
-                print(f"FAIL {t}: not run ({last})")
-                total += 1
-            for k, why in mine.items():
-                print(f"PASS {k}" if not why else f"FAIL {k}: {why}")
-                passed += not why
-                total += 1
-        print(f"exercise {e.number}: {passed} of {total} tests pass")
-        all_pass = all_pass and passed == total
+            ran = {k: v for k, v in results.items() if k == t or k.startswith(t + "[")}
+            mine.update(ran or {t: Outcome(f"not run ({last})", [])})
+        passed = sum(not v.why for v in mine.values())
+        if passed < len(mine):
+            print(f"    what it checks: {e.equation}")
+            stuck = any(v.why.startswith(("not run", "error")) for v in mine.values())
+            if stuck and not problems[e.file]:
+                problems[e.file] = import_problem(where, e.file)  # an error at import: say where
+                for line in problems[e.file]:
+                    print(f"    {line}")
+        for k, outcome in mine.items():
+            print(f"PASS {k}" if not outcome.why else f"FAIL {k}: {outcome.why}")
+            for line in outcome.detail:
+                print(f"    {line}")
+        print(f"exercise {e.number}: {passed} of {len(mine)} tests pass")
+        all_pass = all_pass and passed == len(mine)
     return 0 if all_pass else 1
 
 

@@ -129,10 +129,10 @@ def tiny(tiny_model):
 def env_args(env, check=False, **over):
     """03's environment flags at their defaults, with `over` set (and checked, with check=True)."""
     import common
+    import runs
 
-    p = common.options_parser("", [("environment", env.EnvOptions), ("endpoints", common.EndpointOptions)])
-    args = p.parse_args([])
-    args.progress = False
+    groups = [("environment", env.EnvOptions), ("endpoints", common.EndpointOptions), ("run", runs.RunOptions)]
+    args = common.options_parser("", groups).parse_args(["--no-progress"])
     for k, v in over.items():
         setattr(args, k, v)
     if check:

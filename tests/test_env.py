@@ -3,6 +3,7 @@
 import math
 
 import pytest
+from test_advantages import expect
 
 import common
 import offline
@@ -12,52 +13,102 @@ class Args:
     min_turns, collapse_window, max_turns, eps = 12, 5, 45, 1.0
 
 
+P0_EQUATION = "C = -2(C1 + C2 + 1.5 C3),  A = -2(A1 + 2 A2 + 1.5 A3),  P = -2(P1 + 2 P2 + 1.5 P3)"
+
+
 def test_initial_deficit_ranges(env):
-    assert env.initial_deficit({n: 0 for n in env.DEFICIT_ITEMS}) == [0.0, 0.0, 0.0]
-    assert env.initial_deficit({n: 3 for n in env.DEFICIT_ITEMS}) == [-21.0, -27.0, -27.0]
+    zero = {n: 0 for n in env.DEFICIT_ITEMS}
+    expect(env.initial_deficit(zero), [0.0, 0.0, 0.0], "every item 0: no deficit", f"items {zero}", P0_EQUATION)
+    three = {n: 3 for n in env.DEFICIT_ITEMS}
+    case = "every item 3, the largest deficit: C = -2 * 3.5 * 3, A = P = -2 * 4.5 * 3"
+    expect(env.initial_deficit(three), [-21.0, -27.0, -27.0], case, f"items {three}", P0_EQUATION)
     items = dict(C1=1, C2=2, C3=2, A1=0, A2=1, A3=2, P1=3, P2=0, P3=1)
-    assert env.initial_deficit(items) == [-12.0, -10.0, -9.0]
+    case = "mixed items: C = -2(1 + 2 + 3), A = -2(0 + 2 + 3), P = -2(3 + 0 + 1.5)"
+    expect(env.initial_deficit(items), [-12.0, -10.0, -9.0], case, f"items {items}", P0_EQUATION)
+
+
+V_EQUATION = (
+    "v_t,a = progress points[level] + negative points[a][level]: progress 0, +1, +3; negative 0, -2, -4 on C and "
+    "0, -2, -5 on A and P"
+)
 
 
 def test_levels_to_v_reference_example(env):
     # the REFERENCE worked example's v = (1,3,0), (-1,1,1), (3,-1,1) as MDEP-PR levels
-    assert env.levels_to_v({"C": (1, 0), "A": (2, 0), "P": (0, 0)}) == [1, 3, 0]
-    assert env.levels_to_v({"C": (1, 1), "A": (1, 0), "P": (1, 0)}) == [-1, 1, 1]
-    assert env.levels_to_v({"C": (2, 0), "A": (1, 1), "P": (1, 0)}) == [3, -1, 1]
-    assert env.levels_to_v({"C": (0, 2), "A": (0, 2), "P": (0, 2)}) == [-4, -5, -5]
+    cases = [
+        ("progress only: level 1 is +1, level 2 is +3", {"C": (1, 0), "A": (2, 0), "P": (0, 0)}, [1, 3, 0]),
+        ("progress and a negative level 1 on C: +1 - 2", {"C": (1, 1), "A": (1, 0), "P": (1, 0)}, [-1, 1, 1]),
+        ("progress and a negative level 1 on A: +1 - 2", {"C": (2, 0), "A": (1, 1), "P": (1, 0)}, [3, -1, 1]),
+        (
+            "negative level 2 on every axis: -4 on C, -5 on A and P",
+            {"C": (0, 2), "A": (0, 2), "P": (0, 2)},
+            [-4, -5, -5],
+        ),
+    ]
+    for case, levels, v in cases:
+        expect(env.levels_to_v(levels), v, case, f"levels (progress, negative) {levels}", V_EQUATION)
+
+
+HINGE = "d(P) = sqrt( sum_a w_a max(0, -eps - P_a)^2 )"
 
 
 def test_hinge_distance(env):
-    assert env.hinge_distance([-6, -9, -4]) == pytest.approx(9.899495)
-    assert env.hinge_distance([-6, -9, -4], eps=3) == pytest.approx(math.sqrt(9 + 36 + 1))
-    assert env.hinge_distance([5, 5, 5]) == 0.0  # overshoot is not penalised
+    cases = [
+        ("the reference P0, eps 1: sqrt(5^2 + 8^2 + 3^2)", ([-6, -9, -4], (1, 1, 1), 1.0), 9.899495),
+        ("eps 3: sqrt(3^2 + 6^2 + 1^2)", ([-6, -9, -4], (1, 1, 1), 3.0), math.sqrt(9 + 36 + 1)),
+        ("overshoot is not penalised: past the goal the distance is 0", ([5, 5, 5], (1, 1, 1), 1.0), 0.0),
+        ("on the box's edge (P_a = -eps) and inside it: 0", ([-1, -0.5, 3], (1, 1, 1), 1.0), 0.0),
+        ("weights multiply the squares: sqrt(4 * 2^2 + 1 * 2^2 + 0)", ([-3, -3, -3], (4, 1, 0), 1.0), math.sqrt(20)),
+    ]
+    for case, (P, w, eps), d in cases:
+        got = env.hinge_distance(P, weights=w, eps=eps)
+        expect(got, d, case, f"P = {P}, weights {w}, eps {eps}", HINGE, tol=1e-6)
+
+
+END_RULES = (
+    "after turn t: None before min_turns; success if round(E_total, 2) >= ||P0||, checked first; failure if the "
+    "last collapse_window dE (rounded) are all < 0, or from 8 turns on if stagnant (the sample std of the last 5 "
+    "||P_t|| < 0.5) and regressing (>= 6 of the last 8 dE < 0 and their sum < -1); else None"
+)
 
 
 def test_episode_rules(env):
     P0 = [-6, -9, -4]  # ||P0|| = 11.53
     a = Args()
     still = [P0] * 13  # P_0 .. P_12 as 03's rollout keeps them (one state a turn, and P_0)
-    assert env.episode_status(P0, [3.0] * 5, still[:6], 5, a) is None  # before the gate
-    assert env.episode_status(P0, [1.0] * 12, still, 12, a) == "success"  # E_total 12 >= 11.53
-    assert env.episode_status(P0, [0.9] * 12, still, 12, a) is None
-    dEs = [1.0] * 7 + [-0.1] * 5  # collapsed: last 5 < 0
-    assert env.episode_status(P0, dEs, still, 12, a) == "failure"
+    rules = "min_turns 12, collapse_window 5"
+    cases = [
+        ("before min_turns nothing ends", P0, [3.0] * 5, still[:6], 5, None),
+        ("E_total 12 >= ||P0|| 11.53: success", P0, [1.0] * 12, still, 12, "success"),
+        ("E_total 10.8 < ||P0||: go on", P0, [0.9] * 12, still, 12, None),
+        ("the last 5 dE all < 0: collapsed", P0, [1.0] * 7 + [-0.1] * 5, still, 12, "failure"),
+        # E_total 5 = ||(-3, -4, 0)|| exactly: success (>=, not >)
+        ("E_total equal to ||P0|| = 5 is a success (>=)", [-3, -4, 0], [5.0] + [0.0] * 11, still, 12, "success"),
+        # E_total 12.5 >= 11.53 while the last 5 dE fell: success is checked first
+        ("success and a collapse at once: success wins", P0, [13.0] + [0.0] * 6 + [-0.1] * 5, still, 12, "success"),
+    ]
     # stagnant (std of last 5 ||P|| < 0.5) and regressing (>= 6 of last 8 dE < 0, sum < -1)
-    states = [[-6, -9, -4]] * 13
     dEs = [0.0] * 4 + [-0.3, -0.3, 0.1, -0.3, -0.3, 0.1, -0.3, -0.3]
-    assert env.episode_status(P0, dEs, states, 12, a) == "failure"
+    cases.append(("stagnant and regressing: failure", P0, dEs, [[-6, -9, -4]] * 13, 12, "failure"))
     moving = [[-6, -9, -4 + i] for i in range(13)]  # not stagnant
-    assert env.episode_status(P0, dEs, moving, 12, a) is None
+    cases.append(("regressing but the state moves (not stagnant): go on", P0, dEs, moving, 12, None))
+    # the last 5 ||P_t|| are 10, 10, 10, 10, 11.15: sample std 0.514 (not stagnant); the population std is 0.46
+    uneven = [[-10, 0, 0]] * 12 + [[-11.15, 0, 0]]
+    cases.append(("stagnation takes the sample std (ddof 1): 0.514, not stagnant", P0, dEs, uneven, 12, None))
     # the regression sum runs over all 8 (MICA's scoring.py): six -0.3 and two +0.5 sum to -0.8, not < -1,
     # although the negatives alone sum to -1.8
     dEs = [0.0] * 4 + [-0.3, -0.3, 0.5, -0.3, -0.3, 0.5, -0.3, -0.3]
-    assert env.episode_status(P0, dEs, states, 12, a) is None
+    states = [[-6, -9, -4]] * 13
+    cases.append(("the regression sum runs over all 8 dE: -0.8, not < -1", P0, dEs, states, 12, None))
     # rounded to 2 decimals first: -0.004 is -0.0, not a negative step, so five of them are no collapse
-    assert env.episode_status(P0, [1.0] * 7 + [-0.004] * 5, still, 12, a) is None
-    assert env.episode_status(P0, [1.0] * 7 + [-0.006] * 5, still, 12, a) == "failure"
+    cases.append(("dE rounded to 2 decimals: -0.004 is 0, no collapse", P0, [1.0] * 7 + [-0.004] * 5, still, 12, None))
+    cases.append(("-0.006 rounds to -0.01: a collapse", P0, [1.0] * 7 + [-0.006] * 5, still, 12, "failure"))
     # E_total 11.534 >= ||P0|| = 11.5326, but rounded it is 11.53, short of it; 11.536 rounds to 11.54
-    assert env.episode_status(P0, [11.534] + [0.0] * 11, still, 12, a) is None
-    assert env.episode_status(P0, [11.536] + [0.0] * 11, still, 12, a) == "success"
+    cases.append(("E_total 11.534 rounds to 11.53 < 11.5326: go on", P0, [11.534] + [0.0] * 11, still, 12, None))
+    cases.append(("E_total 11.536 rounds to 11.54: success", P0, [11.536] + [0.0] * 11, still, 12, "success"))
+    for case, p0, dEs, states, t, outcome in cases:
+        inputs = f"P0 {p0}, dEs {dEs}, the last 5 states {states[-5:]}, t {t}, {rules}"
+        expect(env.episode_status(p0, dEs, states, t, a), outcome, case, inputs, END_RULES)
 
 
 def test_load_scenarios_shipped_sets(env):

@@ -374,6 +374,8 @@ def test_pref_rl_script_runs_and_reports(tiny_model, tmp_path):
     assert [x["step"] for x in m] == [1, 2]
     for key in ("reward_mean", "recovery_rate", "parse_valid", "judge_failures", "degenerate_groups", "loss"):
         assert key in m[0]
+    for step in m:  # the rubric tokens as sampled against the update's pi_old: rounding only, in fp32
+        assert step["token_passes"] > 0 and 0 <= step["sampler_gap_mean"] <= step["sampler_gap_max"] < 1e-4
     assert len(lines(run / "rollouts.jsonl")) == 2 * 2 * 2
     rep = json.loads((run / "report.json").read_text())
     assert set(rep) == {"before", "after"} and 0 <= rep["after"]["recovery_acc"] <= 1
