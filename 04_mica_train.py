@@ -93,7 +93,8 @@ GPU:  python 04_mica_train.py --model Qwen2.5-7B-Instruct     (the gpu preset: 4
 N GPUs: accelerate launch --num_processes N 04_mica_train.py ...   (docs/scale.md)
 
 A new estimator or reward is one function and one entry in ADVANTAGES or REWARDS (docs/training.md, "Adding
-an estimator or a reward"); --advantage and --reward take its name.
+an estimator or a reward"); --advantage and --reward take its name. --advantage also takes module:function,
+an estimator kept outside this repository (it receives the step's dialogues too).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-# Two commands: `make demo` (install, then a training demo offline: 412 s after the install on 2 cores, 2026-12-05 and -06) and `make test` (483 tests: 447 s, 534 s with the install; 2026-12-06).
+# Two commands: `make demo` (install, then a training demo offline: 412 s after the install on 2 cores, 2026-12-05 and -06; 865 s on 2026-12-07's slower machine) and `make test` (518 tests: 728 s, 2026-12-07, same slower machine).
 # `make pipeline` runs 01 -> 02 -> 04 -> 05 at tiny budgets (<= 15 minutes on 2 CPU cores).
 PYTHON ?= python3
 VENV   ?= .venv
