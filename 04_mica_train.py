@@ -102,8 +102,10 @@ from __future__ import annotations
 import argparse
 import importlib
 import math
+import os
 import random
 import resource
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -136,7 +138,7 @@ class Args:
     advantage: str = common.option(
         "mica",
         "the advantage estimator, a name in ADVANTAGES (mica, grpo, reinforce_pp, or one a fork adds), or "
-        "module:function for an estimator of your own, importable from outside this file",
+        "module:function for an estimator of your own (module.py in the folder you run from, or on PYTHONPATH)",
     )
     alpha: float = common.option(0.4, "MICA's weight of the turn-level advantage", type=common.number(low=0, high=1))
     gamma: float = common.option(0.85, "discount of the per-turn returns", type=common.number(low=0, high=1))
@@ -782,8 +784,11 @@ def parse_reward_spec(spec: str) -> dict[str, float]:
 
 
 def imported_estimator(spec: str):
-    """--advantage module:function -> that function (an estimator with ADVANTAGES' signature), or one line."""
+    """--advantage module:function -> that function (an estimator with ADVANTAGES' signature), or one line. The
+    module is looked for on sys.path and, last, in the folder the command runs from (as `python -m` finds one)."""
     module, _, function = spec.partition(":")
+    if os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())
     try:
         fn = getattr(importlib.import_module(module), function)
     except (ImportError, AttributeError) as e:

@@ -9,7 +9,7 @@ from accelerate import Accelerator
 
 import common
 import offline
-from conftest import SCEN, env_args
+from conftest import SCEN, env_args, run_script
 
 
 class StubJudge:
@@ -519,11 +519,11 @@ def test_an_estimator_that_reads_the_dialogues_is_one_function_too(env, trainer,
                 assert turn["terms"]["d0"] == pytest.approx(d0, abs=1e-4)
 
 
-def test_an_estimator_from_outside_the_repository_by_module_and_function(trainer, tiny_model, tmp_path, monkeypatch):
-    """--advantage module:function imports an estimator that lives outside the repository (here a file in a
-    folder on sys.path): a potential-based one that reads each dialogue's states, A[k][t] = the distance the
-    turn closed, d(P_{t-1}) - d(P_t), centred over the group's turns. One 04 step runs it; a name that does not
-    import is one line."""
+def test_an_estimator_from_outside_the_repository_by_module_and_function(tiny_model, tmp_path):
+    """--advantage module:function imports an estimator that lives outside the repository, here a file in the
+    folder the command runs from (no PYTHONPATH): a potential-based one that reads each dialogue's states,
+    A[k][t] = the distance the turn closed, d(P_{t-1}) - d(P_t), centred over the group's turns. One 04 step
+    runs it as a user would; a name that does not import is one line and exit 2."""
     import json
 
     (tmp_path / "my_credit.py").write_text(
@@ -539,22 +539,23 @@ def test_an_estimator_from_outside_the_repository_by_module_and_function(trainer
         "        A.append([[x - mean for x in c] for c in closed])\n"
         "    return A, {}\n"
     )
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setattr(trainer, "ADVANTAGES", dict(trainer.ADVANTAGES))  # what the run registers goes with the test
-    out = tmp_path / "runs"
     args = ["--model", tiny_model, "--advantage", "my_credit:closed_distance", "--steps", "1", "--scenarios-per-step"]
-    trainer.main([*args, "1", "--max-turns", "2", "--max-new-tokens", "4", "--out-dir", str(out), "--no-progress"])
-    records = [json.loads(x) for x in next(out.iterdir()).joinpath("rollouts.jsonl").read_text().splitlines()]
+    args += ["1", "--max-turns", "2", "--max-new-tokens", "4", "--out-dir", "runs", "--no-progress"]
+    p = run_script("04_mica_train.py", *args, cwd=tmp_path)
+    assert p.returncode == 0, p.stderr
+    run = next((tmp_path / "runs").iterdir())
+    assert "--advantage my_credit:closed_distance" in p.stdout.splitlines()[0]
+    records = [json.loads(x) for x in run.joinpath("rollouts.jsonl").read_text().splitlines()]
     assert len(records) == 4
     prev = [[r["initial_distance"]] + [t["distance"] for t in r["turns"]] for r in records]
     steps = [[p[t] - p[t + 1] for t in range(len(p) - 1)] for p in prev]
     mean = sum(x for s in steps for x in s) / sum(len(s) for s in steps)
     for r, s in zip(records, steps):
         assert [t["advantage"] for t in r["turns"]] == pytest.approx([x - mean for x in s], abs=1e-3)
-    with pytest.raises(common.UserError, match="--advantage my_credit:nothing: cannot import it"):
-        trainer.parse_args(["--advantage", "my_credit:nothing"])
-    with pytest.raises(common.UserError, match="--advantage no_such_module:f: cannot import it"):
-        trainer.parse_args(["--advantage", "no_such_module:f"])
+    for spec, why in (("my_credit:nothing", "AttributeError"), ("no_such_module:f", "ModuleNotFoundError")):
+        p = run_script("04_mica_train.py", "--advantage", spec, cwd=tmp_path)
+        assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1, p.stderr
+        assert p.stderr.startswith(f"error: --advantage {spec}: cannot import it ({why}"), p.stderr
 
 
 def test_care_weights_the_distance_and_uniform_is_mica(trainer):
