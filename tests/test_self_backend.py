@@ -9,18 +9,12 @@ import pytest
 import torch
 
 import common
+import conftest
 import offline
 from conftest import JUDGE_OK, USER_OK, ok, run_script
 from conftest import env_args as shared_env_args
 
-SCEN = {
-    "id": "s",
-    "persona": "Ana, 30",
-    "situation": "lost her job",
-    "opening": "I feel so alone since my dad died.",
-    "p0": [-6.0, -9.0, -4.0],
-    "user_lines": {"better": ["That helps."], "stuck": ["Maybe."], "worse": ["You are not listening."]},
-}
+SCEN = {**conftest.SCEN, "persona": "Ana, 30", "situation": "lost her job"}  # a persona the prompts show
 LEVELS = {"C": (1, 0), "A": (1, 0), "P": (0, 0)}  # JUDGE_OK's levels
 # Qwen3's rule, cut down to ChatML: earlier replies lose their thinking, and with enable_thinking=False
 # the generation prompt holds an empty <think></think>
