@@ -568,9 +568,11 @@ class LLMJudge:
 # offline.ScriptedUser answers the same way
 class LLMUser:
     def __init__(self, backend: common.ChatBackend, seed: int = 0):
-        # `seed`, as every user has (04 sets it each step): an LLM user samples from torch's generator, which the
-        # same seed sets, and from its server's for api:
-        self.backend, self.seed = backend, seed
+        self.backend = backend
+        # every user carries the step's seed (04 sets it each step, as for offline.ScriptedUser); an LLM user's
+        # own draws come from torch's generator, which 04 seeds from the same step seed (an api: user's from its
+        # server)
+        self.seed = seed
 
     def reply(self, items: list[dict]) -> list[str | None]:
         convs = []

@@ -321,7 +321,8 @@ def clip_surrogate(path: Path, surrogate, clip_low: float, clip_high: float) -> 
         drawn[A] = {"loss": losses, "clipped": clipped}
         ax.plot(ratios, [-x * A for x in ratios], "--", color="0.6", linewidth=1, label="-ratio A (no clip)")
         ax.plot(ratios, losses, color="C0", linewidth=2, label="the loss: max(-ratio A, -clip(ratio) A)")
-        low, high = 1 - clip_low, 1 + clip_high
+        low = 1 - clip_low
+        high = 1 + clip_high
         ax.axvline(low, color="0.4", linestyle=":", linewidth=1)
         ax.axvline(high, color="0.4", linestyle=":", linewidth=1)
         bottom, top = min(losses + [-x * A for x in ratios]), max(losses + [-x * A for x in ratios])

@@ -413,7 +413,8 @@ CALLS = {4: {3}, 8: {7}, 10: {7, 8, 9}, 12: {7}, 14: {15}, 15: {14}}
 
 def blocks(stdout) -> dict[int, list[str]]:
     """check's output -> {exercise: its lines, from its first line to "exercise N: a of b tests pass"}."""
-    out, n = {}, None
+    out = {}
+    n = None  # the exercise whose lines these are
     for line in stdout.splitlines():
         if m := re.match(r"exercise (\d+): ", line):
             n = int(m.group(1))
