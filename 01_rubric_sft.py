@@ -425,12 +425,12 @@ class CriteriaJudge:
     embed (offline: max(0, cos(e(y), e(c))), all-MiniLM-L6-v2) or an LLM (hf:, api:) asked for 0-10 per
     criterion, a malformed answer asked again (api: only; a local model at temperature 0 would repeat it)."""
 
-    def __init__(self, args, policy=None):  # policy: the (model, tokenizer) whose frozen base is --judge self
+    def __init__(self, args, policy=None, engine=None):  # policy or engine: whose frozen base is --judge self
         self.spec, self.retries = args.judge, args.judge_retries
         if self.spec == "embed":
             self.embed = offline.EmbedBackend(str(common.pick_device()))
         else:
-            self.backend = common.make_chat_backend(self.spec, args, policy=policy)
+            self.backend = common.make_chat_backend(self.spec, args, policy=policy, engine=engine)
 
     def score(self, items: list[dict]) -> list[list[float] | None]:
         if self.spec == "embed":
@@ -504,15 +504,16 @@ class Graders:
     criteria_judge: object = None
 
 
-def load_graders(args, policy, rewards) -> Graders:
+def load_graders(args, policy, rewards, engine=None) -> Graders:
     """The graders the reward names in `rewards` need: care the generator (unless --rubric uniform) and the
-    criteria judge, kardia the criteria judge. The judge is --judge's spec (a MiniLM cosine with embed)."""
+    criteria judge, kardia the criteria judge. The judge is --judge's spec (a MiniLM cosine with embed; self: the
+    policy's frozen base, or the engine's base model with --engine)."""
     graders = Graders()
     if "care" in rewards and args.rubric_model:
         gen_args = argparse.Namespace(**{**vars(args), "adapter": args.rubric_model, "gradient_checkpointing": False})
         graders.rubric_model, graders.rubric_tokenizer = common.load_policy(gen_args, trainable=False)
     if {"care", "kardia"} & set(rewards):
-        graders.criteria_judge = CriteriaJudge(args, policy)
+        graders.criteria_judge = CriteriaJudge(args, policy, engine)
     return graders
 
 

@@ -302,8 +302,11 @@ def advance_state(tr: Trajectory, verdict: dict | None):
 # ---------------------------------------------------------------------------------------------
 # The main loop: a batched multi-turn rollout (tokens in, tokens out)
 # ---------------------------------------------------------------------------------------------
-def rollout(model, tokenizer, scenarios: list[dict], judge, user, args, desc="rollout") -> list[Trajectory]:
-    """K trajectories per scenario, every dialogue advanced together, one turn at a time."""
+def rollout(
+    model, tokenizer, scenarios: list[dict], judge, user, args, desc="rollout", engine=None
+) -> list[Trajectory]:
+    """K trajectories per scenario, every dialogue advanced together, one turn at a time. The policy samples with
+    generate and the KV cache of the last turn (TurnCache), or with an engine (engine.py: --engine) its server."""
     trajs = []
     for s in scenarios:
         msgs, ids = opening_ids(tokenizer, s, args)
@@ -320,14 +323,15 @@ def rollout(model, tokenizer, scenarios: list[dict], judge, user, args, desc="ro
         ]
     was_training = model.training
     model.eval()
-    kv, row_of = TurnCache(), {}  # the last turn's KV cache and which dialogue each row is
+    new_sampler = TurnCache if engine is None else engine.turns
+    kv, row_of = new_sampler(), {}  # the last turn's KV cache (or the engine's rows) and which dialogue each row is
     for t in tqdm(range(1, args.max_turns + 1), desc=desc, leave=False, disable=not args.progress):
         live = [tr for tr in trajs if tr.outcome is None]
         if not live:
             break
         # 1. the policy answers every live dialogue in one batched call (prefilling only what is new)
         if not KV_REUSE:
-            kv = TurnCache()
+            kv = new_sampler()
         kv.keep_rows([row_of[id(tr)] for tr in live] if row_of else [])
         row_of = {id(tr): b for b, tr in enumerate(live)}
         cases = policy_turn(model, tokenizer, live, args, kv)
@@ -614,16 +618,20 @@ def state_band(d: float, d0: float) -> str:
     )
 
 
-def make_judge(args, policy=None):  # policy: the (model, tokenizer) whose frozen base is --judge self
+def make_judge(args, policy=None, engine=None):
+    """--judge's judge; policy: the (model, tokenizer) whose frozen base is --judge self, or with an engine
+    (engine.py) the engine's base model."""
     if args.judge == "embed":
         return offline.EmbedJudge(HERE / "data" / "judge_prototypes.json", device=str(common.pick_device()))
-    return LLMJudge(common.make_chat_backend(args.judge, args, args.judge_concurrency, policy), args.judge_retries)
+    backend = common.make_chat_backend(args.judge, args, args.judge_concurrency, policy, engine)
+    return LLMJudge(backend, args.judge_retries)
 
 
-def make_user(args, policy=None):  # policy: as for make_judge, for --user self
+def make_user(args, policy=None, engine=None):
+    """--user's simulated user; policy and engine: as for make_judge, for --user self."""
     if args.user == "scripted":
         return offline.ScriptedUser(args.seed)
-    return LLMUser(common.make_chat_backend(args.user, args, args.user_concurrency, policy), args.seed)
+    return LLMUser(common.make_chat_backend(args.user, args, args.user_concurrency, policy, engine), args.seed)
 
 
 # tokens in, tokens out: the opening, Kardia-R1's sections, what the user and the judge see, the KV cache

@@ -15,6 +15,7 @@ Writes  runs/<name>-<time>/:
         metrics.jsonl     a line per step, also printed
         rollouts.jsonl    every dialogue with its rewards, returns, advantages and the estimator's terms
         checkpoint.pt     the adapter, the optimizer, the schedule and the step (written atomically)
+        engine/           with --engine: the adapter pushed to the engine last
         adapter/          the final LoRA adapter (standard peft: 05_eval.py --adapters takes it)
         curves.png        redrawn at each checkpoint
         credit_step<N>.png  how the estimator assigned credit in the first and the last step
@@ -29,6 +30,7 @@ Where each part lives
                alpha = 32 (LORA_R, LORA_ALPHA), and the learning-rate schedule (make_optimizer: AdamW, a
                warm-up over the first 5% of the steps, then a half cosine towards 0).
   runs.py      the run folder, the checkpoint and the step's metrics line.
+  engine.py    --engine: the vLLM client that samples the policy and pushes the adapter (03's rollout calls it).
   presets/     the budgets --preset picks, one YAML file each: cpu, demo, gpu.
 
 Equations (MICA; docs/reference.md section 2; each one is a loop below)
@@ -48,10 +50,12 @@ Equations (MICA; docs/reference.md section 2; each one is a loop below)
   GRPO          R_k = sum_t r[k][t];  A[k][t] = (R_k - mean_K) / (std_K + 1e-6) on every turn (sample std)
   REINFORCE++   A = (G - mean) / (std + 1e-6) over every turn of every dialogue of the batch (sample std)
   loss          ratio_i = exp(log pi(y_i) - log pi_old(y_i)) for every token i of every scored reply
-                L = (1/N) sum_i max(-ratio_i A_i, -clip(ratio_i, 1 - eps_low, 1 + eps_high) A_i)
+                L = (1/N) sum_i w_i max(-ratio_i A_i, -clip(ratio_i, 1 - eps_low, 1 + eps_high) A_i)
                     + beta (1/N) sum_i [exp(ref_i - logp_i) - (ref_i - logp_i) - 1]
                 A_i is the advantage of token i's turn. The second term is the k3 KL to the base (the adapter
                 off), beta = --kl-coef (0, as in MICA). N is the minibatch's scored tokens.
+                w_i = min(exp(log pi_old(y_i) - log pi_sampler(y_i)), C), C = --tis-cap: the truncated importance
+                weight of a token drawn by another sampler (an engine); 1 without --engine (C = 0, off)
 
 The cut-off penalty's unit (one rule for every reward): what a turn judged good on every count earns in that
 reward. For idr that is a point of progress on every axis, far from the goal: sqrt(w_C + w_A + w_P), sqrt 3
@@ -90,6 +94,8 @@ CPU:  python 04_mica_train.py                   (SmolLM2, the embed judge, the s
 GPU:  python 04_mica_train.py --model Qwen2.5-7B-Instruct     (the gpu preset: 4-bit, the frozen base judges
           and plays the user; for results a served judge: --judge api:Qwen2.5-72B-Instruct \\
           --user api:Qwen2.5-72B-Instruct --api-base http://localhost:8000/v1)
+      python 04_mica_train.py --model Qwen2.5-7B-Instruct --engine http://localhost:8000   (a vLLM server,
+          `make serve MODEL=Qwen2.5-7B-Instruct`, samples the policy, judges and plays the user: docs/scale.md)
 N GPUs: accelerate launch --num_processes N 04_mica_train.py ...   (docs/scale.md)
 
 A new estimator or reward is one function and one entry in ADVANTAGES or REWARDS (docs/training.md, "Adding
@@ -117,6 +123,7 @@ from accelerate.utils import gather_object, set_seed
 from tqdm import tqdm
 
 import common
+import engine
 import plots
 import runs
 
@@ -157,6 +164,12 @@ class Args:
     )
     update_epochs: int = common.option(1, "passes of the clipped update over each rollout's dialogues", type=count)
     kl_coef: float = common.option(0.0, "beta of the k3 KL to the base model (0 = off)", type=common.number(low=0))
+    tis_cap: float | None = common.option(
+        None,
+        "C of the truncated importance weight w_i = min(pi_old(y_i) / pi_sampler(y_i), C) on each token's clipped "
+        "term (0 = off); default 2 with --engine (verl's rollout_is_threshold, TRL's first cap), off without it",
+        type=common.number(low=0),
+    )
     cut_off_penalty: float = common.option(
         0.5,
         "a reply cut off at --max-new-tokens loses this many of its reward's units; a unit is what a turn judged "
@@ -405,6 +418,15 @@ def clipped_surrogate(logp, logp_old, A, clip_low, clip_high):
     return torch.maximum(unclipped, clipped), (clipped > unclipped).float(), ratio.detach()
 
 
+def tis_weights(logp_old, logp_sampler, cap):
+    """Per token: the truncated importance weight of the sampler's draw, and whether the cap chose it. The loss
+    scores pi_old; an engine (or a bf16 or 4-bit sampler) drew from pi_sampler, a little off it: each token's
+    clipped term is reweighted towards pi_old, and the weight capped so that one token cannot dominate."""
+    # w_i = min(exp(log pi_old(y_i) - log pi_sampler(y_i)), C)   (no gradient: pi_old and the sampler are data)
+    w = torch.exp(logp_old.detach() - logp_sampler)
+    return torch.clamp(w, max=cap), (w > cap).float()
+
+
 def k3_kl(logp, logp_ref):
     # KL(pi || ref) per token, the k3 estimator: exp(ref - logp) - (ref - logp) - 1  (>= 0)
     d = logp_ref - logp
@@ -543,7 +565,9 @@ def policy_update(model, tokenizer, optimizer, scheduler, samples, args, acceler
     old, ref = old_and_ref_logprobs(model, tokenizer, samples, minibatches, args, need_ref)
     model.train()
     # running sums, kept on the device: the loss of the steps taken, the clipped token passes, the KL, the gap
-    loss_total, clipped, kl_total, gap_total = (torch.zeros((), dtype=torch.float64, device=device) for _ in range(4))
+    loss_total, clipped, kl_total, gap_total, w_total, w_capped = (
+        torch.zeros((), dtype=torch.float64, device=device) for _ in range(6)
+    )
     ratio_lo, ratio_hi = torch.tensor(math.inf, device=device), torch.tensor(-math.inf, device=device)
     gap_max = torch.zeros((), device=device)
     token_passes, grad_norms, nonfinite_grads = 0, [], 0
@@ -560,12 +584,20 @@ def policy_update(model, tokenizer, optimizer, scheduler, samples, args, acceler
                 logp = common.token_logprobs(model, ids, attn, mask, args.temperature)
                 A = torch.cat([A_tok[i] for i in micro]).to(device)
                 logp_old = torch.cat([old[i] for i in micro]) if micro[0] in old else logp.detach()
+                logp_sampler = torch.cat([samples[i].sampler_logprobs() for i in micro]).to(device)
                 if epoch == 0:  # the sampler gap |log pi_sampler(y_i) - log pi_old(y_i)|: 0 when sampling is scoring
-                    gap = (torch.cat([samples[i].sampler_logprobs() for i in micro]).to(device) - logp_old).abs()
+                    gap = (logp_sampler - logp_old).abs()
                     gap_total += gap.sum()
                     gap_max = torch.maximum(gap_max, gap.max())
-                # L = (1/N) sum_i max(-ratio_i A_i, -clip(ratio_i) A_i)  [+ beta (1/N) sum_i k3_i]
+                # L = (1/N) sum_i w_i max(-ratio_i A_i, -clip(ratio_i) A_i)  [+ beta (1/N) sum_i k3_i], w_i = 1 with
+                # --tis-cap 0
                 pg, was_clipped, ratio = clipped_surrogate(logp, logp_old, A, CLIP_LOW, CLIP_HIGH)
+                if args.tis_cap > 0:
+                    w, capped = tis_weights(logp_old, logp_sampler, args.tis_cap)
+                    pg = w * pg
+                    if epoch == 0:  # the same weights every epoch: counted once
+                        w_total += w.sum()
+                        w_capped += capped.sum()
                 loss_sum = pg.sum()
                 if ref:
                     kl = k3_kl(logp, torch.cat([ref[i] for i in micro]))
@@ -597,10 +629,14 @@ def policy_update(model, tokenizer, optimizer, scheduler, samples, args, acceler
             clipped.double(),
             kl_total,
             gap_total,
+            w_total,
+            w_capped,
             torch.tensor(float(token_passes), dtype=torch.float64, device=device),
         ]
     )
-    loss_total, clipped, kl_total, gap_total, token_passes = sum_over_processes(accelerator, [sums])[0].tolist()
+    loss_total, clipped, kl_total, gap_total, w_total, w_capped, token_passes = sum_over_processes(accelerator, [sums])[
+        0
+    ].tolist()
     extremes = gather_over_processes(accelerator, (float(ratio_lo), float(ratio_hi), float(gap_max)))
     steps, scored = len(grad_norms), token_passes / args.update_epochs  # each scored token once, in the first epoch
     return {
@@ -615,6 +651,12 @@ def policy_update(model, tokenizer, optimizer, scheduler, samples, args, acceler
         "token_passes": int(token_passes),  # the scored tokens times --update-epochs
         "optimizer_steps": steps,
         "nonfinite_grads": nonfinite_grads,
+        # with --tis-cap: the importance weights' mean and the share of tokens the cap cut
+        **(
+            {"tis_weight_mean": w_total / scored, "tis_capped": w_capped / scored}
+            if args.tis_cap > 0 and token_passes
+            else {}
+        ),
     }
 
 
@@ -637,7 +679,16 @@ class Run:
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     logger: runs.MetricsLogger | None  # process 0's
+    engine: engine.Engine | None = None  # --engine: the server that samples the policy (and judges, and plays the user)
     api_totals: dict = field(default_factory=dict)  # the api: backends' retries and failures so far
+
+
+def push_adapter(run: Run):
+    """--engine: the adapter as it is now, saved and loaded by the engine as the one that samples (process 0 pushes,
+    the others wait for it)."""
+    if run.accelerator.is_main_process:
+        run.engine.push(run.model, run.dir / "engine")
+    run.accelerator.wait_for_everyone()
 
 
 def step_scenarios(run: Run, step: int) -> list[dict]:
@@ -723,10 +774,17 @@ def train_loop(run: Run, start: int):
         range(start, args.steps + 1), desc="train", initial=start - 1, total=args.steps, disable=not args.progress
     ):
         timer = runs.PhaseTimer()
+        # 0. --engine: the adapter as it is now (after the last update, or as the run starts) goes to the engine,
+        #    which samples this step with it
+        if run.engine is not None:
+            with timer("push"):
+                push_adapter(run)
         # 1. rollout: K dialogues for each of this step's scenarios, every live dialogue batched each turn
         with timer("rollout"):
             scenarios = step_scenarios(run, step)
-            trajs = env.rollout(run.model, run.tokenizer, scenarios, run.judge, run.user, args, f"step {step} rollout")
+            trajs = env.rollout(
+                run.model, run.tokenizer, scenarios, run.judge, run.user, args, f"step {step} rollout", run.engine
+            )
         # 2. rewards: each --reward part by name, then per dialogue the weighted sum, failed turns filled and the
         #    cut-off penalty
         with timer("reward"):
@@ -818,6 +876,8 @@ def check_args(args):
         f"--reward {args.reward} with --rubric {args.rubric} needs --rubric-model (a 02_rubric_pref_rl.py adapter)",
     )
     args.emotion_ends = args.emotion_ends or "rlver" in args.reward_weights  # RLVER's end rule, for every part
+    if args.tis_cap is None:  # on with an engine: its sampler is not the learner's (another kernel, dtype)
+        args.tis_cap = 2.0 if args.engine else 0.0
     return args
 
 
@@ -847,6 +907,7 @@ def parse_args(argv=None):
             ("environment (03)", env.EnvOptions),
             ("model", common.ModelOptions),
             ("LLM endpoints (api: backends)", common.EndpointOptions),
+            ("inference engine (engine.py)", engine.EngineOptions),
             ("run", runs.RunOptions),
         ],
     )
@@ -876,9 +937,11 @@ def main(argv=None):
     accelerator = Accelerator(cpu=not torch.cuda.is_available())
     check_processes(args, accelerator, len(scenarios))
     args.progress = args.progress and accelerator.is_main_process  # one progress bar, one log: process 0's
+    server = engine.connect(args)  # --engine: up and serving --model, or one line before any model loads
     model, tokenizer = common.load_policy(args, trainable=True)  # every model loads before the run folder
-    judge, user = env.make_judge(args, (model, tokenizer)), env.make_user(args, (model, tokenizer))
-    graders = sft.load_graders(args, (model, tokenizer), args.reward_weights)
+    judge = env.make_judge(args, (model, tokenizer), server)
+    user = env.make_user(args, (model, tokenizer), server)
+    graders = sft.load_graders(args, (model, tokenizer), args.reward_weights, server)
     run_dir = runs.open_run(args, ("metrics.jsonl", "rollouts.jsonl")) if accelerator.is_main_process else None
     run_dir = Path(gather_over_processes(accelerator, str(run_dir))[0])  # process 0 made (or checked) it
     params = [p for p in model.parameters() if p.requires_grad]
@@ -891,7 +954,19 @@ def main(argv=None):
     if accelerator.is_main_process:
         print(runs.header_line(args, run_dir, params, accelerator, start if state else None))
     run = Run(
-        args, accelerator, run_dir, scenarios, model, tokenizer, judge, user, graders, optimizer, scheduler, logger
+        args,
+        accelerator,
+        run_dir,
+        scenarios,
+        model,
+        tokenizer,
+        judge,
+        user,
+        graders,
+        optimizer,
+        scheduler,
+        logger,
+        server,
     )
     try:
         train_loop(run, start)

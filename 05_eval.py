@@ -80,6 +80,7 @@ import torch
 from tqdm import tqdm
 
 import common
+import engine
 import plots
 import runs
 from benchmarks import emobench, eqbench3, sage
@@ -307,11 +308,12 @@ def main(argv=None):
     from transformers import set_seed
 
     set_seed(args.seed)  # after the input checks (importing transformers takes seconds), before LoRA's draws
-    # 2. the base model, loaded once, then the judge and the user (self: that base)
+    # 2. the base model, loaded once, then the judge and the user (self: that base, or the engine's with --engine)
+    server = engine.connect(args)  # --engine: up and serving --model, or one line before any model loads
     model, tok = common.load_policy(args, trainable=False)
     judged = set(args.suites) - ({"sage"} if args.sage_dir else set())  # official SAGE: --user is its simulator
-    judge = env.make_judge(args, (model, tok)) if {"empa", "eqbench3", "sage"} & judged else None
-    user = env.make_user(args, (model, tok)) if {"empa", "sage"} & set(args.suites) else None
+    judge = env.make_judge(args, (model, tok), server) if {"empa", "eqbench3", "sage"} & judged else None
+    user = env.make_user(args, (model, tok), server) if {"empa", "sage"} & set(args.suites) else None
     # 3. the run folder (new, or the one to resume: its finished batches are skipped)
     run_dir = runs.open_run(args, ("cases.jsonl", "transcripts.jsonl"))
     done = {k for k, r in last_records(run_dir).items() if not r.get("failed")}
@@ -323,6 +325,8 @@ def main(argv=None):
             # 4. switch to this model's adapter (peft keeps the base weights, one adapter active)
             if adapter is not None:
                 model = switch_adapter(model, adapter, f"a{args.adapters.index(adapter)}")
+            if server is not None:  # the engine samples this model's replies: the base, or the adapter loaded
+                server.use(adapter, f"{args.model}@a{args.adapters.index(adapter)}" if adapter else None)
             for suite in args.suites:
                 # 5. the suite's batches with an unfinished case; each batch is saved as soon as it is done. A
                 # resumed run reruns such a batch whole: the same batches, seeds and batch-mates as a run
@@ -343,7 +347,7 @@ def main(argv=None):
                 for batch in todo:
                     # the same seed per batch for every model: paired comparisons
                     torch.manual_seed(zlib.crc32(f"{args.seed}|{suite}|{case_ids(suite, batch[0], 1)[0]}".encode()))
-                    cases, transcripts = run_suite(suite, model, tok, batch, judge, user, args)
+                    cases, transcripts = run_suite(suite, model, tok, batch, judge, user, args, server)
                     tag = {"model": label, "suite": suite}
                     runs.append_jsonl(run_dir / "transcripts.jsonl", [{**tag, **t} for t in transcripts])
                     runs.append_jsonl(run_dir / "cases.jsonl", [{**tag, **c} for c in cases])
@@ -424,11 +428,11 @@ def case_ids(suite, unit, k) -> list[str]:
     return [f"{unit['id']}#{i}" for i in range(k)] if suite == "empa" else [unit.get("case", unit.get("id"))]
 
 
-def run_suite(suite, model, tok, batch, judge, user, args) -> tuple[list[dict], list[dict]]:
-    """One batch of a suite -> (cases, transcripts): EMPA here, the others from benchmarks/ (SAGE on 03's
-    environment, handed to it)."""
+def run_suite(suite, model, tok, batch, judge, user, args, server=None) -> tuple[list[dict], list[dict]]:
+    """One batch of a suite -> (cases, transcripts): EMPA here (its replies sampled by the engine with --engine),
+    the others from benchmarks/ (SAGE on 03's environment, handed to it)."""
     if suite == "empa":
-        return empa_cases(model, tok, batch, judge, user, args)
+        return empa_cases(model, tok, batch, judge, user, args, server)
     if suite == "eqbench3":
         return eqbench3.cases(model, tok, batch, judge, user, args)
     if suite == "sage":
@@ -436,10 +440,10 @@ def run_suite(suite, model, tok, batch, judge, user, args) -> tuple[list[dict], 
     return emobench.run(model, tok, batch, args.batch_size)
 
 
-def empa_cases(model, tok, scenarios, judge, user, args) -> tuple[list[dict], list[dict]]:
+def empa_cases(model, tok, scenarios, judge, user, args, server=None) -> tuple[list[dict], list[dict]]:
     """03's rollout by the benchmark's rules; one case per (scenario, k)."""
     cases, transcripts = [], []
-    trajs = env.rollout(model, tok, scenarios, judge, user, args, desc="empa turns")
+    trajs = env.rollout(model, tok, scenarios, judge, user, args, desc="empa turns", engine=server)
     for tr, nat in zip(trajs, naturalness(model, tok, trajs, args.batch_size)):
         rec = env.trajectory_record(tr, args)
         for turn, x in zip(rec["turns"], nat):
@@ -699,6 +703,7 @@ def parse_args(argv=None):
             ("environment (03; the EMPA suite)", env.EnvOptions),
             ("model", common.ModelOptions),
             ("LLM endpoints (api: backends)", common.EndpointOptions),
+            ("inference engine (engine.py; the EMPA suite)", engine.EngineOptions),
             ("run", runs.RunOptions),
         ],
     )
@@ -719,6 +724,11 @@ def parse_args(argv=None):
     for a in args.adapters:
         c(os.path.exists(os.path.join(a, "adapter_config.json")), f"--adapters {a}: no adapter_config.json there")
     c(len(set(args.adapters)) == len(args.adapters) and "base" not in args.adapters, "--adapters: each folder once")
+    c(
+        not args.engine or args.suites == ["empa"],
+        "--engine samples the EMPA suite's replies (the base's and each adapter's); the other suites sample by their "
+        "own protocols: run them without --engine",
+    )
     eqbench3.check_args(args, p.get_default("eqbench3"))
     c(
         not args.emobench_dir or all(getattr(args, f) == p.get_default(f) for f in ("emobench_eu", "emobench_ea")),

