@@ -438,3 +438,71 @@ def test_the_token_mask_holds_the_replies_with_an_advantage(trainer):
     inputs = "a dialogue of 2 turns, spans [(1, 3), (5, 8)], judge_failed [True, False], A [0.3, -0.2]"
     case = "as_samples gives the failed turn A None: only turn 2's 3 tokens are scored"
     expect([s.advantages, s.scored(), s.n_tokens()], [[None, -0.2], [[5, 8]], 3], case, inputs, MASK)
+
+
+def test_truncated_importance_weights_by_hand(trainer):
+    """w_i = min(exp(log pi_old - log pi_sampler), C): equal log-probabilities give 1, a sampler less sure of the
+    token than pi_old gives exp(0.5) = 1.6487 capped at 1.5, a sampler more sure gives exp(-1) = 0.3679."""
+    logp_old = torch.tensor([-1.0, -2.0, -0.5])
+    logp_sampler = torch.tensor([-1.0, -2.5, 0.5])
+    w, capped = trainer.tis_weights(logp_old, logp_sampler, 1.5)
+    assert torch.allclose(w, torch.tensor([1.0, 1.5, math.exp(-1.0)]))
+    assert capped.tolist() == [0.0, 1.0, 0.0]
+    w, capped = trainer.tis_weights(logp_old, logp_sampler, 2.0)
+    assert w[1].item() == pytest.approx(math.exp(0.5)) and capped.sum() == 0
+    logp = logp_old.clone().requires_grad_()
+    assert not trainer.tis_weights(logp, logp_sampler, 2.0)[0].requires_grad  # the weight is data: no gradient
+
+
+def update_with(trainer, tiny_model, tis_cap, shift):
+    """One policy_update (one minibatch, one optimizer step) of 4 fixed dialogues whose sampler log-probabilities
+    are pi_old's own minus `shift` (a sampler less sure of every token by `shift` nats): its statistics."""
+    from accelerate import Accelerator
+
+    args = argparse.Namespace(
+        model=tiny_model,
+        adapter=None,
+        lora_targets="q_proj,v_proj",
+        load_in_4bit="off",
+        gradient_checkpointing=False,
+        trust_remote_code=False,
+        minibatch_size=8,
+        micro_batch_size=1,
+        update_epochs=1,
+        temperature=1.0,
+        kl_coef=0.0,
+        tis_cap=tis_cap,
+    )
+    torch.manual_seed(0)
+    model, tok = common.load_policy(args)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.01)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    rows = [[(7 * i + j) % 90 + 3 for j in range(20 + i)] for i in range(4)]
+    spans = [[(4, len(r))] for r in rows]
+    model.train()
+    old = []
+    for r, s in zip(rows, spans):  # one row at a time, as the update's micro-batches of 1 score them
+        with torch.no_grad():
+            old.append(common.token_logprobs(model, *common.right_pad([r], tok.pad_token_id, [s])))
+    samples = [
+        trainer.Sample(r, s, [(-1.0) ** i], [(lp - shift).tolist()])
+        for i, (r, s, lp) in enumerate(zip(rows, spans, old))
+    ]
+    return trainer.policy_update(model, tok, opt, sched, samples, args, Accelerator())
+
+
+def test_the_correction_off_is_the_loss_as_before_and_on_it_weights_each_token(trainer, tiny_model):
+    """--tis-cap 0: no weight enters the loss and none is logged. A sampler that drew every token with pi_old's own
+    log-probability gives weights of exactly 1 and the same loss to the last digit; one less sure by log 2 gives
+    weights of 2 and twice the loss (the weights multiply each token's clipped term); under a cap of 1.5, every
+    token's weight is capped at 1.5 and the loss is 1.5 times."""
+    off = update_with(trainer, tiny_model, 0.0, 0.0)
+    assert "tis_weight_mean" not in off and off["optimizer_steps"] == 1
+    same = update_with(trainer, tiny_model, 2.0, 0.0)
+    assert same["loss"] == off["loss"] and same["tis_weight_mean"] == 1.0 and same["tis_capped"] == 0.0
+    double = update_with(trainer, tiny_model, 4.0, math.log(2.0))
+    assert double["tis_weight_mean"] == pytest.approx(2.0, rel=1e-5) and double["tis_capped"] == 0.0
+    assert double["loss"] == pytest.approx(2 * off["loss"], rel=1e-5)
+    capped = update_with(trainer, tiny_model, 1.5, math.log(2.0))
+    assert capped["tis_weight_mean"] == pytest.approx(1.5) and capped["tis_capped"] == 1.0
+    assert capped["loss"] == pytest.approx(1.5 * off["loss"], rel=1e-5)

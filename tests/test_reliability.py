@@ -503,6 +503,7 @@ def test_nothing_to_score_skips_the_update_without_nan(trainer, env, tiny_model)
         update_epochs=1,
         temperature=1.0,
         kl_coef=0.0,
+        tis_cap=0.0,
     )
     model, tok = common.load_policy(args, trainable=True)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)

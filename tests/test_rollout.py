@@ -668,6 +668,7 @@ def test_minibatches_hold_whole_scenarios_in_the_steps_order(trainer, tiny_model
         update_epochs=1,
         temperature=1.0,
         kl_coef=0.0,
+        tis_cap=0.0,
     )
     model, tok = common.load_policy(args)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.01)
@@ -713,6 +714,7 @@ def test_the_clip_engages_on_the_second_minibatch(trainer, tiny_model, monkeypat
         update_epochs=1,
         temperature=1.0,
         kl_coef=0.0,
+        tis_cap=0.0,
     )
     monkeypatch.setattr(trainer, "CLIP_LOW", 0.01)  # a narrow clip: the first step's move leaves it
     monkeypatch.setattr(trainer, "CLIP_HIGH", 0.01)
