@@ -23,12 +23,18 @@ scenarios, seeds and token budgets on both sides, one untimed warm-up run of eac
               bf16 activations and KV cache next to the fp32 ones from before common.cast_for_kbit_training;
               beside it, the seconds of one step of 04's gpu preset per phase on an H100 and an H200 at
               their datasheet peaks (step_phases, time_table).
+  5. engine   a step's rollout with --judge self --user self (the policy, the judge, the user) sampled by a
+              vLLM server (engine.py, started for each of --engine-dtypes with --engine-python: the policy's
+              fresh LoRA pushed, the judge and the user its base) vs by generate (the same model in the same
+              dtype), same scenarios and seed, each after a one-turn warm-up; the two samplers draw different
+              tokens, so each side's tokens are counted by role. Reported, no goal. Not in the default set.
 Prints a markdown table (figure, ours, reference, ratio, goal, met?) with the machine, versions, date
 and command, and writes it to <out>/benchmark.md and <out>/benchmark.json.
 
 CPU, the packaged SmolLM2 (roughly 15-20 minutes on 2 idle cores):  python experiments/benchmark.py
 Smoke run on a tiny model (seconds):  python experiments/benchmark.py --model PATH --quick
 Only the update figure:  python experiments/benchmark.py --figures 2 --no-trl
+The engine against generate, fp32 and bf16 (make engine first):  python experiments/benchmark.py --figures 5
 Only the estimates (nothing loaded):  python experiments/benchmark.py --estimate [--est-live 32 ...]
 A run's seconds per phase beside the estimate at its flags:  python experiments/benchmark.py --for-run RUN_DIR
 The base weights are loaded unquantised on both sides (--load-in-4bit off), so that TRL and 04 run
@@ -891,7 +897,27 @@ def estimate_report(a) -> str:
         out.append(
             time_table(name, cfg, preset, f"04's gpu preset (`python 04_mica_train.py --model {name}` on a GPU)")
         )
+        out.append(time_table(name, cfg, engine_args(name), "04's gpu preset with `--engine` (vLLM)") + ENGINE_NOTE)
     return "\n\n".join(out)
+
+
+def engine_args(name: str):
+    """04's gpu preset with --engine, as the estimate counts it: the learner's weights in bf16 (--load-in-4bit auto
+    is off with an engine), and the engine batching every live dialogue's judge and user request at once
+    (continuous batching), where generate answers them in calls of --judge/--user-concurrency rows."""
+    args = trainer.parse_args(["--model", name, "--preset", "gpu", "--engine", "http://engine:8000"])
+    args.load_in_4bit = "off"
+    args.judge_concurrency = args.user_concurrency = args.scenarios_per_step * args.k
+    return args
+
+
+ENGINE_NOTE = (
+    "\n\nWith `--engine` the same tokens are decoded at the same datasheet peaks, so the roofline shows only what "
+    "changes in the work: bf16 weights read instead of 4-bit ones dequantised, and the judge's and the user's "
+    "requests of all live dialogues decoded as one batch. What an engine gains beyond that, its kernels, its "
+    "paged KV cache and no Python between decode steps (where `generate` loses most against its roofline), is "
+    "not in an estimate of this kind: the first lent GPU measures it (`scripts/gpu_check.sh`, step 4)."
+)
 
 
 def preset_step_seconds(name: str) -> dict[str, float]:

@@ -311,3 +311,32 @@ def test_an_engine_that_dies_mid_run_leaves_the_run_checkpointed(smollm2_bf16, t
     p = run_script("04_mica_train.py", "--engine", url, "--steps", "2", "--resume", run, *SMALL)
     assert p.returncode == 0, p.stderr[-3000:]
     assert [m["step"] for m in steps(run)] == [1, 2]
+
+
+def test_05_compares_the_base_and_an_adapter_both_sampled_by_the_engine(smollm2, tmp_path):
+    """05 --suite empa --engine: the base's replies and the adapter's come from the engine (vLLM's count rises by
+    exactly the reply tokens of every transcript, base and adapter), the adapter loaded into it for its turn."""
+    url = smollm2.up()
+    args = argparse.Namespace(model=common.PACKAGED_SMOLLM2, adapter=None, load_in_4bit="off", max_context=2048)
+    args.lora_targets, args.gradient_checkpointing, args.trust_remote_code = "q_proj,v_proj", False, False
+    torch.manual_seed(0)
+    model, _ = common.load_policy(args, trainable=True)
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            p.data.normal_(0, 0.05)  # an adapter that changes the replies
+    model.save_pretrained(tmp_path / "adapter")
+    before, loads = smollm2.generated_tokens(), smollm2.requests("/v1/load_lora_adapter")
+    p = run_script(
+        "05_eval.py",
+        *("--suite", "empa", "--engine", url, "--adapters", tmp_path / "adapter", "--max-cases", "1", "--k", "2"),
+        *("--max-turns", "2", "--min-turns", "2", "--max-new-tokens", "16", "--max-context", "2048"),
+        *("--out-dir", tmp_path / "eval", "--no-progress"),
+    )
+    assert p.returncode == 0, p.stderr[-3000:]
+    transcripts = [
+        json.loads(line) for line in next(tmp_path.glob("eval/*/transcripts.jsonl")).read_text().splitlines()
+    ]
+    assert {t["model"] for t in transcripts} == {"base", str(tmp_path / "adapter")}
+    replies = sum(turn["reply_tokens"] for t in transcripts for turn in t["turns"])
+    assert replies > 0 and smollm2.generated_tokens() - before == replies
+    assert smollm2.requests("/v1/load_lora_adapter") - loads == 1
