@@ -897,6 +897,8 @@ def t_quantile(p: float, df: int) -> float:
     """t_{p, df}, Student's t quantile at any df >= 1 (p > 0.5): t_cdf inverted by bisection, to 1e-9. Exact up
     to the integration's error (Simpson, 4000 intervals: below 1e-8 at df 1-1000); no table, no floor to a
     tabulated df (05's T975 gives t at 20 df for 23)."""
+    if df < 1:
+        raise ValueError(f"t_quantile: df must be >= 1, got {df}")
     lo, hi = 0.0, 1.0
     while t_cdf(hi, df) < p:
         hi *= 2
@@ -961,6 +963,8 @@ def power_check(tune_rows: list[dict], chosen: dict, estimators: list[dict], spa
     scores are on the training scenarios), and the smallest difference the fresh seeds can separate from 0,
     t_{0.975, n-1} sd_d / sqrt(n), n the fresh seeds."""
     n = len(args.fresh_seeds)
+    if n < 2:  # one fresh seed (a rerun of a committed rung and seed): no interval to size
+        return "Power check: one fresh seed, no interval (a rerun of one seed, not a result)\n"
     t = t_quantile(0.975, n - 1)
     score = {}
     for r in tune_rows:

@@ -528,3 +528,11 @@ def test_quick_speed_runs_end_to_end_with_the_power_check_before_the_fresh_seeds
         list(range(200, 224)),
     )
     assert [credit.lr_text(x) for x in default.lr_grid] == ["1", "3.16", "10", "31.6", "100", "316"]
+    # one fresh seed (a rerun of a committed rung and seed): the run goes through, with no interval to size
+    p = run_script(
+        "experiments/credit.py",
+        *("--speed", "--quick", "--table", "delayed", "--steps", 2, "--extend-edges", 0, "--beam-width", 4),
+        *("--fresh-seeds", "200", "--estimators", "grpo", "--out", tmp_path / "one"),
+    )
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "Power check: one fresh seed, no interval" in (tmp_path / "one" / "speed.md").read_text()
