@@ -96,6 +96,33 @@ Each estimator at its own step size (--tune; issue 57, protocol committed before
   python experiments/credit.py --tune [--table delayed]      (--quick: 60 steps, tuning seeds 1000-1001,
                                                               fresh seeds 100-102, a look, not a result)
 
+Gradient quality and learning speed on a ladder (--gradient-quality, --speed; issue 62, protocol committed before
+it ran; docs/results.md has the ladder, its commands, what was cut and the results)
+  gradient quality  at fixed policies chosen before measuring (SNAPSHOT_RUN: the uniform policy, and theta after
+               10, 20, 40 steps of GRPO at lr 10 from seed 0 on the rung's settings): the true gradient of the
+               expected IDR return over the training scenarios by Monte Carlo (true_gradient: --gq-true 1000
+               dialogues a scenario, the score-function form with the true return-to-go; its split-half noise
+               printed), then --gq-draws 200 independent training batches (4 scenarios x K), each estimator's
+               step direction from the same batch (policy_gradient_direction, pg_update's), and
+               quality_measures: cosine to the true gradient (per draw), SNR and the cosine of the block mean
+               (bias; per block of 20 draws), each mean ± sd [t interval at the actual df]
+  learning speed    --steps 50, the held-out return every 2 steps (8 dialogues per test scenario a point), the
+               normalised AUC (uniform 0, search ceiling 1; normalised_auc) and the steps to 0.9 of the
+               ceiling (steps_to_frac; never: 52); each estimator's lr chosen on the area under its curve on
+               the training scenarios (curve_score; --tune-eval-k 2 dialogues per training scenario a point)
+               over the tuning seeds 2000-2002 and the grid 1, 3.16, 10, 31.6, 100, 316 with --tune's edge rule
+               (at most 2 half-decades beyond an edge that wins); a power check printed from the tuning seeds
+               before the fresh seeds run (power_check); then the fresh seeds 200-223 on the test scenarios,
+               paired AUC differences with t intervals at 23 df
+  the ladder   one factor at a time from the delayed table (delay 3, K 4, no judge noise, EMPA's ends):
+               --judge-noise 0.5, 1, 2 (sds of the per-turn reward at the uniform policy, reward_spread; the
+               estimators see the noisy rewards, the state and the held-out return do not), --delay 1, 5, 8,
+               --k 8, --early-horizon 8 (each training dialogue times out at a turn drawn from 8-15)
+  a fork       --advantage module:function adds an estimator with 04's ADVANTAGES signature to any mode
+               (04's imported_estimator; dialogues: the playground's 03 Trajectories, no tokens)
+  python experiments/credit.py --table delayed --speed --gradient-quality [--judge-noise X | --delay D | --k 8 |
+                               --early-horizon 8] [--advantage module:function] [--quick: a look, not a result]
+
 CPU (docs/results.md has the minutes each took on one core):  python experiments/credit.py
 Quick look (3 seeds, 60 steps):     python experiments/credit.py --quick
 The second table:                   python experiments/credit.py --table delayed [--quick]
@@ -142,6 +169,7 @@ class Memory:
     debt: dict = field(default_factory=dict)  # negative levels the last move left for this turn
     opened: int | None = None  # --table delayed: the turn whose question opened the hard topic
     due: dict = field(default_factory=dict)  # --table delayed: {turn: negative levels that land then}
+    delay: int = 3  # --table delayed: turns from the opening question to its payoff (--delay; DELAY by default)
 
 
 def remaining(P_a: float, eps: float = 1.0) -> float:
@@ -227,7 +255,7 @@ N_OBS = 36
 # The second table (--table delayed): payoffs that only an earlier sacrifice unlocks, penalties that land
 # three turns after a tempting move
 # ---------------------------------------------------------------------------------------------
-DELAY = 3  # turns from the opening question to its payoff, and from a tempting move to its penalty
+DELAY = 3  # turns from the opening question to its payoff, and from a tempting move to its penalty (--delay)
 
 
 def topic(mem: Memory) -> int:
@@ -235,7 +263,7 @@ def topic(mem: Memory) -> int:
     (the user is still taking it in), 2 open (DELAY or more turns since the question that opened it)."""
     if mem.opened is None:
         return 0
-    return 1 if len(mem.last) + 1 - mem.opened < DELAY else 2
+    return 1 if len(mem.last) + 1 - mem.opened < mem.delay else 2
 
 
 def judge_delayed(move: str, mem: Memory, P, P0) -> tuple[dict, dict]:
@@ -274,13 +302,13 @@ def judge_delayed(move: str, mem: Memory, P, P0) -> tuple[dict, dict]:
         else:
             negative["A"] = 1
     elif move == "affirm":
-        progress["C"], progress["A"], later = 1, 2, {DELAY: {"A": 2, "P": 1}}
+        progress["C"], progress["A"], later = 1, 2, {mem.delay: {"A": 2, "P": 1}}
     elif move == "lecture":
         negative["C"] = 1
         if state == 2:
             progress["P"] = 1
     elif move == "change_subject":
-        progress["A"], later = 1, {DELAY: {"C": 1, "A": 1}}
+        progress["A"], later = 1, {mem.delay: {"C": 1, "A": 1}}
     else:
         raise ValueError(f"unknown move {move!r}; moves: {MOVES}")
     due = mem.due.get(len(mem.last) + 1, {})
@@ -309,18 +337,21 @@ TABLES = {"short": (judge_move, observe), "delayed": (judge_delayed, observe_del
 # ---------------------------------------------------------------------------------------------
 # One dialogue on 03's dynamics
 # ---------------------------------------------------------------------------------------------
-def new_episode(scenario: dict):
+def new_episode(scenario: dict, delay: int = DELAY):
     tr = env.Trajectory(scenario=scenario, k=0, ids=[], messages=[], states=[list(scenario["p0"])], emotions=[30.0])
     tr.extra["moves"], tr.extra["obs"] = [], []
-    return tr, Memory()
+    return tr, Memory(delay=delay)
 
 
-def step(tr, mem: Memory, move: str, args, o: int | None = None, early_end: bool = True) -> None:
+def step(
+    tr, mem: Memory, move: str, args, o: int | None = None, early_end: bool = True, horizon: int | None = None
+) -> None:
     """Turn t: the move is judged, 03's advance_state moves P (P_t = P_{t-1} + levels_to_v(levels),
     dE_t = v_t . v*), 03's episode_status ends it (success, failure), or the horizon does (timeout).
     o: the observation the move was chosen on (computed here when not given). early_end False: EMPA's
     rules end nothing before --max-turns; the first turn and outcome they would have ended it with are
-    kept in tr.extra["end"] (the survivor analysis)."""
+    kept in tr.extra["end"] (the survivor analysis). horizon: a timeout at this turn instead of --max-turns
+    (--early-horizon's length rule)."""
     judge, look = TABLES[args.table]
     tr.extra["obs"].append(look(tr.states[-1], tr.scenario["p0"], mem) if o is None else o)
     levels, later = judge(move, mem, tr.states[-1], tr.scenario["p0"])
@@ -343,7 +374,7 @@ def step(tr, mem: Memory, move: str, args, o: int | None = None, early_end: bool
         tr.extra["end"] = (t, tr.outcome)
     if not early_end:
         tr.outcome = None
-    if tr.outcome is None and t == args.max_turns:
+    if tr.outcome is None and t == (horizon or args.max_turns):
         tr.outcome = "timeout"
 
 
@@ -355,10 +386,11 @@ def policy(theta, o: int) -> list[float]:
     return [x / z for x in e]
 
 
-def rollout(theta, scenario: dict, rng: random.Random, args, early_end: bool = True):
+def rollout(theta, scenario: dict, rng: random.Random, args, early_end: bool = True, horizon: int | None = None):
     """One dialogue sampled from pi; returns the Trajectory with its IDR rewards in extra["rewards"].
-    early_end False: it runs to --max-turns whatever EMPA's rules say (see step)."""
-    tr, mem = new_episode(scenario)
+    early_end False: it runs to --max-turns whatever EMPA's rules say (see step). horizon: a timeout at this
+    turn (--early-horizon)."""
+    tr, mem = new_episode(scenario, getattr(args, "delay", DELAY))
     while tr.outcome is None:
         o = TABLES[args.table][1](tr.states[-1], scenario["p0"], mem)
         # a ~ pi(. | o): the first move whose cumulative probability passes u ~ U(0, 1)
@@ -367,7 +399,7 @@ def rollout(theta, scenario: dict, rng: random.Random, args, early_end: bool = T
             cum += p_a
             if u < cum:
                 break
-        step(tr, mem, MOVES[a], args, o, early_end)
+        step(tr, mem, MOVES[a], args, o, early_end, horizon)
     tr.extra["rewards"] = env.incremental_distance_rewards(tr.states)  # r_t = d(P_{t-1}) - d(P_t)
     return tr
 
@@ -393,17 +425,33 @@ def rloo_advantages(rewards) -> list:
     return A
 
 
-def advantages(estimator: dict, batch_rewards, gamma) -> list:
+def advantages(estimator: dict, batch_rewards, gamma, dialogues=None) -> list:
     """batch_rewards[s][k][t] -> A[s][k][t] with 04's own estimator, by its name in 04's ADVANTAGES (RLOO, not
-    one of them: the playground's rloo_advantages)."""
+    one of them: the playground's rloo_advantages), or a fork's (--advantage module:function, kind "import":
+    04's imported_estimator finds it). Every estimator is called as 04 calls it, fn(rewards, dialogues, args)
+    -> (A, terms), with args holding alpha and gamma only; dialogues[s][k]: the playground's 03 Trajectories
+    (states P_0..P_T, levels, dE_t, scenario, extra["moves"] and ["obs"]; no tokens), None where the caller
+    has none. The rewards are those the estimators see (with --judge-noise, the noisy ones)."""
     if estimator["kind"] == "rloo":
         return rloo_advantages(batch_rewards)
     args = argparse.Namespace(alpha=estimator.get("alpha"), gamma=gamma)
-    return trainer.ADVANTAGES[estimator["kind"]](batch_rewards, None, args)[0]
+    if estimator["kind"] == "import":
+        return trainer.imported_estimator(estimator["spec"])(batch_rewards, dialogues, args)[0]
+    return trainer.ADVANTAGES[estimator["kind"]](batch_rewards, dialogues, args)[0]
 
 
 def pg_update(theta, groups, advs, lr: float) -> None:
-    """theta[o_t] += lr * (1/N) sum_{k,t} A[k][t] (onehot(a_t) - pi(. | o_t)), N the turns in the batch."""
+    """theta += lr * policy_gradient_direction(theta, groups, advs)."""
+    grad = policy_gradient_direction(theta, groups, advs)
+    for o in range(N_OBS):
+        for b in range(len(MOVES)):
+            theta[o][b] += lr * grad[o][b]
+
+
+def policy_gradient_direction(theta, groups, advs) -> list[list[float]]:
+    """g[o][b] = (1/N) sum_{k,t: o_t = o} A[k][t] (1[a_t = b] - pi(b | o_t)), N the turns in the batch: the
+    direction pg_update steps along (the gradient of log softmax, averaged over turns as 04's loss averages
+    over tokens)."""
     N = sum(len(tr.extra["moves"]) for group in groups for tr in group)
     grad = [[0.0] * len(MOVES) for _ in range(N_OBS)]
     for group, group_adv in zip(groups, advs):
@@ -414,9 +462,32 @@ def pg_update(theta, groups, advs, lr: float) -> None:
                 for b in range(len(MOVES)):
                     # d log pi(a | o) / d theta[o][b] = 1[a = b] - pi(b | o)
                     grad[o][b] += A[t] * ((a == b) - pi[b])
-    for o in range(N_OBS):
-        for b in range(len(MOVES)):
-            theta[o][b] += lr * grad[o][b] / N
+    return [[x / N for x in row] for row in grad]
+
+
+def noisy_rewards(rewards, sigma: float, rng: random.Random) -> list:
+    """The per-turn rewards a noisy judge reports: r~[s][k][t] = r[s][k][t] + sigma z, z ~ N(0, 1) drawn from
+    rng, one per turn (--judge-noise; sigma in reward units). The state P moves by the table as before: the
+    noise is in what the learner is told, not in what happened. sigma 0: the rewards, rng untouched."""
+    if sigma == 0:
+        return rewards
+    return [[[r_t + sigma * rng.gauss(0.0, 1.0) for r_t in r] for r in group] for group in rewards]
+
+
+def training_batch(theta, train_set: list[dict], rng: random.Random, side: random.Random, args):
+    """One step's rollouts, K for each of --scenarios-per-step training scenarios drawn by rng, and the rewards
+    the estimators see. side: the length rule's and the judge noise's random numbers, kept apart from rng, so
+    that with neither set the rollouts are those of every earlier version of this file. --early-horizon L:
+    each training dialogue times out at a turn drawn uniformly from L .. --max-turns (EMPA's ends still apply)."""
+    groups = []
+    for s in rng.sample(train_set, args.scenarios_per_step):
+        group = []
+        for _ in range(args.k):
+            horizon = side.randint(args.early_horizon, args.max_turns) if args.early_horizon else None
+            group.append(rollout(theta, s, rng, args, not args.no_early_end, horizon))
+        groups.append(group)
+    rewards = noisy_rewards([[tr.extra["rewards"] for tr in g] for g in groups], args.noise_sd, side)
+    return groups, rewards
 
 
 def evaluate(theta, test: list[dict], rng: random.Random, args) -> dict:
@@ -428,32 +499,40 @@ def evaluate(theta, test: list[dict], rng: random.Random, args) -> dict:
 
 
 def train(
-    estimator: dict, seed: int, train_set: list[dict], test: list[dict], args, watch=None, curves: bool = True
+    estimator: dict,
+    seed: int,
+    train_set: list[dict],
+    test: list[dict],
+    args,
+    watch=None,
+    curves: bool = True,
+    snapshots: dict | None = None,
 ) -> dict:
     """Same seed, same first batch, same evaluation dialogues' random numbers for every estimator.
     The step size: estimator["lr"] where it has one (--tune), else --lr. test: the scenarios the curves and
     the final return are measured on (--tune's tuning runs pass the training scenarios, curves False: only
     the final return). args.no_early_end: the training dialogues run to --max-turns (the held-out ones keep
-    EMPA's ends). watch(groups): called with each step's rollouts (the survivor analysis looks at their credit)."""
+    EMPA's ends). watch(groups): called with each step's rollouts (the survivor analysis looks at their credit).
+    snapshots {step: None}: filled with a copy of theta before that step's update (--gradient-quality)."""
     lr = estimator.get("lr", args.lr)
     rng = random.Random(seed)
+    side = random.Random(1_000_033 * seed + 17)  # the length rule's and the judge noise's random numbers
     theta = [[0.0] * len(MOVES) for _ in range(N_OBS)]  # the uniform policy
     curve = []
     for step_i in range(args.steps + 1):
         # 1. evaluate on the held-out scenarios every --eval-every steps (its own seeded random numbers)
         if curves and (step_i % args.eval_every == 0 or step_i == args.steps):
             curve.append(evaluate(theta, test, random.Random(1_000_003 * seed + step_i), args)["return"])
+        if snapshots is not None and step_i in snapshots:
+            snapshots[step_i] = copy.deepcopy(theta)
         if step_i == args.steps:
             break
-        # 2. K rollouts for each of --scenarios-per-step training scenarios
-        groups = [
-            [rollout(theta, s, rng, args, not args.no_early_end) for _ in range(args.k)]
-            for s in rng.sample(train_set, args.scenarios_per_step)
-        ]
+        # 2. K rollouts for each of --scenarios-per-step training scenarios (and the rewards the judge reports)
+        groups, rewards = training_batch(theta, train_set, rng, side, args)
         if watch is not None:
             watch(groups)
         # 3. per-turn IDR rewards -> the estimator's advantages (04's functions)
-        advs = advantages(estimator, [[tr.extra["rewards"] for tr in g] for g in groups], args.gamma)
+        advs = advantages(estimator, rewards, args.gamma, groups)
         # 4. one plain policy-gradient step on the logits
         pg_update(theta, groups, advs, lr)
     final = evaluate(
@@ -662,6 +741,329 @@ def survivor_table(per_seed: list[dict], key: str, views, args) -> list[str]:
 
 
 # ---------------------------------------------------------------------------------------------
+# Gradient quality at fixed policies (--gradient-quality; issue 62, point 1): each estimator's step direction
+# from one batch against the true policy gradient, no step size involved
+# ---------------------------------------------------------------------------------------------
+# the policies it is measured at, fixed before anything was measured: the uniform one, and snapshots of one
+# training run on the rung's own settings: GRPO at lr 10 from seed 0, theta before steps 0 (uniform), 10, 20, 40
+SNAPSHOT_RUN = {"name": "GRPO", "kind": "grpo", "lr": 10.0, "seed": 0, "steps": (0, 10, 20, 40)}
+
+
+def score_function_gradient(dialogues, theta) -> list[list[float]]:
+    """grad J(theta) estimated from M dialogues sampled from pi_theta (the score-function form with the true,
+    undiscounted return-to-go; the states and rewards are the table's, never the noisy judge's):
+      J(theta) = E_tau [ sum_t r_t ]
+      grad J ~= (1/M) sum_i sum_t G_t^i (onehot(a_t^i) - pi(. | o_t^i)),   G_t^i = sum_{j >= t} r_j^i
+    The dialogues' scenarios are drawn as the expectation weighs them (here: the same number of dialogues for
+    every training scenario, so J averages the scenarios equally)."""
+    g = [[0.0] * len(MOVES) for _ in range(N_OBS)]
+    for tr in dialogues:
+        r = tr.extra["rewards"]
+        for t, (o, move) in enumerate(zip(tr.extra["obs"], tr.extra["moves"])):
+            G_t = sum(r[t:])  # the return-to-go: what came after the move, not before it
+            pi = policy(theta, o)
+            a = MOVES.index(move)
+            for b in range(len(MOVES)):
+                g[o][b] += G_t * ((a == b) - pi[b])
+    M = len(dialogues)
+    return [[x / M for x in row] for row in g]
+
+
+def flat(g) -> list[float]:
+    return [x for row in g for x in row]
+
+
+def dot(u, v) -> float:
+    return sum(a * b for a, b in zip(u, v))
+
+
+def cosine(u, v) -> float:
+    # cos(u, v) = u . v / (||u|| ||v||); 0 where either is 0
+    nu, nv = math.sqrt(dot(u, u)), math.sqrt(dot(v, v))
+    return dot(u, v) / (nu * nv) if nu > 0 and nv > 0 else 0.0
+
+
+def true_gradient(theta, train_set: list[dict], rng: random.Random, args) -> tuple[list[float], float]:
+    """grad J at theta by Monte Carlo: --gq-true dialogues from pi_theta on each training scenario (the rung's
+    length rule applies: it is part of what is being optimised), score_function_gradient over all of them.
+    -> (the gradient, flattened; its split-half noise ||g_1 - g_2|| / ||g_1 + g_2||, g_1 and g_2 the estimates
+    from the even and odd dialogues of each scenario: about the relative error of the full estimate)."""
+    halves = ([], [])
+    for s in train_set:
+        for i in range(args.gq_true):
+            horizon = rng.randint(args.early_horizon, args.max_turns) if args.early_horizon else None
+            halves[i % 2].append(rollout(theta, s, rng, args, not args.no_early_end, horizon))
+    g1, g2 = (flat(score_function_gradient(h, theta)) for h in halves)
+    full = [(a + b) / 2 for a, b in zip(g1, g2)]
+    diff, total = [a - b for a, b in zip(g1, g2)], [a + b for a, b in zip(g1, g2)]
+    return full, math.sqrt(dot(diff, diff) / dot(total, total))
+
+
+def quality_measures(draws: list[list[float]], g_true: list[float], blocks: int) -> dict:
+    """One estimator's D direction estimates g_i (one training batch each, independent) against the true gradient
+    g*, u = g* / ||g*||. -> {measure: (per-unit values, the unit)}:
+      cosine   cos(g_i, g*) per draw (unit: the draw, D of them)
+      snr      per block b of n = D / blocks draws: SNR_b = (||gbar_b||^2 - tr S_b / n) / tr S_b, gbar_b the block's
+               mean, tr S_b = (1/(n-1)) sum_i ||g_i - gbar_b||^2: the squared length of the mean estimate (made
+               unbiased) over the total variance of one draw, E||E g||^2 / E||g - E g||^2 (unit: the block)
+      bias     per block: cos(gbar_b, g*), the cosine of the mean of n estimates with the true gradient; an
+               estimator whose expectation points along g* gives 1 as n grows, so what stays below 1 is bias
+               in direction (at n = 20 part of the shortfall is still noise; the cosine of the mean of all D
+               draws is printed beside it) (unit: the block)"""
+    D = len(draws)
+    n = D // blocks
+    out = {"cosine": [cosine(g, g_true) for g in draws], "snr": [], "bias": []}
+    for b in range(blocks):
+        block = draws[b * n : (b + 1) * n]
+        mean = [sum(col) / n for col in zip(*block)]
+        trS = sum(dot([x - m for x, m in zip(g, mean)], [x - m for x, m in zip(g, mean)]) for g in block) / (n - 1)
+        out["snr"].append((dot(mean, mean) - trS / n) / trS if trS > 0 else 0.0)
+        out["bias"].append(cosine(mean, g_true))
+    mean_all = [sum(col) / D for col in zip(*draws)]
+    out["bias_all"] = cosine(mean_all, g_true)
+    return out
+
+
+def gradient_quality(estimators: list[dict], train_set: list[dict], test: list[dict], args) -> tuple[str, list]:
+    """At each policy of SNAPSHOT_RUN: the true gradient (true_gradient), then --gq-draws independent training
+    batches (training_batch: --scenarios-per-step scenarios x K dialogues, the rung's noise and length rule),
+    each estimator's direction (policy_gradient_direction, the one pg_update steps along) from the same batch
+    (paired), and quality_measures. -> (the markdown table, one row per (policy, estimator) for the jsonl)."""
+    snap = dict.fromkeys(SNAPSHOT_RUN["steps"])
+    run_args = argparse.Namespace(**{**vars(args), "steps": max(SNAPSHOT_RUN["steps"])})
+    train(SNAPSHOT_RUN, SNAPSHOT_RUN["seed"], train_set, test, run_args, curves=False, snapshots=snap)
+    lines = [
+        "| policy | estimator | cosine to the true gradient (per draw) | SNR (per block) | cosine of the block "
+        "mean (bias) | cosine of the mean of all draws |",
+        "|---|---|---|---|---|---|",
+    ]
+    rows, notes = [], []
+    for step_i, theta in snap.items():
+        g_true, noise = true_gradient(theta, train_set, random.Random(4_242 + step_i), args)
+        notes.append(f"step {step_i}: ||g*|| {math.sqrt(dot(g_true, g_true)):.3f}, split-half noise {noise:.3f}")
+        rng, side = random.Random(777 + step_i), random.Random(778 + step_i)
+        draws = {e["name"]: [] for e in estimators}
+        for _ in range(args.gq_draws):
+            groups, rewards = training_batch(theta, train_set, rng, side, args)
+            for e in estimators:
+                A = advantages(e, rewards, args.gamma, groups)
+                draws[e["name"]].append(flat(policy_gradient_direction(theta, groups, A)))
+        label = "uniform" if step_i == 0 else f"{SNAPSHOT_RUN['name']} lr {SNAPSHOT_RUN['lr']:g}, step {step_i}"
+        for e in estimators:
+            m = quality_measures(draws[e["name"]], g_true, args.gq_blocks)
+            lines.append(
+                f"| {label} | {e['name']} | {t_cell(m['cosine'], 3)} | {t_cell(m['snr'], 3)} | "
+                f"{t_cell(m['bias'], 3)} | {m['bias_all']:.3f} |"
+            )
+            rows.append(
+                {"policy_step": step_i, "estimator": e["name"], **m, "true_norm": math.sqrt(dot(g_true, g_true))}
+            )
+    n = args.gq_draws // args.gq_blocks
+    note = (
+        f"\nmean ± sd [95% t interval, t_{{0.975, units-1}} exact] over the independent units: {args.gq_draws} draws "
+        f"(cosine) or {args.gq_blocks} blocks of {n} draws (SNR, bias); a draw is one training batch of "
+        f"{args.scenarios_per_step} training scenarios x K={args.k} dialogues; every estimator sees the same draws. "
+        f"True gradient: {args.gq_true} dialogues per training scenario ({args.gq_true * len(train_set)} in all), "
+        f"the score-function estimate with the true return-to-go; its norm and split-half noise "
+        f"(||g1 - g2|| / ||g1 + g2||): {'; '.join(notes)}. Policies: uniform, and {SNAPSHOT_RUN['name']} at lr "
+        f"{SNAPSHOT_RUN['lr']:g} from seed {SNAPSHOT_RUN['seed']} after "
+        f"{', '.join(map(str, SNAPSHOT_RUN['steps'][1:]))} steps on this rung's settings.\n"
+    )
+    return "\n".join(lines) + "\n" + note, rows
+
+
+# ---------------------------------------------------------------------------------------------
+# Learning speed (--speed; issue 62, points 2 and 3): the area under the held-out curve over a short budget,
+# each estimator at the lr that maximises that speed on tuning seeds (the protocol is in the docstring)
+# ---------------------------------------------------------------------------------------------
+def t_density(x: float, df: int) -> float:
+    # f(x) = Gamma((df + 1) / 2) / (sqrt(df pi) Gamma(df / 2)) (1 + x^2 / df)^(-(df + 1) / 2)
+    log_c = math.lgamma((df + 1) / 2) - math.lgamma(df / 2) - 0.5 * math.log(df * math.pi)
+    return math.exp(log_c - (df + 1) / 2 * math.log1p(x * x / df))
+
+
+def t_cdf(x: float, df: int, n: int = 4000) -> float:
+    # F(x) = 1/2 + integral_0^x f(u) du, by Simpson's rule on n (even) intervals; F(-x) = 1 - F(x)
+    if x < 0:
+        return 1.0 - t_cdf(-x, df, n)
+    h = x / n
+    total = t_density(0.0, df) + t_density(x, df)
+    for i in range(1, n):
+        total += (4 if i % 2 else 2) * t_density(i * h, df)
+    return 0.5 + total * h / 3
+
+
+def t_quantile(p: float, df: int) -> float:
+    """t_{p, df}, Student's t quantile at any df >= 1 (p > 0.5): t_cdf inverted by bisection, to 1e-9. Exact up
+    to the integration's error (Simpson, 4000 intervals: below 1e-8 at df 1-1000); no table, no floor to a
+    tabulated df (05's T975 gives t at 20 df for 23)."""
+    if df < 1:
+        raise ValueError(f"t_quantile: df must be >= 1, got {df}")
+    lo, hi = 0.0, 1.0
+    while t_cdf(hi, df) < p:
+        hi *= 2
+    while hi - lo > 1e-9:
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if t_cdf(mid, df) < p else (lo, mid)
+    return (lo + hi) / 2
+
+
+T_CACHE = {}
+
+
+def t_cell(xs: list[float], digits: int = 2) -> str:
+    """mean ± sd [lo, hi], the 95% interval mean ± t_{0.975, n-1} sd / sqrt(n) over n independent units, t at
+    the actual df (t_quantile)."""
+    if len(xs) < 2:
+        return f"{xs[0]:.{digits}f}"
+    mean, sd = common.mean_std(xs, ddof=1)
+    df = len(xs) - 1
+    if df not in T_CACHE:
+        T_CACHE[df] = t_quantile(0.975, df)
+    h = T_CACHE[df] * sd / math.sqrt(len(xs))
+    return f"{mean:.{digits}f} ± {sd:.{digits}f} [{mean - h:.{digits}f}, {mean + h:.{digits}f}]"
+
+
+def normalised_auc(curve: list[float], uniform: float, ceiling: float) -> float:
+    """The area under the held-out curve, uniform 0, ceiling 1, per step of the budget:
+      y_i = (R_i - U) / (C - U) at the evaluated steps 0, e, 2e, .. S;  AUC = (1 / S) sum_i e (y_i + y_{i+1}) / 2
+    (the trapezoid rule; the curve's points evenly spaced, so AUC is the mean of the trapezoids' heights).
+    A policy at the ceiling from step 0 gives 1; one that never moves from uniform gives about 0."""
+    y = [(R - uniform) / (ceiling - uniform) for R in curve]
+    return sum((y[i] + y[i + 1]) / 2 for i in range(len(y) - 1)) / (len(y) - 1)
+
+
+def steps_to_frac(curve: list[float], uniform: float, ceiling: float, frac: float, every: int) -> int | None:
+    """The first evaluated step whose held-out return reaches uniform + frac (ceiling - uniform) (None: never)."""
+    for i, R in enumerate(curve):
+        if R >= uniform + frac * (ceiling - uniform):
+            return i * every
+    return None
+
+
+def curve_score(row: dict) -> float:
+    """The tuning score of a --speed run: the mean of the trapezoids under its raw curve on the training
+    scenarios (normalised_auc without the normalisation, which does not change the argmax over lr)."""
+    return normalised_auc(row["curve"], 0.0, 1.0)
+
+
+SPEED_COMPARISONS = (
+    ("MICA (alpha=1)", "GRPO"),
+    ("MICA (alpha=1)", "RLOO"),
+    ("MICA (alpha=0)", "MICA (alpha=1)"),
+    ("MICA (alpha=0.4)", "MICA (alpha=1)"),
+    ("REINFORCE++", "GRPO"),
+    ("RLOO", "GRPO"),
+)
+
+
+def power_check(tune_rows: list[dict], chosen: dict, estimators: list[dict], span: float, args) -> str:
+    """Written before the fresh seeds run: for each comparison, the sd of its paired difference in tuning score
+    over the tuning seeds at the chosen lrs (divided by span = C - U: in AUC units, approximately: the tuning
+    scores are on the training scenarios), and the smallest difference the fresh seeds can separate from 0,
+    t_{0.975, n-1} sd_d / sqrt(n), n the fresh seeds."""
+    n = len(args.fresh_seeds)
+    if n < 2:  # one fresh seed (a rerun of a committed rung and seed): no interval to size
+        return "Power check: one fresh seed, no interval (a rerun of one seed, not a result)\n"
+    t = t_quantile(0.975, n - 1)
+    score = {}
+    for r in tune_rows:
+        if r["lr"] == chosen.get(r["estimator"]):
+            score.setdefault(r["estimator"], {})[r["seed"]] = r["score"] / span
+    names = {e["name"] for e in estimators}
+    parts = []
+    for a, b in [*SPEED_COMPARISONS, *((e["name"], "GRPO") for e in estimators if e["kind"] == "import")]:
+        if a in names and b in names:
+            d = [score[a][s] - score[b][s] for s in args.tune_seeds]
+            sd = common.mean_std(d, ddof=1)[1] if len(d) > 1 else float("nan")
+            parts.append(f"{a} - {b}: sd_d {sd:.3f} -> {t * sd / math.sqrt(n):.3f}")
+    return (
+        f"Power check (before the fresh seeds): smallest separable AUC difference = t(0.975, {n - 1}) = {t:.4f} x "
+        f"sd_d / sqrt({n}), sd_d from the {len(args.tune_seeds)} tuning seeds at the chosen lrs (training "
+        f"scenarios' scores / (C - U)): " + "; ".join(parts) + "\n"
+    )
+
+
+def speed(estimators: list[dict], train_set: list[dict], test: list[dict], uniform, ceiling, args) -> tuple:
+    """The learning-speed protocol: tune each estimator's lr on curve_score (tuning seeds, training scenarios,
+    the edge rule), write the power check, run the fresh seeds on the test scenarios, and tabulate normalised
+    AUC, steps to --speed-frac of the ceiling and the final return, with paired comparisons of AUC.
+    -> (the markdown text, the rows)."""
+    chosen, tune_rows, at_edge = tune(estimators, train_set, args, score=curve_score)
+    span = ceiling - uniform
+    power = power_check(tune_rows, chosen, estimators, span, args)
+    print(power, flush=True)
+    tuned = [{**e, "lr": chosen[e["name"]]} for e in estimators]
+    rows = run_jobs([(e, seed, train_set, test, args, True) for seed in args.fresh_seeds for e in tuned], args)
+    for r in rows:
+        r["phase"] = "fresh"
+        r["auc"] = normalised_auc(r["curve"], uniform, ceiling)
+        r["steps_to"] = steps_to_frac(r["curve"], uniform, ceiling, args.speed_frac, args.eval_every)
+    lines = [
+        f"| estimator | lr (chosen on speed) | normalised AUC | steps to {args.speed_frac:g} of the ceiling | reached "
+        "| final held-out return |",
+        "|---|---|---|---|---|---|",
+    ]
+    for e in tuned:
+        rs = sorted((r for r in rows if r["estimator"] == e["name"]), key=lambda r: r["seed"])
+        hit = [r["steps_to"] for r in rs]
+        lines.append(
+            f"| {e['name']} | {lr_text(e['lr'])} | {t_cell([r['auc'] for r in rs], 3)} | "
+            f"{t_cell([args.steps + args.eval_every if h is None else h for h in hit], 1)} | "
+            f"{sum(h is not None for h in hit)}/{len(rs)} | "
+            f"{t_cell([r['final_return'] for r in rs])} |"
+        )
+    by = {}
+    for r in rows:
+        by.setdefault(r["estimator"], {})[r["seed"]] = r["auc"]
+    comp = ["| comparison (paired over the fresh seeds) | AUC difference | seeds where > 0 |", "|---|---|---|"]
+    for a, b in [*SPEED_COMPARISONS, *((e["name"], "GRPO") for e in estimators if e["kind"] == "import")]:
+        if a in by and b in by:
+            d = [by[a][s] - by[b][s] for s in sorted(by[a])]
+            comp.append(f"| {a} - {b} | {t_cell(d, 3)} | {sum(x > 0 for x in d)}/{len(d)} |")
+    seeds = args.fresh_seeds
+    note = (
+        f"\nmean ± sd [95% t interval, t at {len(seeds) - 1} df, exact] over {len(seeds)} fresh seeds "
+        f"({seeds[0]}-{seeds[-1]}), the seed the unit; normalised AUC: the held-out return every {args.eval_every} "
+        f"steps over {args.steps} steps ({args.eval_k} dialogues per test scenario a point), uniform "
+        f"{uniform:.2f} = 0, search ceiling {ceiling:.2f} = 1 (normalised_auc); a seed that never reaches "
+        f"{args.speed_frac:g} of the way counts as {args.steps + args.eval_every} steps (the budget's next "
+        f"evaluation); {rung_text(args)}\n"
+    )
+    text = (
+        f"### Tuning on speed (training scenarios, tuning seeds)\n\n"
+        f"{tuning_table(tune_rows, estimators, chosen, at_edge, len(train_set), args, what='speed')}\n"
+        f"{power}\n### Learning speed (held-out test scenarios, fresh seeds)\n\n"
+        + "\n".join(lines)
+        + "\n\n"
+        + "\n".join(comp)
+        + "\n"
+        + note
+    )
+    return text, tune_rows + rows
+
+
+def rung_text(args) -> str:
+    """The rung's settings, as the tables' notes name them."""
+    lengths = f"horizon drawn from {args.early_horizon}-{args.max_turns}" if args.early_horizon else "EMPA ends only"
+    return (
+        f"table {args.table}, delay {args.delay}, judge noise {args.judge_noise:g} sd of the per-turn reward "
+        f"({args.noise_sd:.3f} in reward units), K={args.k}, {lengths}, "
+        f"{args.scenarios_per_step} training scenarios a step, gamma {args.gamma}"
+    )
+
+
+def reward_spread(train_set: list[dict], args) -> float:
+    """The spread the judge noise is measured in: the sd of the per-turn IDR reward r_t over every turn of 50
+    dialogues of the uniform policy on each training scenario (its own random numbers, seed 424242; the rung's
+    delay and length rule)."""
+    rng = random.Random(424242)
+    theta = [[0.0] * len(MOVES) for _ in range(N_OBS)]
+    r = [x for s in train_set for _ in range(50) for x in rollout(theta, s, rng, args).extra["rewards"]]
+    return common.mean_std(r, ddof=1)[1]
+
+
+# ---------------------------------------------------------------------------------------------
 # --- supporting pieces: the two yardsticks (search ceiling, myopic greedy), the table, the CLI ---
 # ---------------------------------------------------------------------------------------------
 def branch(tr, mem: Memory, move: str, args):
@@ -683,7 +1085,7 @@ def memory_key(mem: Memory, args) -> tuple:
     if args.table == "short":
         return min(mem.validated, 5), tuple(mem.last[-2:]), tuple(sorted(mem.debt.items()))
     t = len(mem.last)
-    since = -1 if mem.opened is None else min(t - mem.opened, DELAY)
+    since = -1 if mem.opened is None else min(t - mem.opened, mem.delay)
     pending = tuple(sorted((turn - t, tuple(sorted(lv.items()))) for turn, lv in mem.due.items() if turn > t))
     return min(mem.validated, 3), since, pending
 
@@ -691,7 +1093,7 @@ def memory_key(mem: Memory, args) -> tuple:
 def search_ceiling(scenario: dict, args) -> tuple[float, bool]:
     """The best IDR return (and whether that dialogue succeeds) a beam search over move sequences finds on
     the same dynamics: a lower bound on the optimum, and the ceiling the threshold is measured against."""
-    beam, best = [new_episode(scenario)], (-math.inf, False)
+    beam, best = [new_episode(scenario, getattr(args, "delay", DELAY))], (-math.inf, False)
     while beam:
         children = []
         for tr, mem in beam:
@@ -717,7 +1119,7 @@ def myopic_greedy(scenario: dict, args) -> tuple[float, bool]:
     """The IDR return and success of the deterministic policy that knows the table and takes, every turn,
     the move with the largest immediate reward r_t (ties: the first in MOVES): how far credit for the
     next turn alone goes in this environment."""
-    tr, mem = new_episode(scenario)
+    tr, mem = new_episode(scenario, getattr(args, "delay", DELAY))
     while tr.outcome is None:
         gains = []
         for move in MOVES:
@@ -817,6 +1219,8 @@ def estimator_list(args) -> list[dict]:
             rows.append({"name": "REINFORCE++", "kind": "reinforce_pp"})
         else:
             rows.append({"name": "RLOO", "kind": "rloo"})
+    for spec in args.advantage:  # a fork's estimator, by --advantage module:function (04's imported_estimator)
+        rows.append({"name": spec, "kind": "import", "spec": spec})
     return rows
 
 
@@ -880,21 +1284,32 @@ def beyond_edge(lrs: list[float], chosen: float) -> float | None:
     return None
 
 
-def tune(estimators: list[dict], train_set: list[dict], args) -> tuple[dict, list[dict], dict]:
-    """Every estimator at every lr of --lr-grid, from each of --tune-seeds, scored by its final return on the
-    training scenarios (the test scenarios are not touched); the edge rule adds lrs beyond an edge that
-    wins, at most --extend-edges a side. -> ({name: chosen lr}, the tuning rows, {name: "low"/"high" where
-    the chosen lr is still an edge of what was run})."""
+def final_score(row: dict) -> float:
+    """--tune's score: the final IDR return (on the training scenarios while tuning)."""
+    return row["final_return"]
+
+
+def tune(estimators: list[dict], train_set: list[dict], args, score=final_score) -> tuple[dict, list[dict], dict]:
+    """Every estimator at every lr of --lr-grid, from each of --tune-seeds, scored on the training scenarios by
+    score(row) (--tune: the final return; --speed: curve_score, the area under the curve, so the curves are
+    run) (the test scenarios are not touched); the edge rule adds lrs beyond an edge that wins, at most
+    --extend-edges a side. -> ({name: chosen lr}, the tuning rows (each with its "score"), {name: "low"/"high"
+    where the chosen lr is still an edge of what was run})."""
     rows, chosen, at_edge = [], {}, {}
+    curves = score is not final_score
+    if curves:  # the tuning curves on the 24 training scenarios, --tune-eval-k dialogues each a point
+        args = argparse.Namespace(**{**vars(args), "eval_k": args.tune_eval_k})
     for e in estimators:
         lrs = list(args.lr_grid)
-        jobs = [({**e, "lr": lr}, seed, train_set, train_set, args, False) for lr in lrs for seed in args.tune_seeds]
+        jobs = [({**e, "lr": lr}, seed, train_set, train_set, args, curves) for lr in lrs for seed in args.tune_seeds]
         mine = run_jobs(jobs, args)
+        for r in mine:
+            r["score"] = score(r)
         extended = {"low": 0, "high": 0}
         while True:
             scores = {}
             for r in mine:
-                scores.setdefault(r["lr"], []).append(r["final_return"])
+                scores.setdefault(r["lr"], []).append(r["score"])
             best = choose_lr(scores)
             nxt = beyond_edge(lrs, best)
             side = None if nxt is None else ("high" if nxt > best else "low")
@@ -902,9 +1317,12 @@ def tune(estimators: list[dict], train_set: list[dict], args) -> tuple[dict, lis
                 break
             extended[side] += 1
             lrs.append(nxt)
-            mine += run_jobs(
-                [({**e, "lr": nxt}, seed, train_set, train_set, args, False) for seed in args.tune_seeds], args
+            more = run_jobs(
+                [({**e, "lr": nxt}, seed, train_set, train_set, args, curves) for seed in args.tune_seeds], args
             )
+            for r in more:
+                r["score"] = score(r)
+            mine += more
         chosen[e["name"]] = best
         if side is not None:
             at_edge[e["name"]] = side
@@ -914,9 +1332,11 @@ def tune(estimators: list[dict], train_set: list[dict], args) -> tuple[dict, lis
     return chosen, rows, at_edge
 
 
-def tuning_table(rows: list[dict], estimators: list[dict], chosen: dict, at_edge: dict, n_train: int, args) -> str:
-    """Estimators x lrs: mean ± sd of the final return on the training scenarios over the tuning seeds; the
-    chosen lr in bold."""
+def tuning_table(
+    rows: list[dict], estimators: list[dict], chosen: dict, at_edge: dict, n_train: int, args, what: str = "final"
+) -> str:
+    """Estimators x lrs: mean ± sd of the tuning score on the training scenarios over the tuning seeds (what
+    "final": the final return; "speed": curve_score); the chosen lr in bold."""
     lrs = sorted({r["lr"] for r in rows})
     lines = [
         "| estimator | " + " | ".join(f"lr {lr_text(lr)}" for lr in lrs) + " | chosen |",
@@ -925,7 +1345,7 @@ def tuning_table(rows: list[dict], estimators: list[dict], chosen: dict, at_edge
     for e in estimators:
         cells = []
         for lr in lrs:
-            xs = [r["final_return"] for r in rows if r["estimator"] == e["name"] and r["lr"] == lr]
+            xs = [r["score"] for r in rows if r["estimator"] == e["name"] and r["lr"] == lr]
             if not xs:
                 cells.append("—")
                 continue
@@ -935,8 +1355,14 @@ def tuning_table(rows: list[dict], estimators: list[dict], chosen: dict, at_edge
         edge = f" (the grid's {at_edge[e['name']]} edge)" if e["name"] in at_edge else ""
         lines.append(f"| {e['name']} | " + " | ".join(cells) + f" | {lr_text(chosen[e['name']])}{edge} |")
     seeds = args.tune_seeds
+    scored = (
+        f"final IDR return on the {n_train} training scenarios ({args.final_eval_k} dialogues each)"
+        if what == "final"
+        else f"area under the IDR return curve on the {n_train} training scenarios (every {args.eval_every} steps, "
+        f"{args.tune_eval_k} dialogues each; the mean of the trapezoids, not normalised)"
+    )
     note = (
-        f"\nfinal IDR return on the {n_train} training scenarios ({args.final_eval_k} dialogues each), mean ± sd "
+        f"\n{scored}, mean ± sd "
         f"over the {len(seeds)} tuning seeds ({', '.join(map(str, seeds))}); bold: the chosen lr (the largest mean; "
         f"ties: the smaller lr); grid {', '.join(lr_text(lr) for lr in args.lr_grid)}, extended beyond an edge "
         f"that wins at most {args.extend_edges} times a side; {args.steps} steps, the other settings as below\n"
@@ -1037,6 +1463,54 @@ def parse_args(argv=None):
         default="100-123",
         help="--tune: the seeds the tuned table reports (disjoint from --tune-seeds)",
     )
+    g.add_argument(
+        "--advantage",
+        action="append",
+        default=[],
+        metavar="MODULE:FUNCTION",
+        help="add a fork's estimator with 04's ADVANTAGES signature, fn(rewards, dialogues, args) -> (A, terms), as "
+        "04's --advantage module:function imports it (repeatable; the module found on sys.path or in the current "
+        "folder); it runs beside --estimators in every mode",
+    )
+    g = p.add_argument_group("gradient quality and learning speed (issue 62; the protocol is in the docstring)")
+    g.add_argument(
+        "--gradient-quality",
+        action="store_true",
+        help="each estimator's direction from one batch against the true gradient at fixed policies (writes "
+        "<out>/gradient.md, gradient.jsonl); with --speed, both",
+    )
+    g.add_argument("--gq-draws", type=int, default=200, help="--gradient-quality: independent batches per policy")
+    g.add_argument("--gq-blocks", type=int, default=10, help="--gradient-quality: blocks the draws are cut into")
+    g.add_argument(
+        "--gq-true", type=int, default=1000, help="--gradient-quality: dialogues per training scenario, true gradient"
+    )
+    g.add_argument(
+        "--speed",
+        action="store_true",
+        help="learning speed: lr tuned on the area under the curve, then fresh seeds (writes <out>/speed.md, "
+        "speed.jsonl, speed.png); sets the speed protocol's defaults (flags given explicitly win)",
+    )
+    g.add_argument("--speed-frac", type=float, default=0.9, help="--speed: steps to this fraction of the ceiling")
+    g.add_argument(
+        "--tune-eval-k",
+        type=int,
+        default=2,
+        help="--speed: dialogues per training scenario at each point of a tuning curve (24 scenarios: 48 a point)",
+    )
+    g.add_argument(
+        "--judge-noise",
+        type=float,
+        default=0.0,
+        help="the rewards the estimators see get Gaussian noise of this many sds of the per-turn reward "
+        "(reward_spread); the state and the held-out return are noise-free",
+    )
+    g.add_argument("--delay", type=int, default=DELAY, help="--table delayed: turns from the question to its payoff")
+    g.add_argument(
+        "--early-horizon",
+        type=int,
+        default=0,
+        help="length rule: each training dialogue times out at a turn drawn from this .. --max-turns (0: off)",
+    )
     g = p.add_argument_group("the survivor question (MICA's A_turn compares only the dialogues that reached turn t)")
     g.add_argument(
         "--survivors",
@@ -1106,6 +1580,18 @@ def parse_args(argv=None):
             fresh_seeds="100-102",
         )
         args = p.parse_args(argv)
+    if args.speed:  # the speed protocol's defaults (committed before it ran); flags given explicitly still win
+        p.set_defaults(
+            steps=50,
+            eval_every=2,
+            eval_k=8,
+            lr_grid="1,3.16228,10,31.6228,100,316.228",
+            tune_seeds="2000-2002",
+            fresh_seeds="200-223",
+        )
+        if args.quick:
+            p.set_defaults(steps=10, tune_seeds="2000-2001", fresh_seeds="200-202", eval_k=2, lr_grid="10,31.6228")
+        args = p.parse_args(argv)
     if args.out is None:  # under the current folder, wherever the script is
         args.out = str(Path("runs") / ("credit" if args.table == "short" else f"credit-{args.table}"))
     if args.beam_width is None:
@@ -1125,9 +1611,28 @@ def parse_args(argv=None):
         "survivor_groups",
         "max_turns",
         "collapse_window",
+        "gq_draws",
+        "gq_blocks",
+        "gq_true",
+        "delay",
+        "tune_eval_k",
     ):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.gq_draws // args.gq_blocks < 2:
+        p.error("--gq-draws must be at least twice --gq-blocks (a block's variance needs 2 draws)")
+    if args.judge_noise < 0 or not 0 < args.speed_frac <= 1:
+        p.error("--judge-noise must be >= 0 and --speed-frac in (0, 1]")
+    if args.early_horizon and not 1 <= args.early_horizon <= args.max_turns:
+        p.error(f"--early-horizon must lie in 1 .. --max-turns {args.max_turns}")
+    args.noise_sd = 0.0  # the judge noise in reward units: main sets it from --judge-noise x reward_spread
+    for spec in args.advantage:
+        if ":" not in spec:
+            p.error(f"--advantage {spec}: module:function")
+        try:
+            trainer.imported_estimator(spec)
+        except common.UserError as err:
+            p.error(str(err))
     if args.extend_edges < 0:
         p.error("--extend-edges must be >= 0")
     args.estimators = [e.strip() for e in args.estimators.split(",") if e.strip()]
@@ -1171,6 +1676,20 @@ def main(argv=None):
         print("\n" + text)
         return
     estimators = estimator_list(args)
+    if args.judge_noise > 0 or args.speed or args.gradient_quality:
+        spread = reward_spread(train_set, args)
+        args.noise_sd = args.judge_noise * spread
+        print(f"per-turn reward sd at the uniform policy {spread:.4f}; {rung_text(args)}", flush=True)
+    if args.gradient_quality:
+        text, rows = gradient_quality(estimators, train_set, test, args)
+        text = f"## Gradient quality at fixed policies ({rung_text(args)})\n\n{text}{time.time() - t0:.0f} s\n"
+        (out / "gradient.md").write_text(text)
+        with open(out / "gradient.jsonl", "w") as f:
+            for r in rows:
+                f.write(json.dumps(r) + "\n")
+        print("\n" + text, flush=True)
+        if not args.speed:
+            return
     if args.tune:  # the lr chosen before the test scenarios are looked at
         chosen, tune_rows, at_edge = tune(estimators, train_set, args)
     # the yardsticks, on the test scenarios: the uniform policy (every run's step 0), the myopic greedy
@@ -1185,6 +1704,29 @@ def main(argv=None):
     ceiling = (sum(r for r, _ in found) / len(found), sum(ok for _, ok in found) / len(found))
     greedy = (sum(r for r, _ in mine) / len(mine), sum(ok for _, ok in mine) / len(mine))
     threshold = uniform + args.threshold_frac * (ceiling[0] - uniform)
+    if args.speed:
+        text, rows = speed(estimators, train_set, test, uniform, ceiling[0], args)
+        with open(out / "speed.jsonl", "w") as f:
+            for r in rows:
+                f.write(json.dumps(r) + "\n")
+        span = ceiling[0] - uniform
+        plots.series(
+            {
+                f"{e['name']}": [
+                    [(x - uniform) / span for x in r["curve"]]
+                    for r in rows
+                    if r.get("phase") == "fresh" and r["estimator"] == e["name"]
+                ]
+                for e in estimators
+            },
+            "held-out return, uniform 0, ceiling 1",
+            out / "speed.png",
+            xlabel=f"evaluation (every {args.eval_every} training steps)",
+        )
+        text = f"## Learning speed ({rung_text(args)})\n\n{text}{time.time() - t0:.0f} s\n"
+        (out / "speed.md").write_text(text)
+        print("\n" + text)
+        return
     if args.tune:
         tuned = [{**e, "lr": chosen[e["name"]]} for e in estimators]
         rows = run_jobs([(e, seed, train_set, test, args, True) for seed in args.fresh_seeds for e in tuned], args)

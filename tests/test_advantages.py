@@ -329,6 +329,16 @@ def test_clipped_surrogate_and_kl(trainer):
     kl = trainer.k3_kl(torch.tensor([0.0, -1.0]), torch.tensor([0.0, 0.0]))
     case = "k3 per token: 0 where logp = ref; e - 2 where ref - logp = 1"
     expect(kl, [0.0, math.exp(1) - 1 - 1], case, "logp = [0, -1], ref = [0, 0]", K3)
+    # a backward pass: the loss must carry the gradient through the ratio. d loss_i / d logp_i = -A_i ratio_i where
+    # the unclipped term is the larger, 0 where the clip chose the loss (the clamp is flat there); a ratio
+    # detached from logp gives the right numbers above and no gradient at all
+    logp = torch.log(torch.tensor([1.5, 0.5, 1.1, 1.5, 0.5])).requires_grad_()
+    A = torch.tensor([-1.0, 1.0, 1.0, 1.0, -1.0])
+    loss, _, _ = trainer.clipped_surrogate(logp, torch.zeros(5), A, 0.2, 0.28)
+    got = torch.autograd.grad(loss.sum(), logp)[0] if loss.requires_grad else "no gradient: the loss is detached"
+    inputs = "ratios 1.5, 0.5, 1.1, 1.5, 0.5 (logp_old = 0), A = -1, 1, 1, 1, -1, clip 0.2 / 0.28; d(sum loss) / d logp"
+    case = "the gradient flows through the ratio: -A ratio on the unclipped tokens (1.5, -0.5, -1.1), 0 on the clipped"
+    expect(got, [1.5, -0.5, -1.1, 0.0, 0.0], case, inputs, CLIP + "; d loss_i / d logp_i = -A_i ratio_i, or 0 clipped")
 
 
 def schedule_factors(total_steps):

@@ -376,3 +376,163 @@ def test_quick_tune_runs_end_to_end(tmp_path):
         assert md.count(row) == 2, row  # once in the tuning table, once in the tuned one
     assert "| RLOO |" in md and "| RLOO - GRPO |" in md and "| MICA (alpha=0) - MICA (alpha=1) |" in md
     assert "lr: each estimator's own, tuned" in md and (tmp_path / "tuned.png").stat().st_size > 0
+
+
+# ---- issue 62: gradient quality, learning speed, the ladder's options, a fork's estimator ----
+def test_t_quantile_is_students_t_at_the_actual_df():
+    # scipy.stats.t.ppf(0.975, df) for df 1, 2, 4, 23 and an untabulated 37 (05's T975 would give df 30's 2.042)
+    for df, t in ((1, 12.706205), (2, 4.302653), (4, 2.776445), (23, 2.068658), (37, 2.026192)):
+        assert abs(credit.t_quantile(0.975, df) - t) < 1e-5, df
+    # a t interval over 4 units (3 df): mean 2.5, sd sqrt(5/3) = 1.29099, half-width t(0.975, 3) = 3.182446
+    # x 1.29099 / 2 = 2.05428
+    assert credit.t_cell([1.0, 2.0, 3.0, 4.0]) == "2.50 ± 1.29 [0.45, 4.55]"
+
+
+def test_score_function_gradient_by_hand():
+    from types import SimpleNamespace
+
+    theta = [[0.0] * 7 for _ in range(credit.N_OBS)]  # uniform: pi(b | o) = 1/7
+    d1 = SimpleNamespace(extra={"obs": [0, 1], "moves": ["validate", "clarify"], "rewards": [1.0, 2.0]})
+    d2 = SimpleNamespace(extra={"obs": [0], "moves": ["reflect"], "rewards": [-1.0]})
+    g = credit.score_function_gradient([d1, d2], theta)
+    # G = (3, 2) and (-1); g[o][b] = (1/2) sum G_t (1[a_t = b] - 1/7)
+    v, c, r = credit.MOVES.index("validate"), credit.MOVES.index("clarify"), credit.MOVES.index("reflect")
+    assert math.isclose(g[0][v], 19 / 14)  # (3 (1 - 1/7) + (-1)(-1/7)) / 2
+    assert math.isclose(g[0][r], -9 / 14)  # (3 (-1/7) + (-1)(1 - 1/7)) / 2
+    assert math.isclose(g[0][c], -1 / 7)  # (3 (-1/7) + (-1)(-1/7)) / 2
+    assert math.isclose(g[1][c], 6 / 7) and math.isclose(g[1][v], -1 / 7)  # 2 (1 - 1/7) / 2, 2 (-1/7) / 2
+    assert all(x == 0.0 for row in g[2:] for x in row)
+    # the return-to-go, not the whole return: turn 2's G is 2, not 3 (with 3: g[1][c] would be 9/7)
+
+
+def test_quality_measures_by_hand():
+    g_true = [1.0, 0.0]
+    draws = [[2.0, 1.0], [2.0, -1.0], [0.0, 1.0], [0.0, -1.0]]
+    m = credit.quality_measures(draws, g_true, blocks=2)
+    assert m["cosine"] == pytest.approx([2 / math.sqrt(5)] * 2 + [0.0] * 2)
+    # block 1: mean (2, 0), tr S = (1 + 1) / 1 = 2, SNR = (4 - 2/2) / 2 = 1.5, cos(mean, g*) = 1
+    # block 2: mean (0, 0), tr S = 2, SNR = (0 - 1) / 2 = -0.5, cos 0 (a zero vector)
+    assert m["snr"] == pytest.approx([1.5, -0.5]) and m["bias"] == pytest.approx([1.0, 0.0])
+    assert m["bias_all"] == pytest.approx(1.0)  # the mean of all four, (1, 0)
+
+
+def test_the_true_gradient_points_where_the_return_rises():
+    # a finite difference of the Monte Carlo return agrees in sign with the score-function estimate on the
+    # coordinate it names (uniform policy, delayed table; the opening question's logit at the first observation)
+    args = credit.parse_args(["--table", "delayed", "--gq-true", "60"])
+    train_set = env.load_scenarios(args.train)[:4]
+    theta = [[0.0] * 7 for _ in range(credit.N_OBS)]
+    g, noise = credit.true_gradient(theta, train_set, __import__("random").Random(1), args)
+    assert len(g) == credit.N_OBS * 7 and 0 < noise < 1
+    # each observation's row sums to 0 (the score of a softmax): sum_b (1[a = b] - pi(b)) = 0
+    for o in range(credit.N_OBS):
+        assert abs(sum(g[o * 7 : (o + 1) * 7])) < 1e-9
+
+
+def test_normalised_auc_and_steps_to_the_fraction_by_hand():
+    # y = (0, 0.5, 1): trapezoids 0.25 and 0.75, mean 0.5
+    assert credit.normalised_auc([1.0, 3.0, 5.0], 1.0, 5.0) == pytest.approx(0.5)
+    assert credit.normalised_auc([5.0, 5.0], 1.0, 5.0) == pytest.approx(1.0)
+    assert credit.steps_to_frac([1.0, 3.0, 5.0], 1.0, 5.0, 0.9, 2) == 4
+    assert credit.steps_to_frac([1.0, 3.0, 5.0], 1.0, 5.0, 0.5, 2) == 2
+    assert credit.steps_to_frac([1.0, 3.0], 1.0, 5.0, 0.9, 2) is None
+
+
+def test_the_ladders_options_noise_delay_and_length_rule():
+    rng = __import__("random").Random(3)
+    rewards = [[[1.0, 2.0], [0.5]]]
+    assert credit.noisy_rewards(rewards, 0.0, rng) is rewards  # no noise: untouched, no random numbers drawn
+    z = __import__("random").Random(3)
+    expected = [[[1.0 + 0.5 * z.gauss(0, 1), 2.0 + 0.5 * z.gauss(0, 1)], [0.5 + 0.5 * z.gauss(0, 1)]]]
+    assert credit.noisy_rewards(rewards, 0.5, rng) == expected
+    # --delay 5: affirm's penalty lands 5 turns later, and the topic is "opened" for 4 turns after the question
+    mem = credit.Memory(delay=5)
+    P0 = [-6.0, -10.0, -8.0]
+    assert credit.judge_delayed("affirm", mem, P0, P0)[1] == {5: {"A": 2, "P": 1}}
+    mem.opened, mem.last = 1, ["clarify"] * 4  # the question at turn 1; turn 5 is judged next
+    assert credit.topic(mem) == 1
+    mem.last.append("reflect")
+    assert credit.topic(mem) == 2
+    # the length rule: a horizon of 3 ends a dialogue at turn 3 (EMPA's min-turns rule keeps it going till then)
+    args = credit.parse_args(["--table", "delayed"])
+    theta = [[0.0] * 7 for _ in range(credit.N_OBS)]
+    tr = credit.rollout(theta, {"id": "x", "p0": P0}, __import__("random").Random(0), args, horizon=3)
+    assert len(tr.extra["moves"]) == 3 and tr.outcome == "timeout"
+    assert credit.parse_args(["--table", "delayed", "--delay", "8"]).delay == 8
+    with pytest.raises(SystemExit):
+        credit.parse_args(["--early-horizon", "16"])
+
+
+FORK = '''
+def rloo(rewards, dialogues, args):
+    """A fork's RLOO, written apart from the playground's: A[k][t] = R_k - mean of the other outcomes."""
+    assert dialogues is not None and len(dialogues[0]) == len(rewards[0]) and dialogues[0][0].states
+    A = []
+    for group in rewards:
+        R = [sum(r) for r in group]
+        A.append([[R[k] - (sum(R) - R[k]) / (len(R) - 1)] * len(group[k]) for k in range(len(R))])
+    return A, {}
+'''
+
+
+def test_a_forks_estimator_joins_with_one_command_and_matches_the_built_in(tmp_path):
+    (tmp_path / "fork_rloo.py").write_text(FORK)
+    p = run_script(
+        "experiments/credit.py",
+        *("--quick", "--table", "delayed", "--seeds", 2, "--steps", 8, "--estimators", "rloo"),
+        *("--advantage", "fork_rloo:rloo", "--out", tmp_path / "out", "--beam-width", 4),
+        cwd=tmp_path,
+    )
+    assert p.returncode == 0, p.stderr[-3000:]
+    md = (tmp_path / "out" / "credit.md").read_text()
+    rows = {line.split(" | ")[0]: line.split(" | ")[1:4] for line in md.splitlines() if line.startswith("| ")}
+    assert rows["| fork_rloo:rloo"] == rows["| RLOO"]  # the same numbers as the playground's own RLOO
+    # and in --gradient-quality: the same directions, so the same measures
+    p = run_script(
+        "experiments/credit.py",
+        *("--gradient-quality", "--table", "delayed", "--estimators", "rloo", "--advantage", "fork_rloo:rloo"),
+        *("--gq-draws", 4, "--gq-blocks", 2, "--gq-true", 2, "--out", tmp_path / "gq"),
+        cwd=tmp_path,
+    )
+    assert p.returncode == 0, p.stderr[-3000:]
+    lines = (tmp_path / "gq" / "gradient.md").read_text().splitlines()
+    ours = [line.split(" | ")[2:] for line in lines if "| RLOO |" in line]
+    fork = [line.split(" | ")[2:] for line in lines if "| fork_rloo:rloo |" in line]
+    assert len(ours) == 4 and ours == fork
+    p = run_script("experiments/credit.py", "--advantage", "no_such_module:f", "--quick", cwd=tmp_path)
+    assert p.returncode == 2 and "--advantage no_such_module:f: cannot import it" in p.stderr
+
+
+def test_quick_speed_runs_end_to_end_with_the_power_check_before_the_fresh_seeds(tmp_path):
+    p = run_script(
+        "experiments/credit.py",
+        *("--speed", "--quick", "--table", "delayed", "--steps", 4, "--extend-edges", 0, "--beam-width", 4),
+        *("--judge-noise", 1, "--early-horizon", 8, "--out", tmp_path),
+    )
+    assert p.returncode == 0, p.stderr[-3000:]
+    md = (tmp_path / "speed.md").read_text()
+    for row in ("| MICA (alpha=0) |", "| MICA (alpha=1) |", "| GRPO |", "| REINFORCE++ |", "| RLOO |"):
+        assert md.count(row) == 2, row  # the tuning table and the speed table
+    assert md.index("Power check") < md.index("### Learning speed") and "t(0.975, 2) = 4.3027" in md
+    assert "| MICA (alpha=1) - GRPO |" in md and "horizon drawn from 8-15" in md and "judge noise 1 sd" in md
+    rows = [json.loads(line) for line in (tmp_path / "speed.jsonl").read_text().splitlines()]
+    assert {r["seed"] for r in rows if r["phase"] == "tune"} == {2000, 2001}
+    assert {r["seed"] for r in rows if r["phase"] == "fresh"} == {200, 201, 202}
+    assert all(len(r["curve"]) == 3 for r in rows)  # steps 0, 2, 4
+    assert (tmp_path / "speed.png").stat().st_size > 0
+    default = credit.parse_args(["--speed"])
+    assert (default.steps, default.eval_every, default.tune_seeds, default.fresh_seeds) == (
+        50,
+        2,
+        [2000, 2001, 2002],
+        list(range(200, 224)),
+    )
+    assert [credit.lr_text(x) for x in default.lr_grid] == ["1", "3.16", "10", "31.6", "100", "316"]
+    # one fresh seed (a rerun of a committed rung and seed): the run goes through, with no interval to size
+    p = run_script(
+        "experiments/credit.py",
+        *("--speed", "--quick", "--table", "delayed", "--steps", 2, "--extend-edges", 0, "--beam-width", 4),
+        *("--fresh-seeds", "200", "--estimators", "grpo", "--out", tmp_path / "one"),
+    )
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "Power check: one fresh seed, no interval" in (tmp_path / "one" / "speed.md").read_text()

@@ -298,10 +298,19 @@ pref = importlib.import_module("02_rubric_pref_rl")
 
 
 def test_care_score_hand_computed():
+    from test_advantages import expect
+
+    equation = "S(y) = sum_d w_d (1/|C_d|) sum_{c in C_d} s(y, c), d = cognitive, affective, proactive"
     rubric = {"weights": {"cognitive": 0.40, "affective": 0.35, "proactive": 0.25}}  # CARE's conflict case
     s = {"cognitive": [0.5, 0.7], "affective": [0.9], "proactive": [0.2, 0.4, 0.6]}
     # S = 0.40 * 0.6 + 0.35 * 0.9 + 0.25 * 0.4 = 0.24 + 0.315 + 0.1 = 0.655
-    assert pref.sft.rubric_score(rubric, s) == pytest.approx(0.655)
+    case = "CARE's conflict case: means 0.6, 0.9, 0.4 weighted 0.40, 0.35, 0.25"
+    expect(pref.sft.rubric_score(rubric, s), 0.655, case, f"weights {rubric['weights']}, scores {s}", equation)
+    # lesson 5's question 1: weights (0.5, 0.3, 0.2), means 0.6, 0.6, 0.5: 0.3 + 0.18 + 0.1 = 0.58
+    rubric = {"weights": {"cognitive": 0.5, "affective": 0.3, "proactive": 0.2}}
+    s = {"cognitive": [0.8, 0.4], "affective": [0.6], "proactive": [0.0, 1.0, 0.5]}
+    case = "unequal weights and criteria counts: each dimension's mean, then its weight"
+    expect(pref.sft.rubric_score(rubric, s), 0.58, case, f"weights {rubric['weights']}, scores {s}", equation)
 
 
 def test_preference_reward_terms_and_ablations():

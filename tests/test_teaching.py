@@ -205,10 +205,28 @@ def test_train_run_draws_its_curves_and_05_compares_base_and_trained_held_out(ti
 
 
 def test_t_interval_on_hand_computed_numbers():
+    from test_advantages import expect
+
     ev = importlib.import_module("05_eval")
+    equation = "mean +- t_{0.975, n-1} sd / sqrt(n), sd the sample sd (ddof 1), n the independent units"
     m, half = ev.t_interval([1.0, 2.0, 3.0])  # mean 2, sample sd 1, half-width t_{0.975, 2} / sqrt(3)
-    assert abs(m - 2.0) < 1e-12 and abs(half - 4.303 / 3**0.5) < 1e-12
-    assert ev.t_interval([0.5]) == (0.5, None)
+    # t_{0.975, 2}: 4.303 (a table's three digits) or scipy's 4.30265 both pass (to 1e-3 on t)
+    case = "3 units: mean 2, sd 1, half-width t_{0.975, 2} x 1 / sqrt(3) with t_{0.975, 2} = 4.303 (4.30265)"
+    expect([m, half], [2.0, 4.303 / 3**0.5], case, "xs = [1, 2, 3]", equation, tol=1e-3 / 3**0.5)
+    expect(list(ev.t_interval([0.5])), [0.5, None], "one unit: no interval", "xs = [0.5]", equation)
+    # 24 units, 23 df, a df no short table holds: exact t_{0.975, 23} = 2.06866; a table read at the largest df
+    # it has below 23 (20: 2.086) is wider and also accepted. xs: 12 zeros and 12 ones, mean 0.5, sd sqrt(6/23)
+    xs = [float(i % 2) for i in range(24)]
+    m, half = ev.t_interval(xs)
+    t = half / ((6 / 23) ** 0.5 / 24**0.5) if half is not None else float("nan")
+    if not (abs(m - 0.5) < 1e-9 and 2.06866 - 1e-3 <= t <= 2.086 + 1e-3):
+        raise AssertionError(
+            "case: 24 units (23 df, not in a short table): the half-width is t_{0.975, 23} sd / sqrt(24)\n"
+            "inputs: xs = 12 zeros and 12 ones (mean 0.5, sample sd 0.510754)\n"
+            f"equation: {equation}\n"
+            "expected: mean 0.5 and t between 2.06866 (exact) and 2.086 (a table's entry at 20 df)\n"
+            f"got:      mean {m:.6g} and t {t:.6g}"
+        )
 
 
 def test_pipeline_runs_the_five_stages_and_summarises(tiny_model, tmp_path):
