@@ -1,106 +1,51 @@
 """04_mica_train.py: MICA, online multi-turn RL of a support policy (LoRA) against a simulated user.
 
-What it does
-  Each step samples scenarios and rolls out K dialogues per scenario in 03's environment. It turns the
-  judge's verdicts into per-turn rewards, assigns credit with MICA's mixed turn-level and group-level
-  advantage (or GRPO's, or REINFORCE++'s), and takes clipped policy-gradient steps on the tokens of every
-  reply.
+Each step rolls out K dialogues for each of a few scenarios in 03's environment, turns the judge's verdicts into
+per-turn rewards, assigns credit with MICA's mixed turn-level and group-level advantage (or GRPO's, or
+REINFORCE++'s), and takes clipped policy-gradient steps on the tokens of every reply.
 
 Imports 03_rollout, the environment: scenarios, the batched rollout, the judges and users, IDR.
         01_rubric_sft, CARE's and Kardia-R1's graders: the loops of --reward care and kardia.
-Reads   data/scenarios_train.jsonl (or --scenarios); the policy (--model, default the packaged
-        SmolLM2-135M-Instruct); the judge and the user (03's options); --rubric-model (02's adapter).
-Writes  runs/<name>-<time>/:
-        args.json         every option
-        metrics.jsonl     a line per step, also printed
-        rollouts.jsonl    every dialogue with its rewards, returns, advantages and the estimator's terms
-        checkpoint.pt     the adapter, the optimizer, the schedule and the step (written atomically)
-        engine/           with --engine: the adapter pushed to the engine last
-        adapter/          the final LoRA adapter (standard peft: 05_eval.py --adapters takes it)
-        curves.png        redrawn at each checkpoint
-        credit_step<N>.png  how the estimator assigned credit in the first and the last step
-        tensorboard/      with --report-to tensorboard
+Reads   data/scenarios_train.jsonl (or --scenarios), the policy (--model), the judge and the user (03's options).
+Writes  runs/<name>-<time>/: args.json, metrics.jsonl, rollouts.jsonl, checkpoint.pt, adapter/ (05_eval.py
+        --adapters takes it), curves.png, credit_step<N>.png (each file: docs/files.md, "A run's folder").
+
+Equations (MICA, docs/reference.md section 2; each is written again above the loop that computes it)
+  reward       r_t by --reward: idr d(P_{t-1}) - d(P_t); rlver (e_t - e_{t-1}) / 100; care and kardia the
+               rubric's score; minus lambda_cut x the reward's unit when reply t was cut off
+  return       G_t = sum_{j >= t} gamma^(j - t) r_j
+  MICA         A[k][t] = alpha A_turn[k][t] + (1 - alpha) A_group[k][t]: G normalised over the k that reached
+               turn t, r normalised over the scenario's every turn
+  GRPO         A[k][t] = (R_k - mean_K) / (std_K + 1e-6),  R_k = sum_t r[k][t]
+  REINFORCE++  A = (G - mean) / (std + 1e-6) over every turn of the batch
+  loss         L = (1/N) sum_i w_i max(-ratio_i A_i, -clip(ratio_i, 1 - eps_low, 1 + eps_high) A_i)
+                   + beta (1/N) sum_i k3_i   (the k3 KL to the base; beta = --kl-coef, 0 as in MICA)
+               ratio_i = pi(y_i) / pi_old(y_i);  w_i = min(pi_old(y_i) / pi_sampler(y_i), --tis-cap), 1 without it
 
 Where each part lives
-  This file    the options (Args), the returns and the estimators (ADVANTAGES), the environment's own rewards
-               (idr, rlver) and the table of all rewards (REWARDS), the clipped loss, the update, the loop.
-  01           care_rewards and kardia_rewards, the loops of --reward care and kardia, and their graders.
-  03           the environment and the rollout.
-  common.py    hyperparameters that shape training without being MICA's: LoRA's rank r = 16 and scale
-               alpha = 32 (LORA_R, LORA_ALPHA), and the learning-rate schedule (make_optimizer: AdamW, a
-               warm-up over the first 5% of the steps, then a half cosine towards 0).
-  runs.py      the run folder, the checkpoint and the step's metrics line.
-  engine.py    --engine: the vLLM client that samples the policy and pushes the adapter (03's rollout calls it).
-  presets/     the budgets --preset picks, one YAML file each: cpu, demo, gpu.
+  here         Args; ADVANTAGES (the returns, the estimators); REWARDS (idr, rlver, each with its cut-off unit);
+               the loss; the data-parallel helpers; the update; the loop; main
+  01, 03       CARE's and Kardia-R1's rewards and graders; the environment and the rollout
+  common.py    LoRA (LORA_R = 16, LORA_ALPHA = 32) and make_optimizer: AdamW with a warmup-stable-decay schedule,
+               stepped once a rollout (under 30 steps no warm-up: two steps at the peak, then a half cosine)
+  runs.py      the run folder, the checkpoint, the step's metrics line;  engine.py  --engine's vLLM client
+  presets/     the budgets --preset picks: cpu, demo, gpu
 
-Equations (MICA; docs/reference.md section 2; each one is a loop below)
-  rewards r_t, by --reward (a sum such as idr+0.5*rlver weights its parts)
-    idr      r_t = d(P_{t-1}) - d(P_t), with d(P) = sqrt( sum_a w_a max(0, -eps - P_a)^2 )   (MICA)
-    rlver    r_t = (e_t - e_{t-1}) / 100, e the simulated user's emotion (RLVER)
-    care     r_t = S(y_t) = sum_d w_d,t (1/|C_d,t|) sum_{c in C_d,t} s(y_t, c), turn t's rubric written by the
-             frozen generator (CARE)
-    kardia   r_t = (1/5) sum_c s_c,t over five fixed criteria, + r_fmt with --kardia-format (Kardia-R1)
-             (care's and kardia's criteria are scored by --judge, the EMPA judge's spec: with embed, a MiniLM
-             cosine of the reply and each criterion)
-    cut-off  r_t -= lambda_cut * (the reward's unit) when reply t was cut off at the token cap
-  return        G_t = sum_{j >= t} gamma^(j - t) r_j                         (within one dialogue)
-  turn-level    A_turn[k][t] = (G[k][t] - mean_t) / (std_t + 1e-6)     over the k that reached turn t
-  group-level   A_group[k][t] = (r[k][t] - mean) / (std + 1e-6)         over all sum_k T_k rewards
-  MICA          A[k][t] = alpha A_turn[k][t] + (1 - alpha) A_group[k][t]    (both stds population, Eq. 2)
-  GRPO          R_k = sum_t r[k][t];  A[k][t] = (R_k - mean_K) / (std_K + 1e-6) on every turn (sample std)
-  REINFORCE++   A = (G - mean) / (std + 1e-6) over every turn of every dialogue of the batch (sample std)
-  loss          ratio_i = exp(log pi(y_i) - log pi_old(y_i)) for every token i of every scored reply
-                L = (1/N) sum_i w_i max(-ratio_i A_i, -clip(ratio_i, 1 - eps_low, 1 + eps_high) A_i)
-                    + beta (1/N) sum_i [exp(ref_i - logp_i) - (ref_i - logp_i) - 1]
-                A_i is the advantage of token i's turn. The second term is the k3 KL to the base (the adapter
-                off), beta = --kl-coef (0, as in MICA). N is the minibatch's scored tokens.
-                w_i = min(exp(log pi_old(y_i) - log pi_sampler(y_i)), C), C = --tis-cap: the truncated importance
-                weight of a token drawn by another sampler (an engine); 1 without --engine (C = 0, off)
+Departures from MICA, one line each; the reasons: docs/reference.md, "Known departures at a glance" (item)
+  1. LoRA, not full fine-tuning: lr 1e-3 on the CPU presets, 1e-5 on the gpu preset (3)
+  2. short episodes on a CPU; the gpu preset has MICA's shape, its frozen base judging and playing the user (4, 5)
+  3. a reply cut off at the token cap loses --cut-off-penalty of its reward's unit (6)
+  4. a turn a judge failed on is left out of the loss; its reward is filled for the returns (7)
+  5. REINFORCE++ discounts and whitens per turn; RLVER's reward is paid per turn, its end rule for every part (8, 10)
+  6. two optimizer steps a rollout; pi_old is taken once, before the first (15)
+  7. a reward positive every turn (care, kardia) favours long dialogues; idr and rlver do not (16)
 
-The cut-off penalty's unit (one rule for every reward): what a turn judged good on every count earns in that
-reward. For idr that is a point of progress on every axis, far from the goal: sqrt(w_C + w_A + w_P), sqrt 3
-with MICA's weights. For rlver it is the emotion's largest rise in one turn, 10 points: 0.1. For care and
-kardia it is full marks on every criterion: 1 (kardia's format term is then 0). Each unit is written in
-REWARDS beside its reward.
-
-Departures from the paper (and why)
-  1. LoRA instead of full fine-tuning, so lr 1e-3 instead of 1e-6 on the CPU presets: a fresh adapter needs a
-     larger step (at 1e-4 SmolLM2 barely moved in 20 steps: docs/results.md). The gpu preset uses 1e-5, ten
-     times MICA's rate, LoRA's usual ratio (docs/training.md, "Presets").
-  2. Short episodes on a CPU: 3 turns of at most 48 tokens, and 4 scenarios x K=4 a step (MICA: 8-15 turns,
-     16 x 4). The gpu preset takes MICA's shape and EMPA's collapse window of 5, with 4-bit base weights and
-     the frozen base as judge and user. Every preset's departures: docs/reference.md, "Known departures".
-  3. A reply cut off at the token cap loses --cut-off-penalty (0.5) of its reward's unit (the rule above).
-     Without it a small policy drifts to the cap.
-  4. A turn a judge failed on (the EMPA judge, or CARE's or Kardia-R1's criteria judge) is left out of the
-     loss and counted. For the returns and the group statistics its reward is the dialogue's mean valid reward
-     before the cut-off penalty (as the public code fills it), and it pays its own penalty if it was cut off.
-  5. REINFORCE++ discounts per turn (rewards sit on turn ends) and whitens per turn, not per token. RLVER's
-     reward is paid per turn as the emotion's change (RLVER pays e_T/100 once, at the end). A --reward with
-     rlver in it ends every dialogue by RLVER's emotion rule, for all its parts, and --min-turns is unused.
-  6. Two optimizer steps per rollout by default (--minibatch-size 8 of 16 dialogues, MICA's proportion), so the
-     ratio moves and the clip acts from the second minibatch on. pi_old is taken once per rollout, before the
-     first step. With --update-epochs 1 the first minibatch is scored against the update's own forward,
-     detached, so its ratio is exactly 1; with more epochs every minibatch, the first included, is scored
-     against that pi_old, and the later epochs' ratios move.
-  7. With rewards that are positive every turn (care, kardia), a longer dialogue sums more: at S = 0.5 a turn, a
-     dialogue that succeeds at turn 8 has R = 4.0 and one that runs to the timeout at turn 15 has R = 7.5, so
-     GRPO ranks the timeout higher, and MICA's early returns G_t favour it too. idr and rlver do not: they sum
-     to the change of the state.
-
-CPU:  python 04_mica_train.py                   (SmolLM2, the embed judge, the scripted user: docs/results.md
-                                                 has the seconds a step)
-      python 04_mica_train.py --preset demo     (make demo: 4 steps; then 05 compares held out)
-GPU:  python 04_mica_train.py --model Qwen2.5-7B-Instruct     (the gpu preset: 4-bit, the frozen base judges
-          and plays the user; for results a served judge: --judge api:Qwen2.5-72B-Instruct \\
-          --user api:Qwen2.5-72B-Instruct --api-base http://localhost:8000/v1)
+CPU:  python 04_mica_train.py --preset demo      (make demo: 4 steps; then 05 compares held out)
+GPU:  python 04_mica_train.py --model Qwen2.5-7B-Instruct      (the gpu preset; docs/scale.md)
       python 04_mica_train.py --model Qwen2.5-7B-Instruct --engine http://localhost:8000   (a vLLM server,
-          `make serve MODEL=Qwen2.5-7B-Instruct`, samples the policy, judges and plays the user: docs/scale.md)
-N GPUs: accelerate launch --num_processes N 04_mica_train.py ...   (docs/scale.md)
-
-A new estimator or reward is one function and one entry in ADVANTAGES or REWARDS (docs/training.md, "Adding
-an estimator or a reward"); --advantage and --reward take its name. --advantage also takes module:function,
-an estimator kept outside this repository (it receives the step's dialogues too).
+          `make serve MODEL=Qwen2.5-7B-Instruct`, samples the policy, judges and plays the user)
+N GPUs: accelerate launch --num_processes N 04_mica_train.py ...
+A new estimator or reward: one function and one entry in ADVANTAGES or REWARDS (docs/training.md).
 """
 
 from __future__ import annotations
@@ -131,7 +76,7 @@ sft = importlib.import_module("01_rubric_sft")  # CARE's and Kardia-R1's graders
 env = importlib.import_module("03_rollout")  # the environment: scenarios, rollout, judges, users, IDR
 HERE = Path(__file__).resolve().parent
 PRESETS = HERE / "presets"  # cpu.yaml, demo.yaml, gpu.yaml: the budgets --preset picks
-count = common.number(int, low=1)  # a checking type: a bad value exits 2 with one line naming the flag
+positive_int = common.number(int, low=1)  # a flag's type: a value below 1 exits 2 with one line naming the flag
 
 
 # ---------------------------------------------------------------------------------------------
@@ -148,7 +93,12 @@ class Args:
         "module:function for an estimator of your own (module.py in the folder you run from, or on PYTHONPATH)",
     )
     alpha: float = common.option(0.4, "MICA's weight of the turn-level advantage", type=common.number(low=0, high=1))
-    gamma: float = common.option(0.85, "discount of the per-turn returns", type=common.number(low=0, high=1))
+    gamma: float = common.option(
+        0.85,
+        "discount of the per-turn returns G_t (MICA's turn-level term, REINFORCE++); GRPO ignores it: it sums each "
+        "dialogue's rewards undiscounted",
+        type=common.number(low=0, high=1),
+    )
     reward: str = common.option(
         "idr",
         "the per-turn reward, a name in REWARDS, or a weighted sum such as idr+0.5*care: idr (MICA's incremental "
@@ -160,9 +110,11 @@ class Args:
         8,
         "dialogues per optimizer step (data-parallel: in all); the cpu preset's 8 of 16 dialogues a rollout and "
         "the gpu preset's 32 of 64 give 2 optimizer steps a rollout, MICA's proportion",
-        type=count,
+        type=positive_int,
     )
-    update_epochs: int = common.option(1, "passes of the clipped update over each rollout's dialogues", type=count)
+    update_epochs: int = common.option(
+        1, "passes of the clipped update over each rollout's dialogues", type=positive_int
+    )
     kl_coef: float = common.option(0.0, "beta of the k3 KL to the base model (0 = off)", type=common.number(low=0))
     tis_cap: float | None = common.option(
         None,
@@ -188,12 +140,12 @@ class Args:
         "do not telescope), or plain MICA IDR",
         choices=["weighted", "plain"],
     )
-    steps: int = common.option(20, "training steps (rollout + update)", type=count)
+    steps: int = common.option(20, "training steps (rollout + update)", type=positive_int)
     scenarios_per_step: int = common.option(
-        4, "scenarios per step, each rolled out K times (data-parallel: in all, shared out)", type=count
+        4, "scenarios per step, each rolled out K times (data-parallel: in all, shared out)", type=positive_int
     )
     micro_batch_size: int = common.option(
-        2, "dialogues per forward/backward, per process (the gradient accumulates up to a minibatch)", type=count
+        2, "dialogues per forward/backward, per process (the gradient accumulates up to a minibatch)", type=positive_int
     )
     preset: str = common.option(
         "auto",
@@ -212,9 +164,9 @@ class Args:
         [],
         "the steps whose credit picture credit_step<N>.png is drawn (default: the first and the last)",
         nargs="+",
-        type=count,
+        type=positive_int,
     )
-    save_every: int = common.option(10, "write <run>/checkpoint.pt every N steps (and at the last)", type=count)
+    save_every: int = common.option(10, "write <run>/checkpoint.pt every N steps (and at the last)", type=positive_int)
     report_to: str = common.option(
         "none",
         "also log every step's metrics and the configuration through accelerate's tracker (tensorboard writes "
@@ -326,18 +278,30 @@ ADVANTAGES = {"mica": mica_advantages, "grpo": grpo_advantages, "reinforce_pp": 
 
 # ---------------------------------------------------------------------------------------------
 # The rewards, registered by name: REWARDS[name] = Reward(score, unit)
-#   score(trajs, args, graders) -> r[i][t] for every dialogue i and turn t, unweighted (NaN where its judge
-#                                  failed); --reward idr+0.5*rlver weights and sums the parts
-#   unit                           what a turn judged good on every count earns in it: the cut-off penalty's
-#                                  unit (a number, or a function of the options)
+#   score(trajs, args, graders) -> r[i][t] for every dialogue i and turn t, unweighted; care and kardia give NaN
+#                                  where their criteria judge failed, idr and rlver never do (an EMPA judge failure
+#                                  is tr.judge_failed); --reward idr+0.5*rlver weights and sums the parts
+#   unit                           the cut-off penalty's unit in this reward (a number, or a function of the options)
+# The cut-off unit follows two rules, not one. For rlver, care and kardia it is the most one turn can earn:
+# rlver's largest one-turn rise of the emotion, 10 of 100 (0.1); full marks on every criterion (1; kardia's
+# format term is then 0). idr's most depends on the state (a turn lowers d by at most d(P_{t-1}); far from the
+# goal, a level-2 turn on every axis lowers it by 3 sqrt 3), so its unit is a level-1 turn on every axis far
+# from the goal, sqrt(w_C + w_A + w_P): a good turn, not the best. idr's most would triple its penalty and change
+# every idr run's numbers (docs/reference.md section 2).
 # care and kardia score in 01, beside the criteria judge they call.
 # ---------------------------------------------------------------------------------------------
+def rubric_weighted_distance(args) -> bool:
+    """Whether idr's distance is weighted by CARE's rubric (idr+care, --care-distance weighted): decided here
+    only, for the reward (idr_rewards) and its unit (idr_unit)."""
+    return "care" in args.reward_weights and args.care_distance == "weighted"
+
+
 def idr_rewards(trajs, args, graders) -> list[list[float]]:
     """MICA's incremental distance reward, from 03's hinge distance."""
     r = []
     for tr in trajs:
         w = args.idr_weights
-        if "rubrics" in tr.extra and args.care_distance == "weighted":
+        if rubric_weighted_distance(args):  # 01's write_rubrics wrote tr.extra["rubrics"] first
             # with CARE the rubric's weights weight the distance (in place of --idr-weights), scaled so that
             # uniform ones give MICA's (1, 1, 1): w_t = 3 (w_C,t, w_A,t, w_P,t). This project's design, not a
             # paper's: d_t changes every turn, so the rewards no longer sum to d(P0) - d(P_T)
@@ -348,10 +312,10 @@ def idr_rewards(trajs, args, graders) -> list[list[float]]:
 
 
 def idr_unit(args) -> float:
-    """A point of progress on every axis, far from the goal and with the three deficits equal, lowers d by
-    sqrt(w_C + w_A + w_P): sqrt 3 with MICA's weights, and with idr+care's weighted distance (its 3 w_t sum to 3)."""
-    weighted = "care" in args.reward_weights and args.care_distance == "weighted"
-    return math.sqrt(3.0 if weighted else sum(args.idr_weights))
+    """A level-1 turn (a point of progress) on every axis, far from the goal and with the three deficits equal,
+    lowers d by sqrt(w_C + w_A + w_P): sqrt 3 with MICA's weights, and with idr+care's weighted distance (its
+    3 w_t sum to 3)."""
+    return math.sqrt(3.0 if rubric_weighted_distance(args) else sum(args.idr_weights))
 
 
 def rlver_emotion_rewards(emotions) -> list[float]:
@@ -473,7 +437,7 @@ class Sample:
     ids: list[int]
     spans: list[tuple[int, int]]
     advantages: list[float | None]
-    sampler: list[list[float]]
+    logp_sampler: list[list[float]]  # per reply, log pi_sampler(y_i) of each of its tokens as they were drawn
 
     def scored(self) -> list[tuple[int, int]]:
         return [span for span, a in zip(self.spans, self.advantages) if a is not None]
@@ -489,7 +453,7 @@ class Sample:
 
     def sampler_logprobs(self) -> torch.Tensor:
         # log pi_sampler(y_i) for every token i of the scored replies (flat, in token_logprobs' order)
-        return torch.tensor([x for lp, a in zip(self.sampler, self.advantages) if a is not None for x in lp])
+        return torch.tensor([x for lp, a in zip(self.logp_sampler, self.advantages) if a is not None for x in lp])
 
 
 def as_samples(trajs, advantages=None, failed=None) -> list[Sample]:
@@ -529,10 +493,12 @@ def collate(samples: list[Sample], pad_id, device):
 
 @torch.no_grad()
 def old_and_ref_logprobs(model, tokenizer, samples, minibatches, args, need_ref: bool) -> tuple[dict, dict]:
-    """pi_old, where the policy has moved since sampling: not in the first minibatch of the first epoch, whose
-    current log-probabilities, detached, serve (so one epoch of one minibatch spends no extra forward). And the
-    reference (the base, the adapter off) once per rollout when the KL is used or logged. Taken in train mode,
-    as the update's own log-probabilities are (the same forward: LoRA's dropout is 0)."""
+    """log pi_old(y_i), the policy before this rollout's first optimizer step, for every minibatch that is scored
+    after a step has moved the policy: with one epoch, every minibatch but the first (the first is scored before
+    any step, so the update's own forward, detached, is pi_old there and no extra forward is spent); with more
+    epochs, every minibatch. And the reference (the base, the adapter off) once per rollout when the KL is used
+    or logged. Taken in train mode, the same forward as the update's own log-probabilities: load_policy zeroes
+    every dropout of a trainable policy, so train mode adds no noise."""
     device, old_from = next(model.parameters()).device, 1 if args.update_epochs == 1 else 0
     old, ref = {}, {}
     model.train()
@@ -564,13 +530,16 @@ def policy_update(model, tokenizer, optimizer, scheduler, samples, args, acceler
     need_ref = args.kl_coef > 0 or log_kl
     old, ref = old_and_ref_logprobs(model, tokenizer, samples, minibatches, args, need_ref)
     model.train()
-    # running sums, kept on the device: the loss of the steps taken, the clipped token passes, the KL, the gap
-    loss_total, clipped, kl_total, gap_total, w_total, w_capped = (
+    # running sums, kept on the device: the loss of the steps taken, the token passes the clip chose, the KL, the gap
+    loss_total, clip_count, kl_total, gap_total, w_total, w_capped = (
         torch.zeros((), dtype=torch.float64, device=device) for _ in range(6)
     )
     ratio_lo, ratio_hi = torch.tensor(math.inf, device=device), torch.tensor(-math.inf, device=device)
     gap_max = torch.zeros((), device=device)
     token_passes, grad_norms, nonfinite_grads = 0, [], 0
+    # every epoch takes the minibatches in the same order, split once above (CleanRL's ppo.py reshuffles each
+    # epoch): a minibatch holds whole scenarios, in the step's seeded order, and a reshuffle would change the
+    # numbers of every multi-epoch run (docs/training.md, docs/reference.md "Known departures" 15)
     for epoch in range(args.update_epochs):
         for minibatch in minibatches:
             # N: the minibatch's scored reply tokens (over every process); 0: every turn in it failed, no step
@@ -606,7 +575,7 @@ def policy_update(model, tokenizer, optimizer, scheduler, samples, args, acceler
                         loss_sum = loss_sum + args.kl_coef * kl.sum()
                 (loss_sum / N).backward()
                 minibatch_loss += loss_sum.detach().double() / N
-                clipped += was_clipped.sum()
+                clip_count += was_clipped.sum()
                 ratio_lo, ratio_hi = torch.minimum(ratio_lo, ratio.min()), torch.maximum(ratio_hi, ratio.max())
                 token_passes += len(A)
             # the minibatch's gradient, summed over the processes (one process: as it is), clipped, one step
@@ -626,7 +595,7 @@ def policy_update(model, tokenizer, optimizer, scheduler, samples, args, acceler
     sums = torch.stack(
         [
             loss_total,
-            clipped.double(),
+            clip_count.double(),
             kl_total,
             gap_total,
             w_total,
@@ -634,14 +603,14 @@ def policy_update(model, tokenizer, optimizer, scheduler, samples, args, acceler
             torch.tensor(float(token_passes), dtype=torch.float64, device=device),
         ]
     )
-    loss_total, clipped, kl_total, gap_total, w_total, w_capped, token_passes = sum_over_processes(accelerator, [sums])[
-        0
-    ].tolist()
+    loss_total, clip_count, kl_total, gap_total, w_total, w_capped, token_passes = sum_over_processes(
+        accelerator, [sums]
+    )[0].tolist()
     extremes = gather_over_processes(accelerator, (float(ratio_lo), float(ratio_hi), float(gap_max)))
     steps, scored = len(grad_norms), token_passes / args.update_epochs  # each scored token once, in the first epoch
     return {
         "loss": loss_total / steps if steps else math.nan,
-        "clip_frac": clipped / token_passes if token_passes else math.nan,
+        "clip_frac": clip_count / token_passes if token_passes else math.nan,
         "ratio_min": min(lo for lo, _, _ in extremes) if token_passes else math.nan,
         "ratio_max": max(hi for _, hi, _ in extremes) if token_passes else math.nan,
         "kl": kl_total / token_passes if need_ref and token_passes else math.nan,
@@ -794,6 +763,8 @@ def train_loop(run: Run, start: int):
         #    dialogues[s][k]
         with timer("advantage"):
             groups = [[i for i, tr in enumerate(trajs) if tr.scenario is s] for s in scenarios]
+            # 03 keeps each scenario's own dict in its dialogues: a copy would leave a dialogue in no group
+            assert sorted(i for g in groups for i in g) == list(range(len(trajs))), "a dialogue in no group"
             A, A_terms = advantages_over_processes(
                 accelerator,
                 ADVANTAGES[args.advantage],

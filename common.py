@@ -382,6 +382,19 @@ def load_policy(args, trainable=True):
     else:
         model.eval()
     model = cast_for_kbit_training(model, dtype) if kbit else model
+    if trainable:
+        # the update scores its tokens in train mode (pi_old and pi: two forwards of the same tokens): a dropout,
+        # an --adapter's or the base config's, would make them differ by noise and bias the ratio, so every one
+        # is set to 0 (as TRL's disable_dropout); LoRA's own is 0 already
+        dropouts = [m for m in model.modules() if isinstance(m, torch.nn.Dropout) and m.p > 0]
+        attention = [m for m in model.modules() if isinstance(getattr(m, "attention_dropout", None), float)]
+        attention = [m for m in attention if m.attention_dropout > 0]  # HF attention: a float, applied in forward
+        for m in dropouts:
+            m.p = 0.0
+        for m in attention:
+            m.attention_dropout = 0.0
+        if dropouts or attention:
+            warn(f"{args.model}: {len(dropouts) + len(attention)} dropout(s) set to 0 for training (scoring is exact)")
     check_token_logprobs(model, args.model)
     return model, tokenizer
 
