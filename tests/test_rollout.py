@@ -562,12 +562,14 @@ def test_care_weights_the_distance_and_uniform_is_mica(trainer):
     import types
 
     states = [[-6, -9, -4], [-5, -6, -4], [-6, -5, -3], [-3, -6, -2]]
+    # idr+care: the rubric, which 01's write_rubrics put in tr.extra, weights idr's distance (rubric_weighted_distance)
     args = argparse.Namespace(
-        idr_weights=(1, 1, 1), eps=1.0, reward_weights={"idr": 1.0}, care_distance="weighted", kardia_format=False
+        idr_weights=(1, 1, 1), eps=1.0, reward_weights={"idr": 1.0, "care": 1.0}, care_distance="weighted"
     )
+    assert trainer.rubric_weighted_distance(args)
     uniform = {"weights": {d: 1 / 3 for d in trainer.sft.DIMS}}
     tr = types.SimpleNamespace(T=3, states=states, extra={"rubrics": [uniform] * 3})
-    assert trainer.reward_parts([tr], args, None)[0][0]["idr"] == pytest.approx([2.828, 0.363, 1.231], abs=1e-3)
+    assert trainer.idr_rewards([tr], args, None)[0] == pytest.approx([2.828, 0.363, 1.231], abs=1e-3)
     # affective-heavy rubric: w = 3 * (0.2, 0.6, 0.2) = (0.6, 1.8, 0.6); turn 1 moves A by +3
     aff = {"weights": {"cognitive": 0.2, "affective": 0.6, "proactive": 0.2}}
     tr.extra["rubrics"] = [aff] * 3
@@ -575,13 +577,13 @@ def test_care_weights_the_distance_and_uniform_is_mica(trainer):
     def d(P):
         return (0.6 * max(0, -1 - P[0]) ** 2 + 1.8 * max(0, -1 - P[1]) ** 2 + 0.6 * max(0, -1 - P[2]) ** 2) ** 0.5
 
-    assert trainer.reward_parts([tr], args, None)[0][0]["idr"] == pytest.approx(
+    assert trainer.idr_rewards([tr], args, None)[0] == pytest.approx(
         [d(states[t]) - d(states[t + 1]) for t in range(3)]
     )
-    assert trainer.reward_parts([tr], args, None)[0][0]["idr"][0] > 2.828  # the affective move counts more
+    assert trainer.idr_rewards([tr], args, None)[0][0] > 2.828  # the affective move counts more
     # --care-distance plain keeps MICA's potential difference: the rewards telescope to d(P0) - d(P_T)
     args.care_distance = "plain"
-    plain = trainer.reward_parts([tr], args, None)[0][0]["idr"]
+    plain = trainer.idr_rewards([tr], args, None)[0]
     assert plain == pytest.approx([2.828, 0.363, 1.231], abs=1e-3) and sum(plain) == pytest.approx(9.899495 - 5.477226)
 
 
@@ -668,6 +670,7 @@ def test_minibatches_hold_whole_scenarios_in_the_steps_order(trainer, tiny_model
         update_epochs=1,
         temperature=1.0,
         kl_coef=0.0,
+        tis_cap=0.0,
     )
     model, tok = common.load_policy(args)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.01)
@@ -713,6 +716,7 @@ def test_the_clip_engages_on_the_second_minibatch(trainer, tiny_model, monkeypat
         update_epochs=1,
         temperature=1.0,
         kl_coef=0.0,
+        tis_cap=0.0,
     )
     monkeypatch.setattr(trainer, "CLIP_LOW", 0.01)  # a narrow clip: the first step's move leaves it
     monkeypatch.setattr(trainer, "CLIP_HIGH", 0.01)
