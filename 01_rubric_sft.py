@@ -57,10 +57,12 @@ from typing import NamedTuple
 import torch
 from tqdm import tqdm
 
+import backends
 import common
 import offline
 import plots
 import runs
+import sampling
 
 HERE = Path(__file__).resolve().parent
 DIMS = ("cognitive", "affective", "proactive")  # CARE's three empathy dimensions
@@ -104,7 +106,7 @@ def parse_rubric(x, tol=0.02) -> tuple[dict | None, str | None]:
     """A rubric (a dict, or text holding its JSON, perhaps in prose or a code fence) -> (the rubric with its
     weights renormalised to sum 1, None) or (None, the precise reason it is invalid)."""
     if isinstance(x, str):
-        x, why = common.first_json(x)
+        x, why = backends.first_json(x)
         if why:
             return None, why
     if not isinstance(x, dict):
@@ -184,7 +186,7 @@ class GeneratedRubric(NamedTuple):
 def generate_rubrics(
     model, tokenizer, contexts: list[list[dict]], max_new_tokens: int, temperature: float, batch_size=8
 ) -> list[GeneratedRubric]:
-    """For each dialogue its generated rubric, in batches of prompts of similar length (common.generate_batch:
+    """For each dialogue its generated rubric, in batches of prompts of similar length (sampling.generate_batch:
     sampled from the temperature alone, whatever the model's generation_config says). Greedy (temperature 0)
     decodes each distinct prompt once: the same prompt gets the same rubric (04's K dialogues of a scenario share
     their first turn)."""
@@ -195,7 +197,7 @@ def generate_rubrics(
     order, out = sorted(first.values(), key=lambda i: len(prompts[i])), [None] * len(prompts)
     for j in range(0, len(order), batch_size):
         batch = order[j : j + batch_size]
-        replies = common.generate_batch(model, tokenizer, [prompts[i] for i in batch], max_new_tokens, temperature)
+        replies = sampling.generate_batch(model, tokenizer, [prompts[i] for i in batch], max_new_tokens, temperature)
         for i, reply in zip(batch, replies):
             out[i] = GeneratedRubric(
                 tokenizer.decode(reply.ids, skip_special_tokens=True), prompts[i], reply.ids, reply.logprobs
@@ -208,7 +210,7 @@ def generate_rubrics(
 # ---------------------------------------------------------------------------------------------
 def sft_loss(model, batch: list[dict], pad_id: int, device) -> tuple[torch.Tensor, int]:
     """The token-mean cross-entropy on the rubric tokens of a right-padded batch -> (loss, N)."""
-    ids, attn, is_rubric = common.right_pad(
+    ids, attn, is_rubric = sampling.right_pad(
         [b["ids"] for b in batch], pad_id, [[(len(b["prompt_ids"]), len(b["ids"]))] for b in batch], device
     )
     labels = ids.masked_fill(is_rubric == 0, -100)  # the prompt and the padding are not targets
@@ -411,7 +413,7 @@ def evaluate(model, tokenizer, recs: list[dict], args) -> tuple[dict, list[dict]
 # the criteria judge: s(y, c) in [0, 1] for a reply y and each criterion c (02 trains with it, 04 rewards)
 def parse_scores(text: str | None, n: int) -> list[float] | None:
     """{"scores": [n numbers in 0-10]} (perhaps in prose) -> n scores in [0, 1], or None."""
-    scores = (common.first_json(text)[0] or {}).get("scores")
+    scores = (backends.first_json(text)[0] or {}).get("scores")
     ok = (
         isinstance(scores, list)
         and len(scores) == n
@@ -430,7 +432,7 @@ class CriteriaJudge:
         if self.spec == "embed":
             self.embed = offline.EmbedBackend(str(common.pick_device()))
         else:
-            self.backend = common.make_chat_backend(self.spec, args, policy=policy, engine=engine)
+            self.backend = backends.make_chat_backend(self.spec, args, policy=policy, engine=engine)
 
     def score(self, items: list[dict]) -> list[list[float] | None]:
         if self.spec == "embed":
@@ -452,7 +454,7 @@ class CriteriaJudge:
             ]
             for it in items
         ]
-        return common.ask_json(
+        return backends.ask_json(
             self.backend,
             prompts,
             lambda i, text: parse_scores(text, len(items[i]["criteria"])),

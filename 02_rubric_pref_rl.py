@@ -64,9 +64,11 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+import backends
 import common
 import plots
 import runs
+import sampling
 
 sft = importlib.import_module("01_rubric_sft")  # the rubric format, parser, generation and criteria judge
 HERE = Path(__file__).resolve().parent
@@ -165,8 +167,8 @@ def k3_kl(logp, logp_ref):
 def rubric_logprobs(model, samples: list[dict], pad_id: int, temperature: float) -> torch.Tensor:
     """log pi(y_i) of every rubric token of a micro-batch, flat, at the temperature that sampled them."""
     spans = [[(s["start"], len(s["ids"]))] for s in samples]  # the rubric, after its prompt
-    ids, attn, mask = common.right_pad([s["ids"] for s in samples], pad_id, spans, next(model.parameters()).device)
-    return common.token_logprobs(model, ids, attn, mask, temperature)
+    ids, attn, mask = sampling.right_pad([s["ids"] for s in samples], pad_id, spans, next(model.parameters()).device)
+    return sampling.token_logprobs(model, ids, attn, mask, temperature)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -534,7 +536,7 @@ def parse_args(argv=None):
         [
             ("02_rubric_pref_rl.py", Args),
             ("model", common.ModelOptions),
-            ("LLM endpoints (api: backends)", common.EndpointOptions),
+            ("LLM endpoints (api: backends)", backends.EndpointOptions),
             ("run", runs.RunOptions),
         ],
     )

@@ -32,23 +32,15 @@ Equations (EMPA; docs/reference.md sections 1-4)
                     only the response reaches the user and the judge (Kardia-R1); a reply without the four
                     sections reaches them whole, its tags removed
 
-Judges and users (--judge, --user; what each is and is not: docs/environment.md)
-  embed | self | hf: | api:       the offline MiniLM-and-cue judge (offline.py's EmbedJudge: its rules are
-             there), or an LLM with an MDEP-PR prompt (LLMJudge): malformed JSON is asked again (api: only: a
-             local judge at temperature 0 would repeat it), then the turn is judge_failed (the state stays,
-             dE_t = 0, the turn still counts toward --max-turns; 04 leaves it out of the loss); an endpoint that
-             answers nothing stops the run
-  scripted | self | hf: | api:    the scenario's own lines picked by the last turn's trend (offline.py's
-             ScriptedUser), or an LLM role-playing the persona in 20-50 words, told the band and the trend
-             (with --emotion-ends its emotion, 0-100, in place of the band)
-  self       the policy's own frozen base (its LoRA adapter off) is that LLM: no second model is loaded
+Judges and users: --judge embed | self | hf: | api: and --user scripted | self | hf: | api:, the offline stand-ins
+  (offline.py) or an LLM with its prompt here (LLMJudge, LLMUser); self is the policy's own frozen base. What each
+  is and is not, and what a failed turn does: docs/environment.md.
 
-Departures from EMPA
+Departures from EMPA (one line each; the reasons: docs/reference.md, "Known departures at a glance", items 4, 9)
   1. The shipped scenarios start at ||P0|| 17.5-25.3 (EMPA's: 17.5-41); the training defaults are short (3 turns,
      no end before turn 2, collapse window 3); the benchmark's rules (45, 12, 5) are flags, 05's empa uses them.
-  2. Tokens in, tokens out: each turn appends exactly the sampled reply ids and the template's text of the
-     next user message, so training sees the very tokens that were sampled (a thinking model's <think> part
-     too: it is cut only from what the user and the judge see; the template is asked not to think).
+  2. Tokens in, tokens out: training sees the very ids that were sampled (a thinking model's <think> part too;
+     it is cut only from what the user and the judge see).
 
 CPU:  python 03_rollout.py                     (SmolLM2-135M-Instruct, embed judge, scripted user)
 GPU:  python 03_rollout.py --model Qwen2.5-7B-Instruct --judge api:Qwen2.5-72B-Instruct \\
@@ -68,9 +60,11 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+import backends
 import common
 import offline
 import runs
+import sampling
 
 HERE = Path(__file__).resolve().parent
 AXES = ("C", "A", "P")
@@ -487,7 +481,7 @@ def main(argv=None):
     print(
         f"judge failed on {sum(judged)}/{len(judged)} turns | user failed in "
         f"{sum(r['outcome'] == 'user_failed' for r in records)} dialogues"
-        + "".join(f" | {k} {v}" for k, v in common.api_counts(judge, user).items())
+        + "".join(f" | {k} {v}" for k, v in backends.api_counts(judge, user).items())
     )
 
 
@@ -535,7 +529,7 @@ def load_scenarios(path) -> list[dict]:
 # "features"} or None (failed); offline.EmbedJudge answers the same way
 def parse_judge_json(text: str | None) -> dict | None:
     """The judge's JSON (perhaps in prose or a code fence) -> levels, or None if it is not valid."""
-    obj, levels = common.first_json(text)[0] or {}, {}
+    obj, levels = backends.first_json(text)[0] or {}, {}
     for a in AXES:
         lv = obj.get(a) if isinstance(obj.get(a), dict) else {}
         p, n = lv.get("progress"), lv.get("negative")
@@ -546,7 +540,7 @@ def parse_judge_json(text: str | None) -> dict | None:
 
 
 class LLMJudge:
-    def __init__(self, backend: common.ChatBackend, retries: int = 2):
+    def __init__(self, backend: backends.ChatBackend, retries: int = 2):
         self.backend, self.retries = backend, retries
 
     def judge(self, cases: list[dict]) -> list[dict | None]:
@@ -564,7 +558,7 @@ class LLMJudge:
             for c in cases
         ]
         # malformed output: asked again (api: only), then that turn is given up (None: judge_failed)
-        levels = common.ask_json(
+        levels = backends.ask_json(
             self.backend, prompts, lambda i, text: parse_judge_json(text), self.retries, max_tokens=200
         )
         return [None if lv is None else {"levels": lv, "features": {}} for lv in levels]
@@ -573,7 +567,7 @@ class LLMJudge:
 # the LLM user: items {scenario, k, history, trend, band} -> the user's next message, or None (failed);
 # offline.ScriptedUser answers the same way
 class LLMUser:
-    def __init__(self, backend: common.ChatBackend, seed: int = 0):
+    def __init__(self, backend: backends.ChatBackend, seed: int = 0):
         self.backend = backend
         # every user carries the step's seed (04 sets it each step, as for offline.ScriptedUser); an LLM user's
         # own draws come from torch's generator, which 04 seeds from the same step seed (an api: user's from its
@@ -596,7 +590,7 @@ class LLMUser:
                 ]
             )
         # an empty answer is a failed turn (not asked again: the dialogue ends as user_failed)
-        return common.ask_json(
+        return backends.ask_json(
             self.backend,
             convs,
             lambda i, a: a.strip() if a and a.strip() else None,
@@ -625,7 +619,7 @@ def make_judge(args, policy=None, engine=None):
     (engine.py) the engine's base model."""
     if args.judge == "embed":
         return offline.EmbedJudge(HERE / "data" / "judge_prototypes.json", device=str(common.pick_device()))
-    backend = common.make_chat_backend(args.judge, args, args.judge_concurrency, policy, engine)
+    backend = backends.make_chat_backend(args.judge, args, args.judge_concurrency, policy, engine)
     return LLMJudge(backend, args.judge_retries)
 
 
@@ -633,7 +627,7 @@ def make_user(args, policy=None, engine=None):
     """--user's simulated user; policy and engine: as for make_judge, for --user self."""
     if args.user == "scripted":
         return offline.ScriptedUser(args.seed)
-    return LLMUser(common.make_chat_backend(args.user, args, args.user_concurrency, policy, engine), args.seed)
+    return LLMUser(backends.make_chat_backend(args.user, args, args.user_concurrency, policy, engine), args.seed)
 
 
 # tokens in, tokens out: the opening, Kardia-R1's sections, what the user and the judge see, the KV cache
@@ -721,22 +715,22 @@ class TurnCache:
             self.cache.batch_select_indices(index)
             self.seq, self.mask = self.seq[index], self.mask[index]
 
-    def generate(self, model, tokenizer, contexts: list[list[int]], args) -> list[common.Reply]:
+    def generate(self, model, tokenizer, contexts: list[list[int]], args) -> list[sampling.Reply]:
         """One reply per context (contexts[b] extends row b's real tokens); the cache is kept for the next."""
         pad, device = tokenizer.pad_token_id, next(model.parameters()).device
         if self.cache is None:
-            input_ids, attn = common.left_pad(contexts, pad, device)
-            cache = common.prefill_distinct(model, input_ids, attn)
+            input_ids, attn = sampling.left_pad(contexts, pad, device)
+            cache = sampling.prefill_distinct(model, input_ids, attn)
         else:
             new = []
             for b, c in enumerate(contexts):
                 real = self.seq[b][self.mask[b].bool()].tolist()
                 assert c[: len(real)] == real, "TurnCache: a context does not extend its cached row"
                 new.append(c[len(real) :])
-            tail, tail_mask = common.left_pad(new, pad, device)
+            tail, tail_mask = sampling.left_pad(new, pad, device)
             input_ids, attn = torch.cat([self.seq, tail], 1), torch.cat([self.mask, tail_mask], 1)
             cache = self.cache  # every column but the last of self.seq
-        replies, out = common.generate(
+        replies, out = sampling.generate(
             model, tokenizer, input_ids, attn, args.max_new_tokens, args.temperature, args.top_p, cache
         )
         n_new = out.sequences.shape[1] - input_ids.shape[1]
@@ -770,7 +764,7 @@ def parse_args(argv=None):
             ("03_rollout.py", Args),
             ("environment", EnvOptions),
             ("model", common.ModelOptions),
-            ("LLM endpoints (api: backends)", common.EndpointOptions),
+            ("LLM endpoints (api: backends)", backends.EndpointOptions),
             ("run", runs.RunOptions),
         ],
     )

@@ -24,11 +24,12 @@ Equations (MICA, docs/reference.md section 2; each is written again above the lo
 
 Where each part lives
   here         Args; ADVANTAGES (the returns, the estimators); REWARDS (idr, rlver, each with its cut-off unit);
-               the loss; the data-parallel helpers; the update; the loop; main
+               the loss; the update; the loop; main
   01, 03       CARE's and Kardia-R1's rewards and graders; the environment and the rollout
   common.py    LoRA (LORA_R = 16, LORA_ALPHA = 32) and make_optimizer: AdamW with a warmup-stable-decay schedule,
                stepped once a rollout (under 30 steps no warm-up: two steps at the peak, then a half cosine)
-  runs.py      the run folder, the checkpoint, the step's metrics line;  engine.py  --engine's vLLM client
+  runs.py      the run folder, the checkpoint, the step's metrics line, the update's statistics (UpdateStats)
+  parallel.py  the data-parallel helpers: the only places where processes talk;  engine.py  --engine's vLLM client
   presets/     the budgets --preset picks: cpu, demo, gpu
 
 Departures from MICA, one line each; the reasons: docs/reference.md, "Known departures at a glance" (item)
@@ -64,13 +65,16 @@ from typing import NamedTuple
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import gather_object, set_seed
+from accelerate.utils import set_seed
 from tqdm import tqdm
 
+import backends
 import common
 import engine
+import parallel
 import plots
 import runs
+import sampling
 
 sft = importlib.import_module("01_rubric_sft")  # CARE's and Kardia-R1's graders, the rubric's dimensions
 env = importlib.import_module("03_rollout")  # the environment: scenarios, rollout, judges, users, IDR
@@ -398,35 +402,6 @@ def k3_kl(logp, logp_ref):
 
 
 # ---------------------------------------------------------------------------------------------
-# Data-parallel: the only places where processes talk (`accelerate launch --num_processes N`); on one
-# process each does nothing
-# ---------------------------------------------------------------------------------------------
-def sum_over_processes(accelerator, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Each tensor summed over the processes (one flat all-reduce); on one process the tensors as they are."""
-    if accelerator.num_processes == 1:
-        return tensors
-    flat = accelerator.reduce(torch.cat([t.reshape(-1).to(accelerator.device) for t in tensors]), "sum")
-    return [x.view_as(t).to(t.device) for x, t in zip(flat.split([t.numel() for t in tensors]), tensors)]
-
-
-def gather_over_processes(accelerator, obj) -> list:
-    """[every process's obj], in process order; on one process [obj]."""
-    return gather_object([obj]) if accelerator.num_processes > 1 else [obj]
-
-
-def advantages_over_processes(accelerator, estimator, rewards, dialogues, args) -> tuple[list, dict]:
-    """An advantage estimator over every process's scenario groups at once (a batch-wide statistic, such as
-    REINFORCE++'s, sees the whole batch) -> this process's groups of A and of the terms."""
-    everyone = gather_over_processes(accelerator, (rewards, dialogues))
-    A, A_terms = estimator(
-        [group for part, _ in everyone for group in part], [group for _, part in everyone for group in part], args
-    )
-    first = sum(len(part) for part, _ in everyone[: accelerator.process_index])
-    mine = slice(first, first + len(rewards))
-    return A[mine], {name: value[mine] for name, value in A_terms.items()}
-
-
-# ---------------------------------------------------------------------------------------------
 # The update: clipped policy-gradient steps on the reply tokens (no critic: the advantages come from above)
 # ---------------------------------------------------------------------------------------------
 @dataclass
@@ -467,19 +442,6 @@ def as_samples(trajs, advantages=None, failed=None) -> list[Sample]:
     ]
 
 
-def split_minibatches(samples: list[Sample], args, accelerator) -> list[list[int]]:
-    """The samples (scenario by scenario, K each, in the step's seeded order) cut in that order into this
-    process's share of each minibatch of --minibatch-size dialogues. --minibatch-size is a multiple of K, so a
-    minibatch holds whole scenarios, as MICA's verl launch splits a batch. A dialogue with nothing to score is
-    left out. Every process gets as many minibatches (empty ones where it has run out)."""
-    size = args.minibatch_size // accelerator.num_processes
-    out = [
-        [i for i in range(j, min(j + size, len(samples))) if samples[i].n_tokens() > 0]
-        for j in range(0, len(samples), size)
-    ]
-    return out + [[] for _ in range(max(gather_over_processes(accelerator, len(out))) - len(out))]
-
-
 def micro_batches(samples: list[Sample], minibatch: list[int], size: int) -> list[list[int]]:
     """A minibatch's micro-batches, its dialogues sorted by length (less padding; the step is the same)."""
     minibatch = sorted(minibatch, key=lambda i: len(samples[i].ids))
@@ -488,7 +450,7 @@ def micro_batches(samples: list[Sample], minibatch: list[int], size: int) -> lis
 
 def collate(samples: list[Sample], pad_id, device):
     """Right-padded ids, the attention mask and the loss mask: the tokens of every reply with an advantage."""
-    return common.right_pad([s.ids for s in samples], pad_id, [s.scored() for s in samples], device)
+    return sampling.right_pad([s.ids for s in samples], pad_id, [s.scored() for s in samples], device)
 
 
 @torch.no_grad()
@@ -509,10 +471,10 @@ def old_and_ref_logprobs(model, tokenizer, samples, minibatches, args, need_ref:
             ids, attn, mask = collate([samples[i] for i in micro], tokenizer.pad_token_id, device)
             sizes = [samples[i].n_tokens() for i in micro]
             if n >= old_from:
-                old.update(zip(micro, common.token_logprobs(model, ids, attn, mask, args.temperature).split(sizes)))
+                old.update(zip(micro, sampling.token_logprobs(model, ids, attn, mask, args.temperature).split(sizes)))
             if need_ref:
                 with common.adapters_off(model):
-                    logp = common.token_logprobs(model, ids, attn, mask, args.temperature)
+                    logp = sampling.token_logprobs(model, ids, attn, mask, args.temperature)
                 ref.update(zip(micro, logp.split(sizes)))
     return old, ref
 
@@ -525,108 +487,54 @@ def policy_update(model, tokenizer, optimizer, scheduler, samples, args, acceler
     Data-parallel: each process holds its part of every minibatch; N, the gradient and the logged sums are
     summed over the processes, so each takes the step that one process would take on all the dialogues."""
     device, params = next(model.parameters()).device, [p for p in model.parameters() if p.requires_grad]
-    minibatches = split_minibatches(samples, args, accelerator)
+    minibatches = parallel.split_minibatches(samples, args, accelerator)
     A_tok = {i: samples[i].token_advantages() for minibatch in minibatches for i in minibatch}
     need_ref = args.kl_coef > 0 or log_kl
     old, ref = old_and_ref_logprobs(model, tokenizer, samples, minibatches, args, need_ref)
     model.train()
-    # running sums, kept on the device: the loss of the steps taken, the token passes the clip chose, the KL, the gap
-    loss_total, clip_count, kl_total, gap_total, w_total, w_capped = (
-        torch.zeros((), dtype=torch.float64, device=device) for _ in range(6)
-    )
-    ratio_lo, ratio_hi = torch.tensor(math.inf, device=device), torch.tensor(-math.inf, device=device)
-    gap_max = torch.zeros((), device=device)
-    token_passes, grad_norms, nonfinite_grads = 0, [], 0
+    stats = runs.UpdateStats(device)  # the loss, the clip fraction, the ratio's range, the KL, the sampler gap
     # every epoch takes the minibatches in the same order, split once above (CleanRL's ppo.py reshuffles each
     # epoch): a minibatch holds whole scenarios, in the step's seeded order, and a reshuffle would change the
     # numbers of every multi-epoch run (docs/training.md, docs/reference.md "Known departures" 15)
     for epoch in range(args.update_epochs):
         for minibatch in minibatches:
             # N: the minibatch's scored reply tokens (over every process); 0: every turn in it failed, no step
-            N = int(sum_over_processes(accelerator, [torch.tensor(sum(samples[i].n_tokens() for i in minibatch))])[0])
+            n_tokens = torch.tensor(sum(samples[i].n_tokens() for i in minibatch))
+            N = int(parallel.sum_over_processes(accelerator, [n_tokens])[0])
             if N == 0:
                 continue
             optimizer.zero_grad(set_to_none=True)
-            minibatch_loss = torch.zeros((), dtype=torch.float64, device=device)
+            stats.minibatch()
             for micro in micro_batches(samples, minibatch, args.micro_batch_size):
                 ids, attn, mask = collate([samples[i] for i in micro], tokenizer.pad_token_id, device)
-                logp = common.token_logprobs(model, ids, attn, mask, args.temperature)
+                logp = sampling.token_logprobs(model, ids, attn, mask, args.temperature)
                 A = torch.cat([A_tok[i] for i in micro]).to(device)
                 logp_old = torch.cat([old[i] for i in micro]) if micro[0] in old else logp.detach()
                 logp_sampler = torch.cat([samples[i].sampler_logprobs() for i in micro]).to(device)
-                if epoch == 0:  # the sampler gap |log pi_sampler(y_i) - log pi_old(y_i)|: 0 when sampling is scoring
-                    gap = (logp_sampler - logp_old).abs()
-                    gap_total += gap.sum()
-                    gap_max = torch.maximum(gap_max, gap.max())
                 # L = (1/N) sum_i w_i max(-ratio_i A_i, -clip(ratio_i) A_i)  [+ beta (1/N) sum_i k3_i], w_i = 1 with
                 # --tis-cap 0
                 pg, was_clipped, ratio = clipped_surrogate(logp, logp_old, A, CLIP_LOW, CLIP_HIGH)
-                if args.tis_cap > 0:
-                    w, capped = tis_weights(logp_old, logp_sampler, args.tis_cap)
+                w, capped = tis_weights(logp_old, logp_sampler, args.tis_cap) if args.tis_cap > 0 else (None, None)
+                if w is not None:
                     pg = w * pg
-                    if epoch == 0:  # the same weights every epoch: counted once
-                        w_total += w.sum()
-                        w_capped += capped.sum()
                 loss_sum = pg.sum()
-                if ref:
-                    kl = k3_kl(logp, torch.cat([ref[i] for i in micro]))
-                    kl_total += kl.detach().sum()
-                    if args.kl_coef > 0:
-                        loss_sum = loss_sum + args.kl_coef * kl.sum()
+                kl = k3_kl(logp, torch.cat([ref[i] for i in micro])) if ref else None
+                if kl is not None and args.kl_coef > 0:
+                    loss_sum = loss_sum + args.kl_coef * kl.sum()
                 (loss_sum / N).backward()
-                minibatch_loss += loss_sum.detach().double() / N
-                clip_count += was_clipped.sum()
-                ratio_lo, ratio_hi = torch.minimum(ratio_lo, ratio.min()), torch.maximum(ratio_hi, ratio.max())
-                token_passes += len(A)
+                stats.micro_batch(epoch, loss_sum, N, was_clipped, ratio, logp_old, logp_sampler, kl, w, capped)
             # the minibatch's gradient, summed over the processes (one process: as it is), clipped, one step
-            grads = sum_over_processes(accelerator, [torch.zeros_like(p) if p.grad is None else p.grad for p in params])
-            for p, g in zip(params, grads):
+            grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in params]
+            for p, g in zip(params, parallel.sum_over_processes(accelerator, grads)):
                 p.grad = g
             grad_norm = float(torch.nn.utils.clip_grad_norm_(params, MAX_GRAD_NORM))
             if math.isfinite(grad_norm):
                 optimizer.step()
-                grad_norms.append(grad_norm)
-                loss_total += minibatch_loss
             else:  # a non-finite gradient is skipped, and counted
                 optimizer.zero_grad(set_to_none=True)
-                nonfinite_grads += 1
+            stats.optimizer_step(grad_norm)
     scheduler.step()
-    # the logged sums over every process; the loss is the mean over the optimizer steps taken
-    sums = torch.stack(
-        [
-            loss_total,
-            clip_count.double(),
-            kl_total,
-            gap_total,
-            w_total,
-            w_capped,
-            torch.tensor(float(token_passes), dtype=torch.float64, device=device),
-        ]
-    )
-    loss_total, clip_count, kl_total, gap_total, w_total, w_capped, token_passes = sum_over_processes(
-        accelerator, [sums]
-    )[0].tolist()
-    extremes = gather_over_processes(accelerator, (float(ratio_lo), float(ratio_hi), float(gap_max)))
-    steps, scored = len(grad_norms), token_passes / args.update_epochs  # each scored token once, in the first epoch
-    return {
-        "loss": loss_total / steps if steps else math.nan,
-        "clip_frac": clip_count / token_passes if token_passes else math.nan,
-        "ratio_min": min(lo for lo, _, _ in extremes) if token_passes else math.nan,
-        "ratio_max": max(hi for _, hi, _ in extremes) if token_passes else math.nan,
-        "kl": kl_total / token_passes if need_ref and token_passes else math.nan,
-        "grad_norm": sum(grad_norms) / steps if steps else math.nan,
-        "sampler_gap_mean": gap_total / scored if token_passes else math.nan,
-        "sampler_gap_max": max(gap for _, _, gap in extremes) if token_passes else math.nan,
-        "token_passes": int(token_passes),  # the scored tokens times --update-epochs
-        "optimizer_steps": steps,
-        "nonfinite_grads": nonfinite_grads,
-        # with --tis-cap: the importance weights' mean and the share of tokens the cap cut
-        **(
-            {"tis_weight_mean": w_total / scored, "tis_capped": w_capped / scored}
-            if args.tis_cap > 0 and token_passes
-            else {}
-        ),
-    }
+    return stats.result(accelerator, args.update_epochs, need_ref, args.tis_cap > 0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -708,7 +616,7 @@ def log_step(run: Run, step, trajs, groups, parts, rewards, failed, A, A_terms, 
         for k, i in enumerate(group):
             turn_terms = {name: value[s][k] for name, value in A_terms.items()}
             records.append(dialogue_record(args, step, trajs[i], parts[i], rewards[i], A[s][k], failed[i], turn_terms))
-    api = common.api_counts(run.judge, run.user)  # the backends' totals: this step's is their increase
+    api = backends.api_counts(run.judge, run.user)  # the backends' totals: this step's is their increase
     counts = {
         "degenerate_groups": sum(all(abs(a) < 1e-9 for a_k in group for a in a_k) for group in A),
         **counts,
@@ -717,7 +625,7 @@ def log_step(run: Run, step, trajs, groups, parts, rewards, failed, A, A_terms, 
     run.api_totals = api
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     part = {"records": records, "rewards": [x for r in rewards for x in r], "counts": counts, "rss": rss}
-    everyone = gather_over_processes(run.accelerator, {**part, "seconds": timer.seconds})
+    everyone = parallel.gather_over_processes(run.accelerator, {**part, "seconds": timer.seconds})
     if not run.accelerator.is_main_process:
         return  # the other processes go on to the next step
     records = [rec for p in everyone for rec in p["records"]]
@@ -765,7 +673,7 @@ def train_loop(run: Run, start: int):
             groups = [[i for i, tr in enumerate(trajs) if tr.scenario is s] for s in scenarios]
             # 03 keeps each scenario's own dict in its dialogues: a copy would leave a dialogue in no group
             assert sorted(i for g in groups for i in g) == list(range(len(trajs))), "a dialogue in no group"
-            A, A_terms = advantages_over_processes(
+            A, A_terms = parallel.advantages_over_processes(
                 accelerator,
                 ADVANTAGES[args.advantage],
                 [[rewards[i] for i in g] for g in groups],
@@ -852,20 +760,6 @@ def check_args(args):
     return args
 
 
-def check_processes(args, accelerator, n_scenarios: int):
-    """Data-parallel: each process takes its own scenarios and its own whole scenarios of every minibatch."""
-    n = accelerator.num_processes
-    common.check(
-        min(args.scenarios_per_step, n_scenarios) >= n,
-        f"--scenarios-per-step must be >= the number of processes ({n}): each takes its own",
-    )
-    common.check(
-        args.minibatch_size % (args.k * n) == 0,
-        f"--minibatch-size must be a multiple of --k x the number of processes ({args.k} x {n}): each process's "
-        "share holds whole scenarios",
-    )
-
-
 def parse_args(argv=None):
     """Every option of 04, parsed from its dataclasses: the field defaults, under the preset's YAML file (auto:
     gpu with CUDA, else cpu), under --config's file, under the flags given; then what a flag's type cannot
@@ -877,36 +771,27 @@ def parse_args(argv=None):
             ("CARE's graders (01; --reward care)", sft.GraderOptions),
             ("environment (03)", env.EnvOptions),
             ("model", common.ModelOptions),
-            ("LLM endpoints (api: backends)", common.EndpointOptions),
+            ("LLM endpoints (api: backends)", backends.EndpointOptions),
             ("inference engine (engine.py)", engine.EngineOptions),
             ("run", runs.RunOptions),
         ],
     )
     p.set_defaults(scenarios=str(HERE / "data" / "scenarios_train.jsonl"), run_name="mica")
-    first = p.parse_known_args(argv)[0]
-    config = common.read_config(first.config, p) if first.config else {}
-    name = first.preset if first.preset != "auto" else config.get("preset", "auto")
-    cuda = common.pick_device().type == "cuda"
-    why = "auto: CUDA found" if cuda else "auto: no CUDA"
-    why = "asked" if first.preset != "auto" else "from --config" if name != "auto" else why
-    name = name if name != "auto" else "gpu" if cuda else "cpu"
-    args = common.parse_options(p, argv, base=common.read_config(PRESETS / f"{name}.yaml", p))
-    args.preset_note = f"preset presets/{name}.yaml ({why})" + (f" | config {first.config}" if first.config else "")
-    args.flags_given = runs.flags_given(p, args)
-    return check_args(args)
+    return check_args(runs.parse_with_preset(p, argv, PRESETS))
 
 
 # ---------------------------------------------------------------------------------------------
-# The entry point: the options, the models, the run folder, then the loop
+# The entry point: parse, load, loop, save
 # ---------------------------------------------------------------------------------------------
-def main(argv=None):
-    args = parse_args(argv)
+def load(args) -> tuple[Run, int]:
+    """The processes, the models (policy, judge, user, graders), the run folder, the optimizer, the checkpoint
+    to resume -> the Run and the first step."""
     set_seed(args.seed)  # every process alike: the same LoRA initialisation
     scenarios = env.load_scenarios(args.scenarios)  # inputs checked before anything is created
     common.check_model_args(args)
     # one process, or each of `accelerate launch --num_processes N`'s: NCCL on GPUs, gloo on CPUs (cpu=True)
     accelerator = Accelerator(cpu=not torch.cuda.is_available())
-    check_processes(args, accelerator, len(scenarios))
+    parallel.check_processes(args, accelerator, len(scenarios))
     args.progress = args.progress and accelerator.is_main_process  # one progress bar, one log: process 0's
     server = engine.connect(args)  # --engine: up and serving --model, or one line before any model loads
     model, tokenizer = common.load_policy(args, trainable=True)  # every model loads before the run folder
@@ -914,7 +799,7 @@ def main(argv=None):
     user = env.make_user(args, (model, tokenizer), server)
     graders = sft.load_graders(args, (model, tokenizer), args.reward_weights, server)
     run_dir = runs.open_run(args, ("metrics.jsonl", "rollouts.jsonl")) if accelerator.is_main_process else None
-    run_dir = Path(gather_over_processes(accelerator, str(run_dir))[0])  # process 0 made (or checked) it
+    run_dir = Path(parallel.gather_over_processes(accelerator, str(run_dir))[0])  # process 0 made (or checked) it
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer, scheduler = common.make_optimizer(params, args.lr, WEIGHT_DECAY, args.steps)
     state = runs.load_checkpoint(run_dir, model, optimizer, scheduler) if args.resume else None
@@ -939,20 +824,31 @@ def main(argv=None):
         logger,
         server,
     )
+    return run, start
+
+
+def save(run: Run):
+    """The final adapter (standard peft: 05_eval.py --adapters takes it), the tracker closed, the curves."""
+    if run.accelerator.is_main_process:
+        run.model.save_pretrained(run.dir / "adapter", safe_serialization=True)
+        run.tokenizer.save_pretrained(run.dir / "adapter")
+        run.logger.finish()
+        print(
+            f"final adapter: {run.dir / 'adapter'} (05_eval.py --adapters takes it); curves: "
+            f"{plots.curves(run.dir, plots.MICA_CURVES)}"
+        )
+    run.accelerator.end_training()
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    run, start = load(args)
     try:
         train_loop(run, start)
     except common.UserError:  # the judge's endpoint went down, say: keep what was learned, then stop
-        runs.checkpoint_on_error(run_dir, model, optimizer, scheduler, logger, start)
+        runs.checkpoint_on_error(run.dir, run.model, run.optimizer, run.scheduler, run.logger, start)
         raise
-    if accelerator.is_main_process:
-        model.save_pretrained(run_dir / "adapter", safe_serialization=True)
-        tokenizer.save_pretrained(run_dir / "adapter")
-        logger.finish()
-        print(
-            f"final adapter: {run_dir / 'adapter'} (05_eval.py --adapters takes it); curves: "
-            f"{plots.curves(run_dir, plots.MICA_CURVES)}"
-        )
-    accelerator.end_training()
+    save(run)
 
 
 if __name__ == "__main__":

@@ -1,37 +1,19 @@
 """05_eval.py: evaluate the base model and trained adapters side by side (EMPA, EQ-Bench 3, SAGE, EmoBench).
 
 What it does
-  Loads the base model once, evaluates it, then switches to each --adapters folder (peft) and evaluates it
-  the same way, with the same seeds. Suites (--suite, comma-separated; details: docs/evaluation.md):
-    empa      03's rollout on held-out scenarios, by the benchmark's rules (45 turns, no end before turn 12,
-              collapse window 5, --max-context 8192 capped at the window): outcomes, the EPM sub-metrics and
-              index, and each adapter against the base, paired dialogue by dialogue (same scenario, k, seed):
-              the IDR return d(P0) - d(P_T), the collapse share, the cut-off share and the replies'
-              naturalness (their mean per-token log-likelihood under the base, the adapter off), with a 95% t
-              interval over scenarios (a scenario's K dialogues are not independent) and a verdict line each
-              (under 3 scenarios: too few scenarios to tell; equal differences: no spread).
-    eqbench3  benchmarks/eqbench3.py: with --eqbench3-dir EQ-Bench 3's official rubric protocol (its texts read
-              from that checkout, --judge an LLM, --iterations), else this project's variant (offline: a proxy),
-              not comparable with EQ-Bench 3: fixed user turns, replies capped at --max-new-tokens.
-    sage      benchmarks/sage.py: with --sage-dir SAGE's official protocol (its prompts read from that checkout,
-              --user the simulator), else this project's variant on 03's rollout: emotion from 40, +-10 a turn.
-    emobench  benchmarks/emobench.py: EmoBench EU (emotion and cause) and EA (best response or action), per
-              language: --emobench-dir PATH (an official checkout) its protocol, texts read from PATH;
-              else option log-likelihood (not the official protocol) on --emobench-eu / -ea.
-  Each benchmark's loader, protocol, score and departures are in its own file's docstring.
-  Each batch of --batch-size cases is appended to cases.jsonl when it is done, so --resume RUN skips the
-  finished batches after a kill and reruns the rest whole (the same seeds and batch-mates as a run never
-  stopped); --max-cases N samples N cases per suite and file (EMPA: N scenarios, K dialogues each),
-  stratified by language and category, by --seed.
+  Loads the base model once, evaluates it, then switches to each --adapters folder (peft) and evaluates it the
+  same way, with the same seeds. Suites (--suite, comma-separated; each in full: docs/evaluation.md):
+    empa      03's rollout on held-out scenarios by the benchmark's rules: outcomes, the EPM index, and each
+              adapter against the base, paired dialogue by dialogue (the IDR return d(P0) - d(P_T), the collapse
+              and cut-off shares, naturalness under the base), a 95% t interval over scenarios and a verdict each
+    eqbench3, sage, emobench   benchmarks/<name>.py, each with its official protocol given its checkout
+              (--eqbench3-dir, --sage-dir, --emobench-dir), else this project's variant (not comparable)
+  Each batch of --batch-size cases is appended to cases.jsonl when done: --resume RUN reruns only the rest.
 
 Imports 03_rollout: the environment (scenarios, the batched rollout, judges, users, the EMPA state); and the
         support modules benchmarks/ (the external benchmarks) and plots.py (the pictures).
-Reads   --scenarios, --eqbench3 (a scenario_prompts.txt; a 4-scenario sample ships) or --eqbench3-dir (a checkout:
-        data/*.txt, core/benchmark.py), --sage-profiles (JSONL:
-        id, player, scene, main_cha, cha_group, task, first_talk?), --emobench-eu / -ea (JSONL with EmoBench's
-        fields) or --emobench-dir (a checkout: data/EU.jsonl, EA.jsonl, src/configs/, src/utils.py); UTF-8, a
-        byte-order mark or CRLF is fine. The defaults of the four files are small samples written for this
-        project (4 scenarios, 4 profiles, 6 + 6 items): pass the public files for results.
+Reads   --scenarios and each suite's files or official checkout (its flags; the defaults are small samples
+        written for this project: pass the public files for results; formats: docs/evaluation.md).
 Writes  runs/<name>-<time>/: args.json, cases.jsonl, transcripts.jsonl, results.json, results.md (the table
         and the comparison), distance_per_turn.png, emotion_per_turn.png; with --adapters and EMPA also
         comparison.png and trajectories.png (one held-out case, every model; the base's and the first
@@ -79,10 +61,12 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+import backends
 import common
 import engine
 import plots
 import runs
+import sampling
 from benchmarks import emobench, eqbench3, sage
 
 env = importlib.import_module("03_rollout")  # the environment: scenarios, judges, users, the rollout
@@ -275,11 +259,11 @@ def naturalness(model, tok, trajs, batch_size: int) -> list[list[float | None]]:
     with common.adapters_off(model):
         for j in range(0, len(trajs), batch_size):
             part = trajs[j : j + batch_size]
-            ids, attn, mask = common.right_pad(
+            ids, attn, mask = sampling.right_pad(
                 [tr.ids for tr in part], tok.pad_token_id, [tr.spans for tr in part], next(model.parameters()).device
             )
             sizes = [end - start for tr in part for start, end in tr.spans]
-            logp = iter(common.token_logprobs(model, ids, attn, mask).split(sizes))
+            logp = iter(sampling.token_logprobs(model, ids, attn, mask).split(sizes))
             for tr in part:
                 nat = []
                 for _ in tr.spans:
@@ -702,7 +686,7 @@ def parse_args(argv=None):
             ("EQ-Bench 3, official protocol", eqbench3.Options),
             ("environment (03; the EMPA suite)", env.EnvOptions),
             ("model", common.ModelOptions),
-            ("LLM endpoints (api: backends)", common.EndpointOptions),
+            ("LLM endpoints (api: backends)", backends.EndpointOptions),
             ("inference engine (engine.py; the EMPA suite)", engine.EngineOptions),
             ("run", runs.RunOptions),
         ],

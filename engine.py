@@ -39,7 +39,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+import backends
 import common
+import sampling
 
 # every field of vLLM's sampling that a model's generation_config.json can set, at its neutral value
 NEUTRAL = {"top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
@@ -128,7 +130,7 @@ class Engine:
     # ---- sampling -----------------------------------------------------------------------------
     def sample(
         self, contexts: list[list[int]], max_new_tokens: int, temperature: float, top_p: float, stop_ids, seeds
-    ) -> list[common.Reply]:
+    ) -> list[sampling.Reply]:
         """One Reply per token-id context, sampled by the engine from self.policy: the reply's ids up to and with
         its end-of-turn id, whether it ended so, and each id's log-probability under the distribution it was
         drawn from. Every sampling field is sent, so no server default acts."""
@@ -155,7 +157,7 @@ class Engine:
             ids, logprobs = choice["token_ids"], choice["logprobs"]["token_logprobs"]
             cut = next((j for j, tok in enumerate(ids) if tok in stop_ids), None)
             n = len(ids) if cut is None else cut + 1
-            return common.Reply(ids[:n], cut is not None, logprobs[:n])
+            return sampling.Reply(ids[:n], cut is not None, logprobs[:n])
 
         if not contexts:
             return []
@@ -194,10 +196,10 @@ class Engine:
             self.request("/v1/unload_lora_adapter", {"lora_name": self.policy})
             self.policy = self.model
 
-    def chat_backend(self, args, concurrency=None) -> common.ChatBackend:
+    def chat_backend(self, args, concurrency=None) -> backends.ChatBackend:
         """--judge self / --user self with an engine: the served base model (no adapter), asked through its chat
         endpoint with every sampling field neutral, as `self` samples without an engine."""
-        backend = common.ChatBackend(
+        backend = backends.ChatBackend(
             f"api:{self.model}",
             self.url + "/v1",
             "",
@@ -221,14 +223,14 @@ class EngineTurns:
         if self.rows is not None:
             self.rows = [self.rows[b] for b in rows]
 
-    def generate(self, model, tokenizer, contexts: list[list[int]], args) -> list[common.Reply]:
+    def generate(self, model, tokenizer, contexts: list[list[int]], args) -> list[sampling.Reply]:
         import torch
 
         for b, c in enumerate(contexts if self.rows is not None else []):
             assert c[: len(self.rows[b])] == self.rows[b], "EngineTurns: a context does not extend its row"
         # each dialogue's own seed, drawn from torch's generator (seeded per step): the same run samples the same
         seeds = torch.randint(0, 2**31 - 1, (len(contexts),)).tolist()
-        stop = common.end_of_turn_ids(model, tokenizer)
+        stop = sampling.end_of_turn_ids(model, tokenizer)
         replies = self.engine.sample(contexts, args.max_new_tokens, args.temperature, args.top_p, stop, seeds)
         self.rows = [c + r.ids for c, r in zip(contexts, replies)]
         return replies

@@ -130,6 +130,7 @@ def fixed_update(trainer, model_path, share=(0, 1)):
         update_epochs=1,
         temperature=1.0,
         kl_coef=0.0,
+        tis_cap=0.0,
     )
     torch.manual_seed(0)
     model, tok = common.load_policy(args, trainable=True)

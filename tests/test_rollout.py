@@ -9,6 +9,7 @@ from accelerate import Accelerator
 
 import common
 import offline
+import sampling
 from conftest import SCEN, env_args, run_script
 
 
@@ -180,7 +181,7 @@ def test_token_logprobs_match_full_forward(trainer, tiny, env):
     )
     ids, attn, mask = trainer.collate(trainer.as_samples(trajs), tok.pad_token_id, "cpu")
     with torch.no_grad():
-        lp = common.token_logprobs(model, ids, attn, mask)
+        lp = sampling.token_logprobs(model, ids, attn, mask)
         full = torch.log_softmax(model(input_ids=ids, attention_mask=attn).logits.float(), -1)
     ref = full[:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1)[mask[:, 1:].bool()]
     assert lp.shape == ref.shape and torch.allclose(lp, ref, atol=1e-5)
@@ -196,10 +197,10 @@ def test_token_logprobs_in_chunks_equal_in_one_piece(trainer, tiny, env, monkeyp
     )
     ids, attn, mask = trainer.collate(trainer.as_samples(trajs), tok.pad_token_id, "cpu")
     out = []
-    for chunk in (common.LOGIT_CHUNK, 3 * model.config.vocab_size):  # one piece; 3 rows a chunk
-        monkeypatch.setattr(common, "LOGIT_CHUNK", chunk)
+    for chunk in (sampling.LOGIT_CHUNK, 3 * model.config.vocab_size):  # one piece; 3 rows a chunk
+        monkeypatch.setattr(sampling, "LOGIT_CHUNK", chunk)
         model.zero_grad()
-        lp = common.token_logprobs(model, ids, attn, mask, temperature=0.7)
+        lp = sampling.token_logprobs(model, ids, attn, mask, temperature=0.7)
         (lp * torch.linspace(-1, 1, len(lp))).sum().backward()
         out.append((lp.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]))
     assert len(out[0][0]) > 3 and torch.allclose(out[0][0], out[1][0], atol=1e-6)
