@@ -60,6 +60,7 @@ from tqdm import tqdm
 import backends
 import common
 import offline
+import options
 import plots
 import runs
 import sampling
@@ -73,30 +74,30 @@ EVAL_BATCH = 8  # held-out turns per generate call
 UNIFORM_RUBRIC = {"weights": {d: 1 / 3 for d in DIMS}, "criteria": PROMPTS["uniform_rubric"]}  # a fixed rubric
 
 
-count = common.number(int, low=1)  # a checking type: a bad value exits 2 with one line naming the flag
+count = options.number(int, low=1)  # a checking type: a bad value exits 2 with one line naming the flag
 
 
 @dataclass
 class Args:
     """01_rubric_sft.py's own: the supervision, the optimisation, the held-out evaluation, checkpoints."""
 
-    train: str = common.option(str(HERE / "data" / "rubric_sft_train.jsonl"), "supervision JSONL")
-    val: str = common.option(str(HERE / "data" / "rubric_sft_val.jsonl"), "held-out turns JSONL")
-    max_len: int = common.option(
+    train: str = options.option(str(HERE / "data" / "rubric_sft_train.jsonl"), "supervision JSONL")
+    val: str = options.option(str(HERE / "data" / "rubric_sft_val.jsonl"), "held-out turns JSONL")
+    max_len: int = options.option(
         1024,
         "tokens per example (a longer prompt is cut from the left, with a warning)",
-        type=common.number(int, low=64),
+        type=options.number(int, low=64),
     )
-    weight_tolerance: float = common.option(0.02, "|sum of weights - 1| allowed", type=common.number(low=0, high=0.5))
-    steps: int = common.option(150, "optimizer steps", type=count)
-    batch_size: int = common.option(8, "examples per step", type=count)
-    micro_batch_size: int = common.option(4, "examples per forward/backward", type=count)
-    lr: float = common.option(2e-4, "peak learning rate (AdamW, no weight decay)", type=common.number(above=0))
-    eval_every: int = common.option(50, "evaluate on --val every N steps (and at 0)", type=count)
-    eval_limit: int = common.option(0, "evaluate on the first N val turns (0 = all)", type=common.number(int, low=0))
-    max_new_tokens: int = common.option(256, "token cap of a generated rubric", type=common.number(int, low=8))
-    save_every: int = common.option(50, "write <run>/checkpoint.pt every N steps (and at the last)", type=count)
-    resume: str | None = common.option(None, "a run folder: continue from its last checkpoint")
+    weight_tolerance: float = options.option(0.02, "|sum of weights - 1| allowed", type=options.number(low=0, high=0.5))
+    steps: int = options.option(150, "optimizer steps", type=count)
+    batch_size: int = options.option(8, "examples per step", type=count)
+    micro_batch_size: int = options.option(4, "examples per forward/backward", type=count)
+    lr: float = options.option(2e-4, "peak learning rate (AdamW, no weight decay)", type=options.number(above=0))
+    eval_every: int = options.option(50, "evaluate on --val every N steps (and at 0)", type=count)
+    eval_limit: int = options.option(0, "evaluate on the first N val turns (0 = all)", type=options.number(int, low=0))
+    max_new_tokens: int = options.option(256, "token cap of a generated rubric", type=options.number(int, low=8))
+    save_every: int = options.option(50, "write <run>/checkpoint.pt every N steps (and at the last)", type=count)
+    resume: str | None = options.option(None, "a run folder: continue from its last checkpoint")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -486,14 +487,14 @@ def judge_by_dimension(judge, cases: list[dict]) -> list[dict | None]:
 class GraderOptions:
     """CARE's rubric generator, as 04's --reward care uses it."""
 
-    rubric_model: str | None = common.option(None, "--reward care: the frozen rubric generator (02's adapter)")
-    rubric: str = common.option(
+    rubric_model: str | None = options.option(None, "--reward care: the frozen rubric generator (02's adapter)")
+    rubric: str = options.option(
         "adaptive",
         "CARE's Table-3 ablations: the generator's weights and criteria, or w = 1/3 and fixed generic criteria, "
         "or one of the two from the generator",
         choices=["adaptive", "uniform", "weights-only", "criteria-only"],
     )
-    rubric_max_new_tokens: int = common.option(256, "token cap of a generated rubric", type=count)
+    rubric_max_new_tokens: int = options.option(256, "token cap of a generated rubric", type=count)
 
 
 @dataclass
@@ -625,12 +626,12 @@ def kardia_rewards(trajs, args, graders) -> list[list[float]]:
 
 
 def parse_args(argv=None):
-    p = common.options_parser(
+    p = options.options_parser(
         __doc__.split("\n")[0],
-        [("01_rubric_sft.py", Args), ("model", common.ModelOptions), ("run", runs.RunOptions)],
+        [("01_rubric_sft.py", Args), ("model", options.ModelOptions), ("run", runs.RunOptions)],
     )
     p.set_defaults(run_name="rubric-sft")
-    return common.parse_options(p, argv)
+    return options.parse_options(p, argv)
 
 
 if __name__ == "__main__":

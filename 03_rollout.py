@@ -63,6 +63,7 @@ from tqdm import tqdm
 import backends
 import common
 import offline
+import options
 import runs
 import sampling
 
@@ -97,59 +98,59 @@ KV_REUSE = True
 # ---------------------------------------------------------------------------------------------
 # The options: the environment's (04 and 05 take them too), then this script's own
 # ---------------------------------------------------------------------------------------------
-count, at_least_0 = common.number(int, low=1), common.number(low=0)  # checking types: a bad value exits 2
+count, at_least_0 = options.number(int, low=1), options.number(low=0)  # checking types: a bad value exits 2
 
 
 @dataclass
 class EnvOptions:
     """The environment: scenarios, K, the episode rules, the judge and the user, sampling (03, 04, 05)."""
 
-    scenarios: str = common.option(str(HERE / "data" / "scenarios_train.jsonl"), "scenarios JSONL")
-    k: int = common.option(4, "dialogues per scenario (K)", type=count)
-    max_turns: int = common.option(3, "assistant turns before a timeout (EMPA: 45)", type=count)
-    min_turns: int = common.option(
+    scenarios: str = options.option(str(HERE / "data" / "scenarios_train.jsonl"), "scenarios JSONL")
+    k: int = options.option(4, "dialogues per scenario (K)", type=count)
+    max_turns: int = options.option(3, "assistant turns before a timeout (EMPA: 45)", type=count)
+    min_turns: int = options.option(
         2, "no success or failure before this turn (EMPA: 12; --emotion-ends ignores it)", type=count
     )
-    collapse_window: int = common.option(3, "failure when the last N dE are all < 0 (EMPA: 5)", type=count)
-    judge: str = common.option(
+    collapse_window: int = options.option(3, "failure when the last N dE are all < 0 (EMPA: 5)", type=count)
+    judge: str = options.option(
         "embed",
         "embed | self | hf:<model-or-path> | api:<model>: the EMPA judge, and in 04 also the criteria judge of "
         "--reward care and kardia (embed: a MiniLM cosine there)",
     )
-    judge_retries: int = common.option(
+    judge_retries: int = options.option(
         2,
         "re-asks of an api: judge on malformed JSON (a local judge at temperature 0 is not re-asked: it would "
         "answer the same)",
-        type=common.number(int, low=0),
+        type=options.number(int, low=0),
     )
-    user: str = common.option("scripted", "scripted | self | hf:<model-or-path> | api:<model>")
-    judge_concurrency: int | None = common.option(
+    user: str = options.option("scripted", "scripted | self | hf:<model-or-path> | api:<model>")
+    judge_concurrency: int | None = options.option(
         None, "the judge's own --api-concurrency (match what its server batches, e.g. vLLM --max-num-seqs)", type=count
     )
-    user_concurrency: int | None = common.option(None, "the simulated user's own --api-concurrency", type=count)
-    emotion_start: float = common.option(
+    user_concurrency: int | None = options.option(None, "the simulated user's own --api-concurrency", type=count)
+    emotion_start: float = options.option(
         30.0,
         "the simulated user's emotion e_0 (0-100; RLVER trains from 30, SAGE evaluates from 40)",
-        type=common.number(low=0, high=100),
+        type=options.number(low=0, high=100),
     )
-    emotion_ends: bool = common.option(
+    emotion_ends: bool = options.option(
         False, "end dialogues by RLVER's rule (emotion >= 100 success, < 10 failure) instead of EMPA's"
     )
-    kardia_format: bool = common.option(
+    kardia_format: bool = options.option(
         False,
         "Kardia-R1's format: the policy writes <understanding>, <reasoning>, <emotion>, <response>; only the "
         "response reaches the others (a reply without the four sections: all of it, the tags removed)",
     )
-    max_new_tokens: int | None = common.option(
+    max_new_tokens: int | None = options.option(
         None, "token cap of a reply (48; 192 with --kardia-format, room for the four sections)", type=count
     )
-    temperature: float = common.option(1.0, "sampling temperature (0 = greedy)", type=at_least_0)
-    top_p: float = common.option(
+    temperature: float = options.option(1.0, "sampling temperature (0 = greedy)", type=at_least_0)
+    top_p: float = options.option(
         1.0,
         "nucleus sampling top-p (04's loss scores the whole distribution: keep 1 for training)",
-        type=common.number(above=0, high=1),
+        type=options.number(above=0, high=1),
     )
-    max_context: int = common.option(
+    max_context: int = options.option(
         2048, "stop a dialogue (outcome context_limit) before its context passes this many tokens", type=count
     )
 
@@ -158,8 +159,8 @@ class EnvOptions:
 class Args:
     """03_rollout.py's own: how many scenarios to sample and whether to print them."""
 
-    num_scenarios: int = common.option(2, "how many scenarios (0 = all)", type=common.number(int, low=0))
-    quiet: bool = common.option(False, "do not print transcripts")
+    num_scenarios: int = options.option(2, "how many scenarios (0 = all)", type=options.number(int, low=0))
+    quiet: bool = options.option(False, "do not print transcripts")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -758,18 +759,18 @@ def check_env_args(args):
 
 
 def parse_args(argv=None):
-    p = common.options_parser(
+    p = options.options_parser(
         __doc__.split("\n")[0],
         [
             ("03_rollout.py", Args),
             ("environment", EnvOptions),
-            ("model", common.ModelOptions),
+            ("model", options.ModelOptions),
             ("LLM endpoints (api: backends)", backends.EndpointOptions),
             ("run", runs.RunOptions),
         ],
     )
     p.set_defaults(scenarios=str(HERE / "data" / "scenarios_test.jsonl"), k=2, run_name="rollout")
-    args = common.parse_options(p, argv)
+    args = options.parse_options(p, argv)
     check_env_args(args)
     return args
 

@@ -71,6 +71,7 @@ from tqdm import tqdm
 import backends
 import common
 import engine
+import options
 import parallel
 import plots
 import runs
@@ -80,7 +81,7 @@ sft = importlib.import_module("01_rubric_sft")  # CARE's and Kardia-R1's graders
 env = importlib.import_module("03_rollout")  # the environment: scenarios, rollout, judges, users, IDR
 HERE = Path(__file__).resolve().parent
 PRESETS = HERE / "presets"  # cpu.yaml, demo.yaml, gpu.yaml: the budgets --preset picks
-positive_int = common.number(int, low=1)  # a flag's type: a value below 1 exits 2 with one line naming the flag
+positive_int = options.number(int, low=1)  # a flag's type: a value below 1 exits 2 with one line naming the flag
 
 
 # ---------------------------------------------------------------------------------------------
@@ -91,93 +92,93 @@ positive_int = common.number(int, low=1)  # a flag's type: a value below 1 exits
 class Args:
     """04_mica_train.py: the algorithm, the budget, the log."""
 
-    advantage: str = common.option(
+    advantage: str = options.option(
         "mica",
         "the advantage estimator, a name in ADVANTAGES (mica, grpo, reinforce_pp, or one a fork adds), or "
         "module:function for an estimator of your own (module.py in the folder you run from, or on PYTHONPATH)",
     )
-    alpha: float = common.option(0.4, "MICA's weight of the turn-level advantage", type=common.number(low=0, high=1))
-    gamma: float = common.option(
+    alpha: float = options.option(0.4, "MICA's weight of the turn-level advantage", type=options.number(low=0, high=1))
+    gamma: float = options.option(
         0.85,
         "discount of the per-turn returns G_t (MICA's turn-level term, REINFORCE++); GRPO ignores it: it sums each "
         "dialogue's rewards undiscounted",
-        type=common.number(low=0, high=1),
+        type=options.number(low=0, high=1),
     )
-    reward: str = common.option(
+    reward: str = options.option(
         "idr",
         "the per-turn reward, a name in REWARDS, or a weighted sum such as idr+0.5*care: idr (MICA's incremental "
         "distance), rlver (the simulated user's emotion change / 100; its dialogues end by RLVER's emotion rule), "
         "care (CARE's adaptive rubric), kardia (Kardia-R1's fixed rubric, + its format term with --kardia-format)",
     )
-    lr: float = common.option(1e-3, "peak learning rate (AdamW; LoRA on SmolLM2)", type=common.number(above=0))
-    minibatch_size: int = common.option(
+    lr: float = options.option(1e-3, "peak learning rate (AdamW; LoRA on SmolLM2)", type=options.number(above=0))
+    minibatch_size: int = options.option(
         8,
         "dialogues per optimizer step (data-parallel: in all); the cpu preset's 8 of 16 dialogues a rollout and "
         "the gpu preset's 32 of 64 give 2 optimizer steps a rollout, MICA's proportion",
         type=positive_int,
     )
-    update_epochs: int = common.option(
+    update_epochs: int = options.option(
         1, "passes of the clipped update over each rollout's dialogues", type=positive_int
     )
-    kl_coef: float = common.option(0.0, "beta of the k3 KL to the base model (0 = off)", type=common.number(low=0))
-    tis_cap: float | None = common.option(
+    kl_coef: float = options.option(0.0, "beta of the k3 KL to the base model (0 = off)", type=options.number(low=0))
+    tis_cap: float | None = options.option(
         None,
         "C of the truncated importance weight w_i = min(pi_old(y_i) / pi_sampler(y_i), C) on each token's clipped "
         "term (0 = off); default 2 with --engine (verl's rollout_is_threshold, TRL's first cap), off without it",
-        type=common.number(low=0),
+        type=options.number(low=0),
     )
-    cut_off_penalty: float = common.option(
+    cut_off_penalty: float = options.option(
         0.5,
         "a reply cut off at --max-new-tokens loses this many of its reward's units; a unit is what a turn judged "
         "good on every count earns (idr: sqrt(w_C + w_A + w_P); rlver: 0.1; care and kardia: 1)",
     )
-    idr_weights: list = common.option(
+    idr_weights: list = options.option(
         [1.0, 1.0, 1.0],
         "w = (w_C, w_A, w_P) of the hinge distance",
         nargs=3,
-        type=common.number(low=0),
+        type=options.number(low=0),
         metavar=("W_C", "W_A", "W_P"),
     )
-    care_distance: str = common.option(
+    care_distance: str = options.option(
         "weighted",
         "with idr+care: weight turn t's distance by 3 w_t of its rubric (this project's design; the rewards then "
         "do not telescope), or plain MICA IDR",
         choices=["weighted", "plain"],
     )
-    steps: int = common.option(20, "training steps (rollout + update)", type=positive_int)
-    scenarios_per_step: int = common.option(
+    steps: int = options.option(20, "training steps (rollout + update)", type=positive_int)
+    scenarios_per_step: int = options.option(
         4, "scenarios per step, each rolled out K times (data-parallel: in all, shared out)", type=positive_int
     )
-    micro_batch_size: int = common.option(
+    micro_batch_size: int = options.option(
         2, "dialogues per forward/backward, per process (the gradient accumulates up to a minibatch)", type=positive_int
     )
-    preset: str = common.option(
+    preset: str = options.option(
         "auto",
         "the budget to start from, presets/<name>.yaml: cpu (the defaults here), demo (make demo), gpu (one GPU: "
         "MICA's proportions, --judge self --user self); auto = gpu with CUDA, else cpu; --config and flags win",
         choices=["auto", *sorted(f.stem for f in PRESETS.glob("*.yaml"))],
     )
-    log_kl_every: int = common.option(
+    log_kl_every: int = options.option(
         5,
         "with --kl-coef 0, log the KL to the base every N steps (0 = never): one more forward with the adapter "
         "off, no gradient, against the update's own log-probabilities, so minibatches after the first see the "
         "policy as it moves",
-        type=common.number(int, low=0),
+        type=options.number(int, low=0),
     )
-    credit_steps: list = common.option(
+    credit_steps: list = options.option(
         [],
         "the steps whose credit picture credit_step<N>.png is drawn (default: the first and the last)",
         nargs="+",
         type=positive_int,
     )
-    save_every: int = common.option(10, "write <run>/checkpoint.pt every N steps (and at the last)", type=positive_int)
-    report_to: str = common.option(
+    save_every: int = options.option(10, "write <run>/checkpoint.pt every N steps (and at the last)", type=positive_int)
+    report_to: str = options.option(
         "none",
         "also log every step's metrics and the configuration through accelerate's tracker (tensorboard writes "
         "<run>/tensorboard/; wandb and trackio need their package installed)",
         choices=["none", "tensorboard", "wandb", "trackio"],
     )
-    resume: str | None = common.option(None, "a run folder: continue from its last checkpoint")
+    resume: str | None = options.option(None, "a run folder: continue from its last checkpoint")
 
 
 CLIP_LOW, CLIP_HIGH = 0.2, 0.28  # the ratio's clip [1 - eps_low, 1 + eps_high] (DAPO's clip-higher, as MICA's code)
@@ -764,13 +765,13 @@ def parse_args(argv=None):
     """Every option of 04, parsed from its dataclasses: the field defaults, under the preset's YAML file (auto:
     gpu with CUDA, else cpu), under --config's file, under the flags given; then what a flag's type cannot
     check."""
-    p = common.options_parser(
+    p = options.options_parser(
         __doc__.split("\n")[0],
         [
             (Args.__doc__, Args),
             ("CARE's graders (01; --reward care)", sft.GraderOptions),
             ("environment (03)", env.EnvOptions),
-            ("model", common.ModelOptions),
+            ("model", options.ModelOptions),
             ("LLM endpoints (api: backends)", backends.EndpointOptions),
             ("inference engine (engine.py)", engine.EngineOptions),
             ("run", runs.RunOptions),

@@ -64,6 +64,7 @@ from tqdm import tqdm
 import backends
 import common
 import engine
+import options
 import plots
 import runs
 import sampling
@@ -107,41 +108,41 @@ DATA = HERE / "data" / "eval"
 class Args:
     """05_eval.py's own: the suites, the adapters, the sample of cases, the suites' files."""
 
-    suite: str = common.option(",".join(SUITES), "comma-separated suites: " + ", ".join(SUITES))
-    adapters: list = common.option([], "peft adapter folders, evaluated after the base model", nargs="*", type=str)
-    max_cases: int = common.option(
+    suite: str = options.option(",".join(SUITES), "comma-separated suites: " + ", ".join(SUITES))
+    adapters: list = options.option([], "peft adapter folders, evaluated after the base model", nargs="*", type=str)
+    max_cases: int = options.option(
         0,
         "at most this many cases per suite and file, sampled by --seed and stratified by language and category "
         "(EMPA, EQ-Bench: by kind; EMPA: scenarios, K dialogues each); 0 = all",
-        type=common.number(int, low=0),
+        type=options.number(int, low=0),
     )
-    batch_size: int = common.option(
+    batch_size: int = options.option(
         8,
         "cases generated together (EmoBench log-likelihood: options scored together after their shared prompt); "
         "saved after each batch",
-        type=common.number(int, low=1),
+        type=options.number(int, low=1),
     )
-    eqbench3: str = common.option(
+    eqbench3: str = options.option(
         str(DATA / "eqbench3_sample.txt"),
         "EQ-Bench 3 scenario_prompts.txt (the default: a 4-scenario sample written for this project)",
     )
-    sage_profiles: str = common.option(str(DATA / "sage_profiles.jsonl"), "SAGE profiles JSONL")
-    emobench_eu: str = common.option(str(DATA / "emobench_eu.jsonl"), f"EmoBench EU JSONL, {emobench.LOGLIK}")
-    emobench_ea: str = common.option(str(DATA / "emobench_ea.jsonl"), f"EmoBench EA JSONL, {emobench.LOGLIK}")
-    emobench_dir: str | None = common.option(
+    sage_profiles: str = options.option(str(DATA / "sage_profiles.jsonl"), "SAGE profiles JSONL")
+    emobench_eu: str = options.option(str(DATA / "emobench_eu.jsonl"), f"EmoBench EU JSONL, {emobench.LOGLIK}")
+    emobench_ea: str = options.option(str(DATA / "emobench_ea.jsonl"), f"EmoBench EA JSONL, {emobench.LOGLIK}")
+    emobench_dir: str | None = options.option(
         None,
         "a checkout of github.com/Sahandfer/EmoBench: EmoBench by its official protocol, its texts and "
         "data/EU.jsonl, EA.jsonl read from there (without it: --emobench-eu/-ea)",
     )
-    sage_dir: str | None = common.option(
+    sage_dir: str | None = options.option(
         None,
         "SAGE by its official protocol: a checkout of Tencent/digitalhuman or of its SAGE folder, prompts read "
         "from it, --user the simulator (unset: this project's variant)",
     )
-    sage_turns: int = common.option(
-        10, "SAGE: turns (with --sage-dir: replies; the last is never scored)", type=common.number(int, low=1)
+    sage_turns: int = options.option(
+        10, "SAGE: turns (with --sage-dir: replies; the last is never scored)", type=options.number(int, low=1)
     )
-    resume: str | None = common.option(None, "a run folder of this script: finish its unfinished cases")
+    resume: str | None = options.option(None, "a run folder of this script: finish its unfinished cases")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -679,13 +680,13 @@ def side_by_side(left: dict, right: dict, width=58) -> list[str]:
 
 
 def parse_args(argv=None):
-    p = common.options_parser(
+    p = options.options_parser(
         __doc__.split("\n")[0],
         [
             ("05_eval.py", Args),
             ("EQ-Bench 3, official protocol", eqbench3.Options),
             ("environment (03; the EMPA suite)", env.EnvOptions),
-            ("model", common.ModelOptions),
+            ("model", options.ModelOptions),
             ("LLM endpoints (api: backends)", backends.EndpointOptions),
             ("inference engine (engine.py; the EMPA suite)", engine.EngineOptions),
             ("run", runs.RunOptions),
@@ -695,7 +696,7 @@ def parse_args(argv=None):
     # a CPU) unless 4-bit is asked for
     p.set_defaults(max_turns=45, min_turns=12, collapse_window=5, max_context=8192, load_in_4bit="off")
     p.set_defaults(scenarios=str(HERE / "data" / "scenarios_test.jsonl"), k=1, run_name="eval")
-    args = common.parse_options(p, argv)
+    args = options.parse_options(p, argv)
     env.check_env_args(args)
     c = common.check
     args.suites = [s.strip() for s in args.suite.split(",") if s.strip()]

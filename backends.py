@@ -6,7 +6,8 @@
                       `self` with --engine is the engine's base model (engine.py builds it, as a ChatBackend)
   ask_json, first_json  ask for JSON, re-ask the unparsable, stop with one line when the endpoint is down
   api_counts          the api: backends' retries and failures (04's step log)
-Imports common.py (options, errors, models, the chat template) and sampling.py (a local backend's generate_batch).
+Imports common.py (errors, models, the chat template), options.py (EndpointOptions) and sampling.py (a local
+backend's generate_batch).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 import common
+import options
 import sampling
 
 
@@ -193,14 +195,14 @@ def make_chat_backend(spec: str, args, concurrency=None, policy=None, engine=Non
 class EndpointOptions:
     """The LLM endpoints of api: judges and users (and the size of a local hf: or self backend's batches)."""
 
-    api_base: str | None = common.option(None, "OpenAI-compatible base URL (default: $OPENAI_BASE_URL)")
-    api_key: str | None = common.option(None, "API key (default: $OPENAI_API_KEY); never printed or saved")
-    api_timeout: float = common.option(60.0, "seconds per request", type=common.number(above=0))
-    api_retries: int = common.option(3, "retries per request, openai's backoff", type=common.number(int, low=0))
-    api_concurrency: int = common.option(
+    api_base: str | None = options.option(None, "OpenAI-compatible base URL (default: $OPENAI_BASE_URL)")
+    api_key: str | None = options.option(None, "API key (default: $OPENAI_API_KEY); never printed or saved")
+    api_timeout: float = options.option(60.0, "seconds per request", type=options.number(above=0))
+    api_retries: int = options.option(3, "retries per request, openai's backoff", type=options.number(int, low=0))
+    api_concurrency: int = options.option(
         8,
         "requests in flight per backend; for hf: and self, prompts per generate call (the prefill's memory peak)",
-        type=common.number(int, low=1),
+        type=options.number(int, low=1),
     )
 
 

@@ -41,6 +41,7 @@ from pathlib import Path
 
 import backends
 import common
+import options
 import sampling
 
 # every field of vLLM's sampling that a model's generation_config.json can set, at its neutral value
@@ -53,13 +54,13 @@ JSON = {"Content-Type": "application/json"}
 class EngineOptions:
     """The inference engine that samples the policy (04, 05): a vLLM server started by `make serve`."""
 
-    engine: str | None = common.option(
+    engine: str | None = options.option(
         None,
         "URL of a vLLM server (http://localhost:8000) serving --model, started by `make serve` or "
         "`python engine.py --model M`: it samples the policy (04 pushes the adapter after each update), and with "
         "--judge self / --user self it is the judge and the user too",
     )
-    engine_timeout: float = common.option(600.0, "seconds per engine request", type=common.number(above=0))
+    engine_timeout: float = options.option(600.0, "seconds per engine request", type=options.number(above=0))
 
 
 def base_url(url: str) -> str:

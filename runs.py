@@ -18,7 +18,8 @@
   UpdateStats                 04's update statistics: one call per micro-batch, one per optimizer step, the
                               sums over the processes at the end
 
-A support module: it imports common.py and parallel.py (the sums over the processes), never a stage.
+A support module: it imports common.py, options.py (RunOptions, the preset) and parallel.py (the sums over the
+processes), never a stage.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ import torch
 from tqdm import tqdm
 
 import common
+import options
 import parallel
 
 
@@ -132,12 +134,12 @@ def public_args(args) -> dict:
 class RunOptions:
     """The run: its seed, its folder, its progress bars (every stage; each sets its own run_name)."""
 
-    seed: int = common.option(
-        0, "random seed (sampling, data order, the scripted user)", type=common.number(int, low=0, high=2**32 - 1)
+    seed: int = options.option(
+        0, "random seed (sampling, data order, the scripted user)", type=options.number(int, low=0, high=2**32 - 1)
     )
-    out_dir: str = common.option("runs", "each run writes into its own folder under this")
-    run_name: str = common.option("run", "prefix of the run folder")
-    progress: bool = common.option(True, "show progress bars (--no-progress hides them, transformers' too)")
+    out_dir: str = options.option("runs", "each run writes into its own folder under this")
+    run_name: str = options.option("run", "prefix of the run folder")
+    progress: bool = options.option(True, "show progress bars (--no-progress hides them, transformers' too)")
 
 
 def flags_given(parser: argparse.ArgumentParser, args) -> dict:
@@ -156,13 +158,13 @@ def parse_with_preset(parser, argv, presets: Path) -> argparse.Namespace:
     auto, or a --config file's preset: gpu with CUDA, else cpu), under --config's file, under the flags given.
     args.preset_note says which preset and why (the header line prints it); args.flags_given, the flags given."""
     first = parser.parse_known_args(argv)[0]
-    config = common.read_config(first.config, parser) if first.config else {}
+    config = options.read_config(first.config, parser) if first.config else {}
     name = first.preset if first.preset != "auto" else config.get("preset", "auto")
     cuda = common.pick_device().type == "cuda"
     why = "auto: CUDA found" if cuda else "auto: no CUDA"
     why = "asked" if first.preset != "auto" else "from --config" if name != "auto" else why
     name = name if name != "auto" else "gpu" if cuda else "cpu"
-    args = common.parse_options(parser, argv, base=common.read_config(presets / f"{name}.yaml", parser))
+    args = options.parse_options(parser, argv, base=options.read_config(presets / f"{name}.yaml", parser))
     args.preset_note = f"preset presets/{name}.yaml ({why})" + (f" | config {first.config}" if first.config else "")
     args.flags_given = flags_given(parser, args)
     return args

@@ -92,6 +92,7 @@ from pathlib import Path
 import backends
 import benchmarks
 import common
+import options
 import runs
 import sampling
 
@@ -162,25 +163,25 @@ SECTIONS = {
 class Options:
     """05's options for EQ-Bench 3's official protocol."""
 
-    eqbench3_dir: str | None = common.option(
+    eqbench3_dir: str | None = options.option(
         None,
         "EQ-Bench 3 by its official protocol: a checkout of github.com/EQ-bench/eqbench3, its data/ texts read from "
         "there; --judge an LLM (unset: this project's variant, or offline a proxy, neither comparable with EQ-Bench 3)",
     )
-    iterations: int = common.option(
+    iterations: int = options.option(
         1,
         "EQ-Bench 3 with --eqbench3-dir: plays of every task (the official --iterations)",
-        type=common.number(int, low=1),
+        type=options.number(int, low=1),
     )
-    eqbench3_tokens: int = common.option(
+    eqbench3_tokens: int = options.option(
         REPLY_TOKENS,
         "EQ-Bench 3 with --eqbench3-dir: a reply's token budget (lowering it is said in the column)",
-        type=common.number(int, low=1, high=REPLY_TOKENS),
+        type=options.number(int, low=1, high=REPLY_TOKENS),
     )
-    eqbench3_judge_tokens: int = common.option(
+    eqbench3_judge_tokens: int = options.option(
         JUDGE_TOKENS,
         "EQ-Bench 3 with --eqbench3-dir: the judge's token budget (lowering it is said in the column)",
-        type=common.number(int, low=1, high=JUDGE_TOKENS),
+        type=options.number(int, low=1, high=JUDGE_TOKENS),
     )
 
 

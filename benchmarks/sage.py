@@ -72,6 +72,7 @@ if __package__ in (None, ""):  # run as `python benchmarks/sage.py`: the reposit
 import backends  # noqa: E402
 import benchmarks  # noqa: E402
 import common  # noqa: E402
+import options  # noqa: E402
 import runs
 import sampling  # noqa: E402
 
@@ -752,7 +753,7 @@ def parse_change(text) -> float | None:
 
 
 def main(argv=None):
-    p = common.ArgumentParser(
+    p = options.ArgumentParser(
         description="The Sentient score of SAGE's result files (*_result.jsonl: one dialogue "
         "a line, its final emotion in emo_point): the mean over all lines, the successes "
         "(>= 100) and the failures (< 10), as 05 scores its SAGE cases."

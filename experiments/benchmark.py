@@ -58,6 +58,7 @@ from accelerate import Accelerator
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
+import options  # noqa: E402
 import sampling  # noqa: E402
 
 trainer = importlib.import_module("04_mica_train")  # the update, advantages and rewards
@@ -96,7 +97,7 @@ def parse_args(argv=None):
     )
     p.add_argument(
         "--seed",
-        type=common.number(int, low=0, high=2**32 - 1),
+        type=options.number(int, low=0, high=2**32 - 1),
         default=0,
         help="seed of the scenario choice and of sampling",
     )

@@ -15,6 +15,7 @@ import torch
 import backends
 import common
 import offline
+import options
 import plots
 import runs
 from conftest import LoopbackServer, ok, write_jsonl
@@ -496,8 +497,8 @@ def test_a_model_that_does_not_load_is_one_line_naming_it(tmp_path, monkeypatch)
 
 def test_number_is_an_argparse_type_with_bounds(capsys):
     p = argparse.ArgumentParser(prog="x")
-    p.add_argument("--k", type=common.number(int, low=1))
-    p.add_argument("--top-p", type=common.number(above=0, high=1))
+    p.add_argument("--k", type=options.number(int, low=1))
+    p.add_argument("--top-p", type=options.number(above=0, high=1))
     assert p.parse_args(["--k", "3", "--top-p", "1"]).k == 3
     for argv, says in (
         (["--k", "0"], "argument --k: must be >= 1, got 0"),
@@ -509,8 +510,8 @@ def test_number_is_an_argparse_type_with_bounds(capsys):
             p.parse_args(argv)
         assert ei.value.code == 2 and says in capsys.readouterr().err
     # the stages' parser: the same words as one UserError (run_main prints one line, exit 2), no usage block
-    stage = common.ArgumentParser(prog="x")
-    stage.add_argument("--k", type=common.number(int, low=1))
+    stage = options.ArgumentParser(prog="x")
+    stage.add_argument("--k", type=options.number(int, low=1))
     with pytest.raises(common.UserError, match=r"^argument --k: must be >= 1, got 0$"):
         stage.parse_args(["--k", "0"])
     with pytest.raises(SystemExit) as ei:

@@ -3,7 +3,8 @@
 1. Each stage reads alone: it imports common.py, another stage only for that stage's product (02 and 04: 01's
    rubric; 04 and 05: 03's environment), and the support modules (backends.py, sampling.py, engine.py,
    offline.py, plots.py, runs.py, benchmarks/), at the top of the file; 04 holds its own update (not 02's). A
-   support module imports common.py and the support modules below it (parallel.py, the data-parallel helpers;
+   support module imports common.py and the support modules below it (options.py, the options and the command
+   line; parallel.py, the data-parallel helpers;
    runs.py, a run's files and the update's statistics; sampling.py, the sampler and the scorer; backends.py, the
    chat backends), never a stage, and never in a cycle; a benchmark
    module may import its own package too (benchmarks/__init__.py: the rule labelling a checkout). sampling.py
@@ -30,15 +31,25 @@ STAGES = sorted(ROOT.glob("[0-9][0-9]_*.py"))
 COMMON = ROOT / "common.py"
 SUPPORT = [
     ROOT / name
-    for name in ("backends.py", "engine.py", "offline.py", "parallel.py", "plots.py", "runs.py", "sampling.py")
+    for name in (
+        "backends.py",
+        "engine.py",
+        "offline.py",
+        "options.py",
+        "parallel.py",
+        "plots.py",
+        "runs.py",
+        "sampling.py",
+    )
 ] + sorted((ROOT / "benchmarks").glob("*.py"))
 # what a support module may import of the project, besides common.py: the modules below it (no cycle)
 BELOW = {
+    "options": set(),
     "parallel": set(),
-    "runs": {"parallel"},
+    "runs": {"options", "parallel"},
     "sampling": set(),
-    "backends": {"sampling"},
-    "engine": {"backends", "sampling"},
+    "backends": {"options", "sampling"},
+    "engine": {"backends", "options", "sampling"},
 }
 # sampling.py imports nothing of the project (common.py imports it)
 PROJECT = (
@@ -105,7 +116,7 @@ def test_a_stage_imports_common_and_only_the_products_it_names(path):
 def test_a_support_module_imports_common_and_never_a_stage(path):
     found = project_imports(ast.parse(path.read_text(encoding="utf-8")))
     own = {"benchmarks"} if path.parent.name == "benchmarks" else set()  # `import benchmarks`: its package
-    below = BELOW.get(path.stem, {"runs", "sampling", "backends"})  # offline, plots, a benchmark: any below
+    below = BELOW.get(path.stem, {"options", "runs", "sampling", "backends"})  # offline, plots, a benchmark
     allowed = set() if path.stem == "sampling" else {"common"} | below | own
     assert {name for name, _, _ in found} <= allowed, f"{path.name} imports {sorted({n for n, _, _ in found})}"
     assert ast.get_docstring(ast.parse(path.read_text(encoding="utf-8"))), f"{path.name} opens with a docstring"
