@@ -203,9 +203,9 @@ def episode_status(P0, dEs, states, t, args) -> str | None:
     rounded to 2 decimals as MICA's public code compares them (epj/scoring.py reads its rounded trajectory)."""
     if t < args.min_turns:
         return None
-    # E_total >= ||P0||: E_total rounded, ||P0|| not (the threshold is the scenario's own, not a judged value); the
-    # two differ by at most 0.005, and rounding ||P0|| too could flip a borderline success of a pinned run
-    if round(sum(dEs), 2) >= norm(P0):
+    # E_total rounded, ||P0|| not (the threshold is the scenario's own, not a judged value): the two differ by at
+    # most 0.005, and rounding ||P0|| too could flip a borderline success of a pinned run
+    if round(sum(dEs), 2) >= norm(P0):  # E_total >= ||P0||
         return "success"
     dE2 = [round(dE, 2) for dE in dEs]
     w = args.collapse_window
