@@ -57,10 +57,13 @@ from typing import NamedTuple
 import torch
 from tqdm import tqdm
 
+import backends
 import common
 import offline
+import options
 import plots
 import runs
+import sampling
 
 HERE = Path(__file__).resolve().parent
 DIMS = ("cognitive", "affective", "proactive")  # CARE's three empathy dimensions
@@ -71,30 +74,30 @@ EVAL_BATCH = 8  # held-out turns per generate call
 UNIFORM_RUBRIC = {"weights": {d: 1 / 3 for d in DIMS}, "criteria": PROMPTS["uniform_rubric"]}  # a fixed rubric
 
 
-count = common.number(int, low=1)  # a checking type: a bad value exits 2 with one line naming the flag
+count = options.number(int, low=1)  # a checking type: a bad value exits 2 with one line naming the flag
 
 
 @dataclass
 class Args:
     """01_rubric_sft.py's own: the supervision, the optimisation, the held-out evaluation, checkpoints."""
 
-    train: str = common.option(str(HERE / "data" / "rubric_sft_train.jsonl"), "supervision JSONL")
-    val: str = common.option(str(HERE / "data" / "rubric_sft_val.jsonl"), "held-out turns JSONL")
-    max_len: int = common.option(
+    train: str = options.option(str(HERE / "data" / "rubric_sft_train.jsonl"), "supervision JSONL")
+    val: str = options.option(str(HERE / "data" / "rubric_sft_val.jsonl"), "held-out turns JSONL")
+    max_len: int = options.option(
         1024,
         "tokens per example (a longer prompt is cut from the left, with a warning)",
-        type=common.number(int, low=64),
+        type=options.number(int, low=64),
     )
-    weight_tolerance: float = common.option(0.02, "|sum of weights - 1| allowed", type=common.number(low=0, high=0.5))
-    steps: int = common.option(150, "optimizer steps", type=count)
-    batch_size: int = common.option(8, "examples per step", type=count)
-    micro_batch_size: int = common.option(4, "examples per forward/backward", type=count)
-    lr: float = common.option(2e-4, "peak learning rate (AdamW, no weight decay)", type=common.number(above=0))
-    eval_every: int = common.option(50, "evaluate on --val every N steps (and at 0)", type=count)
-    eval_limit: int = common.option(0, "evaluate on the first N val turns (0 = all)", type=common.number(int, low=0))
-    max_new_tokens: int = common.option(256, "token cap of a generated rubric", type=common.number(int, low=8))
-    save_every: int = common.option(50, "write <run>/checkpoint.pt every N steps (and at the last)", type=count)
-    resume: str | None = common.option(None, "a run folder: continue from its last checkpoint")
+    weight_tolerance: float = options.option(0.02, "|sum of weights - 1| allowed", type=options.number(low=0, high=0.5))
+    steps: int = options.option(150, "optimizer steps", type=count)
+    batch_size: int = options.option(8, "examples per step", type=count)
+    micro_batch_size: int = options.option(4, "examples per forward/backward", type=count)
+    lr: float = options.option(2e-4, "peak learning rate (AdamW, no weight decay)", type=options.number(above=0))
+    eval_every: int = options.option(50, "evaluate on --val every N steps (and at 0)", type=count)
+    eval_limit: int = options.option(0, "evaluate on the first N val turns (0 = all)", type=options.number(int, low=0))
+    max_new_tokens: int = options.option(256, "token cap of a generated rubric", type=options.number(int, low=8))
+    save_every: int = options.option(50, "write <run>/checkpoint.pt every N steps (and at the last)", type=count)
+    resume: str | None = options.option(None, "a run folder: continue from its last checkpoint")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -104,7 +107,7 @@ def parse_rubric(x, tol=0.02) -> tuple[dict | None, str | None]:
     """A rubric (a dict, or text holding its JSON, perhaps in prose or a code fence) -> (the rubric with its
     weights renormalised to sum 1, None) or (None, the precise reason it is invalid)."""
     if isinstance(x, str):
-        x, why = common.first_json(x)
+        x, why = backends.first_json(x)
         if why:
             return None, why
     if not isinstance(x, dict):
@@ -184,7 +187,7 @@ class GeneratedRubric(NamedTuple):
 def generate_rubrics(
     model, tokenizer, contexts: list[list[dict]], max_new_tokens: int, temperature: float, batch_size=8
 ) -> list[GeneratedRubric]:
-    """For each dialogue its generated rubric, in batches of prompts of similar length (common.generate_batch:
+    """For each dialogue its generated rubric, in batches of prompts of similar length (sampling.generate_batch:
     sampled from the temperature alone, whatever the model's generation_config says). Greedy (temperature 0)
     decodes each distinct prompt once: the same prompt gets the same rubric (04's K dialogues of a scenario share
     their first turn)."""
@@ -195,7 +198,7 @@ def generate_rubrics(
     order, out = sorted(first.values(), key=lambda i: len(prompts[i])), [None] * len(prompts)
     for j in range(0, len(order), batch_size):
         batch = order[j : j + batch_size]
-        replies = common.generate_batch(model, tokenizer, [prompts[i] for i in batch], max_new_tokens, temperature)
+        replies = sampling.generate_batch(model, tokenizer, [prompts[i] for i in batch], max_new_tokens, temperature)
         for i, reply in zip(batch, replies):
             out[i] = GeneratedRubric(
                 tokenizer.decode(reply.ids, skip_special_tokens=True), prompts[i], reply.ids, reply.logprobs
@@ -208,7 +211,7 @@ def generate_rubrics(
 # ---------------------------------------------------------------------------------------------
 def sft_loss(model, batch: list[dict], pad_id: int, device) -> tuple[torch.Tensor, int]:
     """The token-mean cross-entropy on the rubric tokens of a right-padded batch -> (loss, N)."""
-    ids, attn, is_rubric = common.right_pad(
+    ids, attn, is_rubric = sampling.right_pad(
         [b["ids"] for b in batch], pad_id, [[(len(b["prompt_ids"]), len(b["ids"]))] for b in batch], device
     )
     labels = ids.masked_fill(is_rubric == 0, -100)  # the prompt and the padding are not targets
@@ -411,7 +414,7 @@ def evaluate(model, tokenizer, recs: list[dict], args) -> tuple[dict, list[dict]
 # the criteria judge: s(y, c) in [0, 1] for a reply y and each criterion c (02 trains with it, 04 rewards)
 def parse_scores(text: str | None, n: int) -> list[float] | None:
     """{"scores": [n numbers in 0-10]} (perhaps in prose) -> n scores in [0, 1], or None."""
-    scores = (common.first_json(text)[0] or {}).get("scores")
+    scores = (backends.first_json(text)[0] or {}).get("scores")
     ok = (
         isinstance(scores, list)
         and len(scores) == n
@@ -430,7 +433,7 @@ class CriteriaJudge:
         if self.spec == "embed":
             self.embed = offline.EmbedBackend(str(common.pick_device()))
         else:
-            self.backend = common.make_chat_backend(self.spec, args, policy=policy, engine=engine)
+            self.backend = backends.make_chat_backend(self.spec, args, policy=policy, engine=engine)
 
     def score(self, items: list[dict]) -> list[list[float] | None]:
         if self.spec == "embed":
@@ -452,7 +455,7 @@ class CriteriaJudge:
             ]
             for it in items
         ]
-        return common.ask_json(
+        return backends.ask_json(
             self.backend,
             prompts,
             lambda i, text: parse_scores(text, len(items[i]["criteria"])),
@@ -484,14 +487,14 @@ def judge_by_dimension(judge, cases: list[dict]) -> list[dict | None]:
 class GraderOptions:
     """CARE's rubric generator, as 04's --reward care uses it."""
 
-    rubric_model: str | None = common.option(None, "--reward care: the frozen rubric generator (02's adapter)")
-    rubric: str = common.option(
+    rubric_model: str | None = options.option(None, "--reward care: the frozen rubric generator (02's adapter)")
+    rubric: str = options.option(
         "adaptive",
         "CARE's Table-3 ablations: the generator's weights and criteria, or w = 1/3 and fixed generic criteria, "
         "or one of the two from the generator",
         choices=["adaptive", "uniform", "weights-only", "criteria-only"],
     )
-    rubric_max_new_tokens: int = common.option(256, "token cap of a generated rubric", type=count)
+    rubric_max_new_tokens: int = options.option(256, "token cap of a generated rubric", type=count)
 
 
 @dataclass
@@ -623,12 +626,12 @@ def kardia_rewards(trajs, args, graders) -> list[list[float]]:
 
 
 def parse_args(argv=None):
-    p = common.options_parser(
+    p = options.options_parser(
         __doc__.split("\n")[0],
-        [("01_rubric_sft.py", Args), ("model", common.ModelOptions), ("run", runs.RunOptions)],
+        [("01_rubric_sft.py", Args), ("model", options.ModelOptions), ("run", runs.RunOptions)],
     )
     p.set_defaults(run_name="rubric-sft")
-    return common.parse_options(p, argv)
+    return options.parse_options(p, argv)
 
 
 if __name__ == "__main__":

@@ -64,9 +64,12 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+import backends
 import common
+import options
 import plots
 import runs
+import sampling
 
 sft = importlib.import_module("01_rubric_sft")  # the rubric format, parser, generation and criteria judge
 HERE = Path(__file__).resolve().parent
@@ -75,7 +78,7 @@ GEN_BATCH = 16  # contexts per generate call
 CLIP_LOW, CLIP_HIGH = 0.2, 0.28  # the ratio's clip [1 - eps_low, 1 + eps_high], as 04's
 
 
-count = common.number(int, low=1)  # a checking type: a bad value exits 2 with one line naming the flag
+count = options.number(int, low=1)  # a checking type: a bad value exits 2 with one line naming the flag
 
 
 @dataclass
@@ -83,44 +86,44 @@ class Args:
     """02_rubric_pref_rl.py's own: the algorithm first (the group, the reward's terms, the KL), then the
     optimisation, the data, the judge, the report and the checkpoints."""
 
-    g: int = common.option(4, "rubrics sampled per context (the group G)", type=common.number(int, low=2))
-    temperature: float = common.option(1.0, "sampling temperature of the rubrics", type=common.number(above=0))
-    margin_coef: float = common.option(0.5, "lambda of the margin term", type=common.number(low=0))
-    margin_tau: float = common.option(0.05, "tau: the score difference where tanh bends", type=common.number(above=0))
-    no_margin: bool = common.option(False, "ablation: drop the margin term")
-    no_format: bool = common.option(False, "ablation: an invalid rubric gets 0, not -1")
-    recovery_only: bool = common.option(False, "ablation: the recovery term only")
-    kl_coef: float = common.option(
-        0.0, "beta of the k3 KL to the adapter-off base (the model before 01's SFT)", type=common.number(low=0)
+    g: int = options.option(4, "rubrics sampled per context (the group G)", type=options.number(int, low=2))
+    temperature: float = options.option(1.0, "sampling temperature of the rubrics", type=options.number(above=0))
+    margin_coef: float = options.option(0.5, "lambda of the margin term", type=options.number(low=0))
+    margin_tau: float = options.option(0.05, "tau: the score difference where tanh bends", type=options.number(above=0))
+    no_margin: bool = options.option(False, "ablation: drop the margin term")
+    no_format: bool = options.option(False, "ablation: an invalid rubric gets 0, not -1")
+    recovery_only: bool = options.option(False, "ablation: the recovery term only")
+    kl_coef: float = options.option(
+        0.0, "beta of the k3 KL to the adapter-off base (the model before 01's SFT)", type=options.number(low=0)
     )
-    lr: float = common.option(5e-5, "peak learning rate (AdamW, no weight decay)", type=common.number(above=0))
-    steps: int = common.option(30, "RL steps", type=count)
-    contexts_per_step: int = common.option(4, "preference pairs per step", type=count)
-    minibatch_size: int = common.option(
+    lr: float = options.option(5e-5, "peak learning rate (AdamW, no weight decay)", type=options.number(above=0))
+    steps: int = options.option(30, "RL steps", type=count)
+    contexts_per_step: int = options.option(4, "preference pairs per step", type=count)
+    minibatch_size: int = options.option(
         64, "rubrics per optimizer step (whole contexts: a multiple of --g)", type=count
     )
-    micro_batch_size: int = common.option(4, "rubrics per forward/backward", type=count)
-    max_new_tokens: int = common.option(256, "token cap of a rubric", type=common.number(int, low=8))
-    train: str = common.option(str(HERE / "data" / "rubric_pref_train.jsonl"), "preference pairs")
-    test: str = common.option(str(HERE / "data" / "rubric_pref_test.jsonl"), "held-out pairs")
-    weight_turns: str = common.option(
+    micro_batch_size: int = options.option(4, "rubrics per forward/backward", type=count)
+    max_new_tokens: int = options.option(256, "token cap of a rubric", type=options.number(int, low=8))
+    train: str = options.option(str(HERE / "data" / "rubric_pref_train.jsonl"), "preference pairs")
+    test: str = options.option(str(HERE / "data" / "rubric_pref_test.jsonl"), "held-out pairs")
+    weight_turns: str = options.option(
         str(HERE / "data" / "rubric_sft_val.jsonl"),
         "held-out supervision turns (with turn and emotion) for the weights report",
     )
-    weight_tolerance: float = common.option(0.02, "|sum of weights - 1| allowed", type=common.number(low=0, high=0.5))
-    judge: str = common.option("embed", "embed | hf:<model-or-path> | api:<model>: scores s(y, c)")
-    judge_retries: int = common.option(
+    weight_tolerance: float = options.option(0.02, "|sum of weights - 1| allowed", type=options.number(low=0, high=0.5))
+    judge: str = options.option("embed", "embed | hf:<model-or-path> | api:<model>: scores s(y, c)")
+    judge_retries: int = options.option(
         2,
         "re-asks of an api: judge on malformed JSON (a local judge at temperature 0 is not re-asked: it would "
         "answer the same)",
-        type=common.number(int, low=0),
+        type=options.number(int, low=0),
     )
-    report_limit: int = common.option(
-        0, "use the first N held-out pairs / turns (0 = all)", type=common.number(int, low=0)
+    report_limit: int = options.option(
+        0, "use the first N held-out pairs / turns (0 = all)", type=options.number(int, low=0)
     )
-    report_only: bool = common.option(False, "no training: the held-out report of --model (+ --adapter), then stop")
-    save_every: int = common.option(10, "write <run>/checkpoint.pt every N steps (and at the last)", type=count)
-    resume: str | None = common.option(None, "a run folder: continue from its last checkpoint")
+    report_only: bool = options.option(False, "no training: the held-out report of --model (+ --adapter), then stop")
+    save_every: int = options.option(10, "write <run>/checkpoint.pt every N steps (and at the last)", type=count)
+    resume: str | None = options.option(None, "a run folder: continue from its last checkpoint")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -165,8 +168,8 @@ def k3_kl(logp, logp_ref):
 def rubric_logprobs(model, samples: list[dict], pad_id: int, temperature: float) -> torch.Tensor:
     """log pi(y_i) of every rubric token of a micro-batch, flat, at the temperature that sampled them."""
     spans = [[(s["start"], len(s["ids"]))] for s in samples]  # the rubric, after its prompt
-    ids, attn, mask = common.right_pad([s["ids"] for s in samples], pad_id, spans, next(model.parameters()).device)
-    return common.token_logprobs(model, ids, attn, mask, temperature)
+    ids, attn, mask = sampling.right_pad([s["ids"] for s in samples], pad_id, spans, next(model.parameters()).device)
+    return sampling.token_logprobs(model, ids, attn, mask, temperature)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -529,17 +532,17 @@ def write_report(run_dir: Path, before: dict, after: dict) -> str:
 
 
 def parse_args(argv=None):
-    p = common.options_parser(
+    p = options.options_parser(
         __doc__.split("\n")[0],
         [
             ("02_rubric_pref_rl.py", Args),
-            ("model", common.ModelOptions),
-            ("LLM endpoints (api: backends)", common.EndpointOptions),
+            ("model", options.ModelOptions),
+            ("LLM endpoints (api: backends)", backends.EndpointOptions),
             ("run", runs.RunOptions),
         ],
     )
     p.set_defaults(run_name="rubric-rl")
-    args = common.parse_options(p, argv)
+    args = options.parse_options(p, argv)
     common.check(
         args.judge == "embed" or args.judge.startswith(("hf:", "api:")),
         f"--judge must be embed, hf:<model> or api:<model>, got '{args.judge}'",

@@ -32,23 +32,15 @@ Equations (EMPA; docs/reference.md sections 1-4)
                     only the response reaches the user and the judge (Kardia-R1); a reply without the four
                     sections reaches them whole, its tags removed
 
-Judges and users (--judge, --user; what each is and is not: docs/environment.md)
-  embed | self | hf: | api:       the offline MiniLM-and-cue judge (offline.py's EmbedJudge: its rules are
-             there), or an LLM with an MDEP-PR prompt (LLMJudge): malformed JSON is asked again (api: only: a
-             local judge at temperature 0 would repeat it), then the turn is judge_failed (the state stays,
-             dE_t = 0, the turn still counts toward --max-turns; 04 leaves it out of the loss); an endpoint that
-             answers nothing stops the run
-  scripted | self | hf: | api:    the scenario's own lines picked by the last turn's trend (offline.py's
-             ScriptedUser), or an LLM role-playing the persona in 20-50 words, told the band and the trend
-             (with --emotion-ends its emotion, 0-100, in place of the band)
-  self       the policy's own frozen base (its LoRA adapter off) is that LLM: no second model is loaded
+Judges and users: --judge embed | self | hf: | api: and --user scripted | self | hf: | api:, the offline stand-ins
+  (offline.py) or an LLM with its prompt here (LLMJudge, LLMUser); self is the policy's own frozen base. What each
+  is and is not, and what a failed turn does: docs/environment.md.
 
-Departures from EMPA
+Departures from EMPA (one line each; the reasons: docs/reference.md, "Known departures at a glance", items 4, 9)
   1. The shipped scenarios start at ||P0|| 17.5-25.3 (EMPA's: 17.5-41); the training defaults are short (3 turns,
      no end before turn 2, collapse window 3); the benchmark's rules (45, 12, 5) are flags, 05's empa uses them.
-  2. Tokens in, tokens out: each turn appends exactly the sampled reply ids and the template's text of the
-     next user message, so training sees the very tokens that were sampled (a thinking model's <think> part
-     too: it is cut only from what the user and the judge see; the template is asked not to think).
+  2. Tokens in, tokens out: training sees the very ids that were sampled (a thinking model's <think> part too;
+     it is cut only from what the user and the judge see).
 
 CPU:  python 03_rollout.py                     (SmolLM2-135M-Instruct, embed judge, scripted user)
 GPU:  python 03_rollout.py --model Qwen2.5-7B-Instruct --judge api:Qwen2.5-72B-Instruct \\
@@ -68,9 +60,12 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+import backends
 import common
 import offline
+import options
 import runs
+import sampling
 
 HERE = Path(__file__).resolve().parent
 AXES = ("C", "A", "P")
@@ -103,59 +98,59 @@ KV_REUSE = True
 # ---------------------------------------------------------------------------------------------
 # The options: the environment's (04 and 05 take them too), then this script's own
 # ---------------------------------------------------------------------------------------------
-count, at_least_0 = common.number(int, low=1), common.number(low=0)  # checking types: a bad value exits 2
+count, at_least_0 = options.number(int, low=1), options.number(low=0)  # checking types: a bad value exits 2
 
 
 @dataclass
 class EnvOptions:
     """The environment: scenarios, K, the episode rules, the judge and the user, sampling (03, 04, 05)."""
 
-    scenarios: str = common.option(str(HERE / "data" / "scenarios_train.jsonl"), "scenarios JSONL")
-    k: int = common.option(4, "dialogues per scenario (K)", type=count)
-    max_turns: int = common.option(3, "assistant turns before a timeout (EMPA: 45)", type=count)
-    min_turns: int = common.option(
+    scenarios: str = options.option(str(HERE / "data" / "scenarios_train.jsonl"), "scenarios JSONL")
+    k: int = options.option(4, "dialogues per scenario (K)", type=count)
+    max_turns: int = options.option(3, "assistant turns before a timeout (EMPA: 45)", type=count)
+    min_turns: int = options.option(
         2, "no success or failure before this turn (EMPA: 12; --emotion-ends ignores it)", type=count
     )
-    collapse_window: int = common.option(3, "failure when the last N dE are all < 0 (EMPA: 5)", type=count)
-    judge: str = common.option(
+    collapse_window: int = options.option(3, "failure when the last N dE are all < 0 (EMPA: 5)", type=count)
+    judge: str = options.option(
         "embed",
         "embed | self | hf:<model-or-path> | api:<model>: the EMPA judge, and in 04 also the criteria judge of "
         "--reward care and kardia (embed: a MiniLM cosine there)",
     )
-    judge_retries: int = common.option(
+    judge_retries: int = options.option(
         2,
         "re-asks of an api: judge on malformed JSON (a local judge at temperature 0 is not re-asked: it would "
         "answer the same)",
-        type=common.number(int, low=0),
+        type=options.number(int, low=0),
     )
-    user: str = common.option("scripted", "scripted | self | hf:<model-or-path> | api:<model>")
-    judge_concurrency: int | None = common.option(
+    user: str = options.option("scripted", "scripted | self | hf:<model-or-path> | api:<model>")
+    judge_concurrency: int | None = options.option(
         None, "the judge's own --api-concurrency (match what its server batches, e.g. vLLM --max-num-seqs)", type=count
     )
-    user_concurrency: int | None = common.option(None, "the simulated user's own --api-concurrency", type=count)
-    emotion_start: float = common.option(
+    user_concurrency: int | None = options.option(None, "the simulated user's own --api-concurrency", type=count)
+    emotion_start: float = options.option(
         30.0,
         "the simulated user's emotion e_0 (0-100; RLVER trains from 30, SAGE evaluates from 40)",
-        type=common.number(low=0, high=100),
+        type=options.number(low=0, high=100),
     )
-    emotion_ends: bool = common.option(
+    emotion_ends: bool = options.option(
         False, "end dialogues by RLVER's rule (emotion >= 100 success, < 10 failure) instead of EMPA's"
     )
-    kardia_format: bool = common.option(
+    kardia_format: bool = options.option(
         False,
         "Kardia-R1's format: the policy writes <understanding>, <reasoning>, <emotion>, <response>; only the "
         "response reaches the others (a reply without the four sections: all of it, the tags removed)",
     )
-    max_new_tokens: int | None = common.option(
+    max_new_tokens: int | None = options.option(
         None, "token cap of a reply (48; 192 with --kardia-format, room for the four sections)", type=count
     )
-    temperature: float = common.option(1.0, "sampling temperature (0 = greedy)", type=at_least_0)
-    top_p: float = common.option(
+    temperature: float = options.option(1.0, "sampling temperature (0 = greedy)", type=at_least_0)
+    top_p: float = options.option(
         1.0,
         "nucleus sampling top-p (04's loss scores the whole distribution: keep 1 for training)",
-        type=common.number(above=0, high=1),
+        type=options.number(above=0, high=1),
     )
-    max_context: int = common.option(
+    max_context: int = options.option(
         2048, "stop a dialogue (outcome context_limit) before its context passes this many tokens", type=count
     )
 
@@ -164,8 +159,8 @@ class EnvOptions:
 class Args:
     """03_rollout.py's own: how many scenarios to sample and whether to print them."""
 
-    num_scenarios: int = common.option(2, "how many scenarios (0 = all)", type=common.number(int, low=0))
-    quiet: bool = common.option(False, "do not print transcripts")
+    num_scenarios: int = options.option(2, "how many scenarios (0 = all)", type=options.number(int, low=0))
+    quiet: bool = options.option(False, "do not print transcripts")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -208,6 +203,8 @@ def episode_status(P0, dEs, states, t, args) -> str | None:
     rounded to 2 decimals as MICA's public code compares them (epj/scoring.py reads its rounded trajectory)."""
     if t < args.min_turns:
         return None
+    # E_total rounded, ||P0|| not (the threshold is the scenario's own, not a judged value): the two differ by at
+    # most 0.005, and rounding ||P0|| too could flip a borderline success of a pinned run
     if round(sum(dEs), 2) >= norm(P0):  # E_total >= ||P0||
         return "success"
     dE2 = [round(dE, 2) for dE in dEs]
@@ -485,7 +482,7 @@ def main(argv=None):
     print(
         f"judge failed on {sum(judged)}/{len(judged)} turns | user failed in "
         f"{sum(r['outcome'] == 'user_failed' for r in records)} dialogues"
-        + "".join(f" | {k} {v}" for k, v in common.api_counts(judge, user).items())
+        + "".join(f" | {k} {v}" for k, v in backends.api_counts(judge, user).items())
     )
 
 
@@ -533,7 +530,7 @@ def load_scenarios(path) -> list[dict]:
 # "features"} or None (failed); offline.EmbedJudge answers the same way
 def parse_judge_json(text: str | None) -> dict | None:
     """The judge's JSON (perhaps in prose or a code fence) -> levels, or None if it is not valid."""
-    obj, levels = common.first_json(text)[0] or {}, {}
+    obj, levels = backends.first_json(text)[0] or {}, {}
     for a in AXES:
         lv = obj.get(a) if isinstance(obj.get(a), dict) else {}
         p, n = lv.get("progress"), lv.get("negative")
@@ -544,7 +541,7 @@ def parse_judge_json(text: str | None) -> dict | None:
 
 
 class LLMJudge:
-    def __init__(self, backend: common.ChatBackend, retries: int = 2):
+    def __init__(self, backend: backends.ChatBackend, retries: int = 2):
         self.backend, self.retries = backend, retries
 
     def judge(self, cases: list[dict]) -> list[dict | None]:
@@ -562,7 +559,7 @@ class LLMJudge:
             for c in cases
         ]
         # malformed output: asked again (api: only), then that turn is given up (None: judge_failed)
-        levels = common.ask_json(
+        levels = backends.ask_json(
             self.backend, prompts, lambda i, text: parse_judge_json(text), self.retries, max_tokens=200
         )
         return [None if lv is None else {"levels": lv, "features": {}} for lv in levels]
@@ -571,7 +568,7 @@ class LLMJudge:
 # the LLM user: items {scenario, k, history, trend, band} -> the user's next message, or None (failed);
 # offline.ScriptedUser answers the same way
 class LLMUser:
-    def __init__(self, backend: common.ChatBackend, seed: int = 0):
+    def __init__(self, backend: backends.ChatBackend, seed: int = 0):
         self.backend = backend
         # every user carries the step's seed (04 sets it each step, as for offline.ScriptedUser); an LLM user's
         # own draws come from torch's generator, which 04 seeds from the same step seed (an api: user's from its
@@ -594,7 +591,7 @@ class LLMUser:
                 ]
             )
         # an empty answer is a failed turn (not asked again: the dialogue ends as user_failed)
-        return common.ask_json(
+        return backends.ask_json(
             self.backend,
             convs,
             lambda i, a: a.strip() if a and a.strip() else None,
@@ -623,7 +620,7 @@ def make_judge(args, policy=None, engine=None):
     (engine.py) the engine's base model."""
     if args.judge == "embed":
         return offline.EmbedJudge(HERE / "data" / "judge_prototypes.json", device=str(common.pick_device()))
-    backend = common.make_chat_backend(args.judge, args, args.judge_concurrency, policy, engine)
+    backend = backends.make_chat_backend(args.judge, args, args.judge_concurrency, policy, engine)
     return LLMJudge(backend, args.judge_retries)
 
 
@@ -631,7 +628,7 @@ def make_user(args, policy=None, engine=None):
     """--user's simulated user; policy and engine: as for make_judge, for --user self."""
     if args.user == "scripted":
         return offline.ScriptedUser(args.seed)
-    return LLMUser(common.make_chat_backend(args.user, args, args.user_concurrency, policy, engine), args.seed)
+    return LLMUser(backends.make_chat_backend(args.user, args, args.user_concurrency, policy, engine), args.seed)
 
 
 # tokens in, tokens out: the opening, Kardia-R1's sections, what the user and the judge see, the KV cache
@@ -719,22 +716,22 @@ class TurnCache:
             self.cache.batch_select_indices(index)
             self.seq, self.mask = self.seq[index], self.mask[index]
 
-    def generate(self, model, tokenizer, contexts: list[list[int]], args) -> list[common.Reply]:
+    def generate(self, model, tokenizer, contexts: list[list[int]], args) -> list[sampling.Reply]:
         """One reply per context (contexts[b] extends row b's real tokens); the cache is kept for the next."""
         pad, device = tokenizer.pad_token_id, next(model.parameters()).device
         if self.cache is None:
-            input_ids, attn = common.left_pad(contexts, pad, device)
-            cache = common.prefill_distinct(model, input_ids, attn)
+            input_ids, attn = sampling.left_pad(contexts, pad, device)
+            cache = sampling.prefill_distinct(model, input_ids, attn)
         else:
             new = []
             for b, c in enumerate(contexts):
                 real = self.seq[b][self.mask[b].bool()].tolist()
                 assert c[: len(real)] == real, "TurnCache: a context does not extend its cached row"
                 new.append(c[len(real) :])
-            tail, tail_mask = common.left_pad(new, pad, device)
+            tail, tail_mask = sampling.left_pad(new, pad, device)
             input_ids, attn = torch.cat([self.seq, tail], 1), torch.cat([self.mask, tail_mask], 1)
             cache = self.cache  # every column but the last of self.seq
-        replies, out = common.generate(
+        replies, out = sampling.generate(
             model, tokenizer, input_ids, attn, args.max_new_tokens, args.temperature, args.top_p, cache
         )
         n_new = out.sequences.shape[1] - input_ids.shape[1]
@@ -762,18 +759,18 @@ def check_env_args(args):
 
 
 def parse_args(argv=None):
-    p = common.options_parser(
+    p = options.options_parser(
         __doc__.split("\n")[0],
         [
             ("03_rollout.py", Args),
             ("environment", EnvOptions),
-            ("model", common.ModelOptions),
-            ("LLM endpoints (api: backends)", common.EndpointOptions),
+            ("model", options.ModelOptions),
+            ("LLM endpoints (api: backends)", backends.EndpointOptions),
             ("run", runs.RunOptions),
         ],
     )
     p.set_defaults(scenarios=str(HERE / "data" / "scenarios_test.jsonl"), k=2, run_name="rollout")
-    args = common.parse_options(p, argv)
+    args = options.parse_options(p, argv)
     check_env_args(args)
     return args
 

@@ -1,106 +1,52 @@
 """04_mica_train.py: MICA, online multi-turn RL of a support policy (LoRA) against a simulated user.
 
-What it does
-  Each step samples scenarios and rolls out K dialogues per scenario in 03's environment. It turns the
-  judge's verdicts into per-turn rewards, assigns credit with MICA's mixed turn-level and group-level
-  advantage (or GRPO's, or REINFORCE++'s), and takes clipped policy-gradient steps on the tokens of every
-  reply.
+Each step rolls out K dialogues for each of a few scenarios in 03's environment, turns the judge's verdicts into
+per-turn rewards, assigns credit with MICA's mixed turn-level and group-level advantage (or GRPO's, or
+REINFORCE++'s), and takes clipped policy-gradient steps on the tokens of every reply.
 
 Imports 03_rollout, the environment: scenarios, the batched rollout, the judges and users, IDR.
         01_rubric_sft, CARE's and Kardia-R1's graders: the loops of --reward care and kardia.
-Reads   data/scenarios_train.jsonl (or --scenarios); the policy (--model, default the packaged
-        SmolLM2-135M-Instruct); the judge and the user (03's options); --rubric-model (02's adapter).
-Writes  runs/<name>-<time>/:
-        args.json         every option
-        metrics.jsonl     a line per step, also printed
-        rollouts.jsonl    every dialogue with its rewards, returns, advantages and the estimator's terms
-        checkpoint.pt     the adapter, the optimizer, the schedule and the step (written atomically)
-        engine/           with --engine: the adapter pushed to the engine last
-        adapter/          the final LoRA adapter (standard peft: 05_eval.py --adapters takes it)
-        curves.png        redrawn at each checkpoint
-        credit_step<N>.png  how the estimator assigned credit in the first and the last step
-        tensorboard/      with --report-to tensorboard
+Reads   data/scenarios_train.jsonl (or --scenarios), the policy (--model), the judge and the user (03's options).
+Writes  runs/<name>-<time>/: args.json, metrics.jsonl, rollouts.jsonl, checkpoint.pt, adapter/ (05_eval.py
+        --adapters takes it), curves.png, credit_step<N>.png (each file: docs/files.md, "A run's folder").
+
+Equations (MICA, docs/reference.md section 2; each is written again above the loop that computes it)
+  reward       r_t by --reward: idr d(P_{t-1}) - d(P_t); rlver (e_t - e_{t-1}) / 100; care and kardia the
+               rubric's score; minus lambda_cut x the reward's unit when reply t was cut off
+  return       G_t = sum_{j >= t} gamma^(j - t) r_j
+  MICA         A[k][t] = alpha A_turn[k][t] + (1 - alpha) A_group[k][t]: G normalised over the k that reached
+               turn t, r normalised over the scenario's every turn
+  GRPO         A[k][t] = (R_k - mean_K) / (std_K + 1e-6),  R_k = sum_t r[k][t]
+  REINFORCE++  A = (G - mean) / (std + 1e-6) over every turn of the batch
+  loss         L = (1/N) sum_i w_i max(-ratio_i A_i, -clip(ratio_i, 1 - eps_low, 1 + eps_high) A_i)
+                   + beta (1/N) sum_i k3_i   (the k3 KL to the base; beta = --kl-coef, 0 as in MICA)
+               ratio_i = pi(y_i) / pi_old(y_i);  w_i = min(pi_old(y_i) / pi_sampler(y_i), --tis-cap), 1 without it
 
 Where each part lives
-  This file    the options (Args), the returns and the estimators (ADVANTAGES), the environment's own rewards
-               (idr, rlver) and the table of all rewards (REWARDS), the clipped loss, the update, the loop.
-  01           care_rewards and kardia_rewards, the loops of --reward care and kardia, and their graders.
-  03           the environment and the rollout.
-  common.py    hyperparameters that shape training without being MICA's: LoRA's rank r = 16 and scale
-               alpha = 32 (LORA_R, LORA_ALPHA), and the learning-rate schedule (make_optimizer: AdamW, a
-               warm-up over the first 5% of the steps, then a half cosine towards 0).
-  runs.py      the run folder, the checkpoint and the step's metrics line.
-  engine.py    --engine: the vLLM client that samples the policy and pushes the adapter (03's rollout calls it).
-  presets/     the budgets --preset picks, one YAML file each: cpu, demo, gpu.
+  here         Args; ADVANTAGES (the returns, the estimators); REWARDS (idr, rlver, each with its cut-off unit);
+               the loss; the update; the loop; main
+  01, 03       CARE's and Kardia-R1's rewards and graders; the environment and the rollout
+  common.py    LoRA (LORA_R = 16, LORA_ALPHA = 32) and make_optimizer: AdamW with a warmup-stable-decay schedule,
+               stepped once a rollout (under 30 steps no warm-up: two steps at the peak, then a half cosine)
+  runs.py      the run folder, the checkpoint, the step's metrics line, the update's statistics (UpdateStats)
+  parallel.py  the data-parallel helpers: the only places where processes talk;  engine.py  --engine's vLLM client
+  presets/     the budgets --preset picks: cpu, demo, gpu
 
-Equations (MICA; docs/reference.md section 2; each one is a loop below)
-  rewards r_t, by --reward (a sum such as idr+0.5*rlver weights its parts)
-    idr      r_t = d(P_{t-1}) - d(P_t), with d(P) = sqrt( sum_a w_a max(0, -eps - P_a)^2 )   (MICA)
-    rlver    r_t = (e_t - e_{t-1}) / 100, e the simulated user's emotion (RLVER)
-    care     r_t = S(y_t) = sum_d w_d,t (1/|C_d,t|) sum_{c in C_d,t} s(y_t, c), turn t's rubric written by the
-             frozen generator (CARE)
-    kardia   r_t = (1/5) sum_c s_c,t over five fixed criteria, + r_fmt with --kardia-format (Kardia-R1)
-             (care's and kardia's criteria are scored by --judge, the EMPA judge's spec: with embed, a MiniLM
-             cosine of the reply and each criterion)
-    cut-off  r_t -= lambda_cut * (the reward's unit) when reply t was cut off at the token cap
-  return        G_t = sum_{j >= t} gamma^(j - t) r_j                         (within one dialogue)
-  turn-level    A_turn[k][t] = (G[k][t] - mean_t) / (std_t + 1e-6)     over the k that reached turn t
-  group-level   A_group[k][t] = (r[k][t] - mean) / (std + 1e-6)         over all sum_k T_k rewards
-  MICA          A[k][t] = alpha A_turn[k][t] + (1 - alpha) A_group[k][t]    (both stds population, Eq. 2)
-  GRPO          R_k = sum_t r[k][t];  A[k][t] = (R_k - mean_K) / (std_K + 1e-6) on every turn (sample std)
-  REINFORCE++   A = (G - mean) / (std + 1e-6) over every turn of every dialogue of the batch (sample std)
-  loss          ratio_i = exp(log pi(y_i) - log pi_old(y_i)) for every token i of every scored reply
-                L = (1/N) sum_i w_i max(-ratio_i A_i, -clip(ratio_i, 1 - eps_low, 1 + eps_high) A_i)
-                    + beta (1/N) sum_i [exp(ref_i - logp_i) - (ref_i - logp_i) - 1]
-                A_i is the advantage of token i's turn. The second term is the k3 KL to the base (the adapter
-                off), beta = --kl-coef (0, as in MICA). N is the minibatch's scored tokens.
-                w_i = min(exp(log pi_old(y_i) - log pi_sampler(y_i)), C), C = --tis-cap: the truncated importance
-                weight of a token drawn by another sampler (an engine); 1 without --engine (C = 0, off)
+Departures from MICA, one line each; the reasons: docs/reference.md, "Known departures at a glance" (item)
+  1. LoRA, not full fine-tuning: lr 1e-3 on the CPU presets, 1e-5 on the gpu preset (3)
+  2. short episodes on a CPU; the gpu preset has MICA's shape, its frozen base judging and playing the user (4, 5)
+  3. a reply cut off at the token cap loses --cut-off-penalty of its reward's unit (6)
+  4. a turn a judge failed on is left out of the loss; its reward is filled for the returns (7)
+  5. REINFORCE++ discounts and whitens per turn; RLVER's reward is paid per turn, its end rule for every part (8, 10)
+  6. two optimizer steps a rollout; pi_old is taken once, before the first (15)
+  7. a reward positive every turn (care, kardia) favours long dialogues; idr and rlver do not (16)
 
-The cut-off penalty's unit (one rule for every reward): what a turn judged good on every count earns in that
-reward. For idr that is a point of progress on every axis, far from the goal: sqrt(w_C + w_A + w_P), sqrt 3
-with MICA's weights. For rlver it is the emotion's largest rise in one turn, 10 points: 0.1. For care and
-kardia it is full marks on every criterion: 1 (kardia's format term is then 0). Each unit is written in
-REWARDS beside its reward.
-
-Departures from the paper (and why)
-  1. LoRA instead of full fine-tuning, so lr 1e-3 instead of 1e-6 on the CPU presets: a fresh adapter needs a
-     larger step (at 1e-4 SmolLM2 barely moved in 20 steps: docs/results.md). The gpu preset uses 1e-5, ten
-     times MICA's rate, LoRA's usual ratio (docs/training.md, "Presets").
-  2. Short episodes on a CPU: 3 turns of at most 48 tokens, and 4 scenarios x K=4 a step (MICA: 8-15 turns,
-     16 x 4). The gpu preset takes MICA's shape and EMPA's collapse window of 5, with 4-bit base weights and
-     the frozen base as judge and user. Every preset's departures: docs/reference.md, "Known departures".
-  3. A reply cut off at the token cap loses --cut-off-penalty (0.5) of its reward's unit (the rule above).
-     Without it a small policy drifts to the cap.
-  4. A turn a judge failed on (the EMPA judge, or CARE's or Kardia-R1's criteria judge) is left out of the
-     loss and counted. For the returns and the group statistics its reward is the dialogue's mean valid reward
-     before the cut-off penalty (as the public code fills it), and it pays its own penalty if it was cut off.
-  5. REINFORCE++ discounts per turn (rewards sit on turn ends) and whitens per turn, not per token. RLVER's
-     reward is paid per turn as the emotion's change (RLVER pays e_T/100 once, at the end). A --reward with
-     rlver in it ends every dialogue by RLVER's emotion rule, for all its parts, and --min-turns is unused.
-  6. Two optimizer steps per rollout by default (--minibatch-size 8 of 16 dialogues, MICA's proportion), so the
-     ratio moves and the clip acts from the second minibatch on. pi_old is taken once per rollout, before the
-     first step. With --update-epochs 1 the first minibatch is scored against the update's own forward,
-     detached, so its ratio is exactly 1; with more epochs every minibatch, the first included, is scored
-     against that pi_old, and the later epochs' ratios move.
-  7. With rewards that are positive every turn (care, kardia), a longer dialogue sums more: at S = 0.5 a turn, a
-     dialogue that succeeds at turn 8 has R = 4.0 and one that runs to the timeout at turn 15 has R = 7.5, so
-     GRPO ranks the timeout higher, and MICA's early returns G_t favour it too. idr and rlver do not: they sum
-     to the change of the state.
-
-CPU:  python 04_mica_train.py                   (SmolLM2, the embed judge, the scripted user: docs/results.md
-                                                 has the seconds a step)
-      python 04_mica_train.py --preset demo     (make demo: 4 steps; then 05 compares held out)
-GPU:  python 04_mica_train.py --model Qwen2.5-7B-Instruct     (the gpu preset: 4-bit, the frozen base judges
-          and plays the user; for results a served judge: --judge api:Qwen2.5-72B-Instruct \\
-          --user api:Qwen2.5-72B-Instruct --api-base http://localhost:8000/v1)
+CPU:  python 04_mica_train.py --preset demo      (make demo: 4 steps; then 05 compares held out)
+GPU:  python 04_mica_train.py --model Qwen2.5-7B-Instruct      (the gpu preset; docs/scale.md)
       python 04_mica_train.py --model Qwen2.5-7B-Instruct --engine http://localhost:8000   (a vLLM server,
-          `make serve MODEL=Qwen2.5-7B-Instruct`, samples the policy, judges and plays the user: docs/scale.md)
-N GPUs: accelerate launch --num_processes N 04_mica_train.py ...   (docs/scale.md)
-
-A new estimator or reward is one function and one entry in ADVANTAGES or REWARDS (docs/training.md, "Adding
-an estimator or a reward"); --advantage and --reward take its name. --advantage also takes module:function,
-an estimator kept outside this repository (it receives the step's dialogues too).
+          `make serve MODEL=Qwen2.5-7B-Instruct`, samples the policy, judges and plays the user)
+N GPUs: accelerate launch --num_processes N 04_mica_train.py ...
+A new estimator or reward: one function and one entry in ADVANTAGES or REWARDS (docs/training.md).
 """
 
 from __future__ import annotations
@@ -119,19 +65,23 @@ from typing import NamedTuple
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import gather_object, set_seed
+from accelerate.utils import set_seed
 from tqdm import tqdm
 
+import backends
 import common
 import engine
+import options
+import parallel
 import plots
 import runs
+import sampling
 
 sft = importlib.import_module("01_rubric_sft")  # CARE's and Kardia-R1's graders, the rubric's dimensions
 env = importlib.import_module("03_rollout")  # the environment: scenarios, rollout, judges, users, IDR
 HERE = Path(__file__).resolve().parent
 PRESETS = HERE / "presets"  # cpu.yaml, demo.yaml, gpu.yaml: the budgets --preset picks
-count = common.number(int, low=1)  # a checking type: a bad value exits 2 with one line naming the flag
+positive_int = options.number(int, low=1)  # a flag's type: a value below 1 exits 2 with one line naming the flag
 
 
 # ---------------------------------------------------------------------------------------------
@@ -142,86 +92,93 @@ count = common.number(int, low=1)  # a checking type: a bad value exits 2 with o
 class Args:
     """04_mica_train.py: the algorithm, the budget, the log."""
 
-    advantage: str = common.option(
+    advantage: str = options.option(
         "mica",
         "the advantage estimator, a name in ADVANTAGES (mica, grpo, reinforce_pp, or one a fork adds), or "
         "module:function for an estimator of your own (module.py in the folder you run from, or on PYTHONPATH)",
     )
-    alpha: float = common.option(0.4, "MICA's weight of the turn-level advantage", type=common.number(low=0, high=1))
-    gamma: float = common.option(0.85, "discount of the per-turn returns", type=common.number(low=0, high=1))
-    reward: str = common.option(
+    alpha: float = options.option(0.4, "MICA's weight of the turn-level advantage", type=options.number(low=0, high=1))
+    gamma: float = options.option(
+        0.85,
+        "discount of the per-turn returns G_t (MICA's turn-level term, REINFORCE++); GRPO ignores it: it sums each "
+        "dialogue's rewards undiscounted",
+        type=options.number(low=0, high=1),
+    )
+    reward: str = options.option(
         "idr",
         "the per-turn reward, a name in REWARDS, or a weighted sum such as idr+0.5*care: idr (MICA's incremental "
         "distance), rlver (the simulated user's emotion change / 100; its dialogues end by RLVER's emotion rule), "
         "care (CARE's adaptive rubric), kardia (Kardia-R1's fixed rubric, + its format term with --kardia-format)",
     )
-    lr: float = common.option(1e-3, "peak learning rate (AdamW; LoRA on SmolLM2)", type=common.number(above=0))
-    minibatch_size: int = common.option(
+    lr: float = options.option(1e-3, "peak learning rate (AdamW; LoRA on SmolLM2)", type=options.number(above=0))
+    minibatch_size: int = options.option(
         8,
         "dialogues per optimizer step (data-parallel: in all); the cpu preset's 8 of 16 dialogues a rollout and "
         "the gpu preset's 32 of 64 give 2 optimizer steps a rollout, MICA's proportion",
-        type=count,
+        type=positive_int,
     )
-    update_epochs: int = common.option(1, "passes of the clipped update over each rollout's dialogues", type=count)
-    kl_coef: float = common.option(0.0, "beta of the k3 KL to the base model (0 = off)", type=common.number(low=0))
-    tis_cap: float | None = common.option(
+    update_epochs: int = options.option(
+        1, "passes of the clipped update over each rollout's dialogues", type=positive_int
+    )
+    kl_coef: float = options.option(0.0, "beta of the k3 KL to the base model (0 = off)", type=options.number(low=0))
+    tis_cap: float | None = options.option(
         None,
         "C of the truncated importance weight w_i = min(pi_old(y_i) / pi_sampler(y_i), C) on each token's clipped "
         "term (0 = off); default 2 with --engine (verl's rollout_is_threshold, TRL's first cap), off without it",
-        type=common.number(low=0),
+        type=options.number(low=0),
     )
-    cut_off_penalty: float = common.option(
+    cut_off_penalty: float = options.option(
         0.5,
         "a reply cut off at --max-new-tokens loses this many of its reward's units; a unit is what a turn judged "
         "good on every count earns (idr: sqrt(w_C + w_A + w_P); rlver: 0.1; care and kardia: 1)",
     )
-    idr_weights: list = common.option(
+    idr_weights: list = options.option(
         [1.0, 1.0, 1.0],
         "w = (w_C, w_A, w_P) of the hinge distance",
         nargs=3,
-        type=common.number(low=0),
+        type=options.number(low=0),
         metavar=("W_C", "W_A", "W_P"),
     )
-    care_distance: str = common.option(
+    care_distance: str = options.option(
         "weighted",
         "with idr+care: weight turn t's distance by 3 w_t of its rubric (this project's design; the rewards then "
         "do not telescope), or plain MICA IDR",
         choices=["weighted", "plain"],
     )
-    steps: int = common.option(20, "training steps (rollout + update)", type=count)
-    scenarios_per_step: int = common.option(
-        4, "scenarios per step, each rolled out K times (data-parallel: in all, shared out)", type=count
+    steps: int = options.option(20, "training steps (rollout + update)", type=positive_int)
+    scenarios_per_step: int = options.option(
+        4, "scenarios per step, each rolled out K times (data-parallel: in all, shared out)", type=positive_int
     )
-    micro_batch_size: int = common.option(
-        2, "dialogues per forward/backward, per process (the gradient accumulates up to a minibatch)", type=count
+    micro_batch_size: int = options.option(
+        2, "dialogues per forward/backward, per process (the gradient accumulates up to a minibatch)", type=positive_int
     )
-    preset: str = common.option(
+    preset: str = options.option(
         "auto",
         "the budget to start from, presets/<name>.yaml: cpu (the defaults here), demo (make demo), gpu (one GPU: "
         "MICA's proportions, --judge self --user self); auto = gpu with CUDA, else cpu; --config and flags win",
         choices=["auto", *sorted(f.stem for f in PRESETS.glob("*.yaml"))],
     )
-    log_kl_every: int = common.option(
+    log_kl_every: int = options.option(
         5,
         "with --kl-coef 0, log the KL to the base every N steps (0 = never): one more forward with the adapter "
         "off, no gradient, against the update's own log-probabilities, so minibatches after the first see the "
         "policy as it moves",
-        type=common.number(int, low=0),
+        type=options.number(int, low=0),
     )
-    credit_steps: list = common.option(
+    credit_steps: list = options.option(
         [],
         "the steps whose credit picture credit_step<N>.png is drawn (default: the first and the last)",
         nargs="+",
-        type=count,
+        type=positive_int,
     )
-    save_every: int = common.option(10, "write <run>/checkpoint.pt every N steps (and at the last)", type=count)
-    report_to: str = common.option(
+    save_every: int = options.option(10, "write <run>/checkpoint.pt every N steps (and at the last)", type=positive_int)
+    report_to: str = options.option(
         "none",
         "also log every step's metrics and the configuration through accelerate's tracker (tensorboard writes "
         "<run>/tensorboard/; wandb and trackio need their package installed)",
         choices=["none", "tensorboard", "wandb", "trackio"],
     )
-    resume: str | None = common.option(None, "a run folder: continue from its last checkpoint")
+    resume: str | None = options.option(None, "a run folder: continue from its last checkpoint")
 
 
 CLIP_LOW, CLIP_HIGH = 0.2, 0.28  # the ratio's clip [1 - eps_low, 1 + eps_high] (DAPO's clip-higher, as MICA's code)
@@ -326,18 +283,30 @@ ADVANTAGES = {"mica": mica_advantages, "grpo": grpo_advantages, "reinforce_pp": 
 
 # ---------------------------------------------------------------------------------------------
 # The rewards, registered by name: REWARDS[name] = Reward(score, unit)
-#   score(trajs, args, graders) -> r[i][t] for every dialogue i and turn t, unweighted (NaN where its judge
-#                                  failed); --reward idr+0.5*rlver weights and sums the parts
-#   unit                           what a turn judged good on every count earns in it: the cut-off penalty's
-#                                  unit (a number, or a function of the options)
+#   score(trajs, args, graders) -> r[i][t] for every dialogue i and turn t, unweighted; care and kardia give NaN
+#                                  where their criteria judge failed, idr and rlver never do (an EMPA judge failure
+#                                  is tr.judge_failed); --reward idr+0.5*rlver weights and sums the parts
+#   unit                           the cut-off penalty's unit in this reward (a number, or a function of the options)
+# The cut-off unit follows two rules, not one. For rlver, care and kardia it is the most one turn can earn:
+# rlver's largest one-turn rise of the emotion, 10 of 100 (0.1); full marks on every criterion (1; kardia's
+# format term is then 0). idr's most depends on the state (a turn lowers d by at most d(P_{t-1}); far from the
+# goal, a level-2 turn on every axis lowers it by 3 sqrt 3), so its unit is a level-1 turn on every axis far
+# from the goal, sqrt(w_C + w_A + w_P): a good turn, not the best. idr's most would triple its penalty and change
+# every idr run's numbers (docs/reference.md section 2).
 # care and kardia score in 01, beside the criteria judge they call.
 # ---------------------------------------------------------------------------------------------
+def rubric_weighted_distance(args) -> bool:
+    """Whether idr's distance is weighted by CARE's rubric (idr+care, --care-distance weighted): decided here
+    only, for the reward (idr_rewards) and its unit (idr_unit)."""
+    return "care" in args.reward_weights and args.care_distance == "weighted"
+
+
 def idr_rewards(trajs, args, graders) -> list[list[float]]:
     """MICA's incremental distance reward, from 03's hinge distance."""
     r = []
     for tr in trajs:
         w = args.idr_weights
-        if "rubrics" in tr.extra and args.care_distance == "weighted":
+        if rubric_weighted_distance(args):  # 01's write_rubrics wrote tr.extra["rubrics"] first
             # with CARE the rubric's weights weight the distance (in place of --idr-weights), scaled so that
             # uniform ones give MICA's (1, 1, 1): w_t = 3 (w_C,t, w_A,t, w_P,t). This project's design, not a
             # paper's: d_t changes every turn, so the rewards no longer sum to d(P0) - d(P_T)
@@ -348,10 +317,10 @@ def idr_rewards(trajs, args, graders) -> list[list[float]]:
 
 
 def idr_unit(args) -> float:
-    """A point of progress on every axis, far from the goal and with the three deficits equal, lowers d by
-    sqrt(w_C + w_A + w_P): sqrt 3 with MICA's weights, and with idr+care's weighted distance (its 3 w_t sum to 3)."""
-    weighted = "care" in args.reward_weights and args.care_distance == "weighted"
-    return math.sqrt(3.0 if weighted else sum(args.idr_weights))
+    """A level-1 turn (a point of progress) on every axis, far from the goal and with the three deficits equal,
+    lowers d by sqrt(w_C + w_A + w_P): sqrt 3 with MICA's weights, and with idr+care's weighted distance (its
+    3 w_t sum to 3)."""
+    return math.sqrt(3.0 if rubric_weighted_distance(args) else sum(args.idr_weights))
 
 
 def rlver_emotion_rewards(emotions) -> list[float]:
@@ -434,35 +403,6 @@ def k3_kl(logp, logp_ref):
 
 
 # ---------------------------------------------------------------------------------------------
-# Data-parallel: the only places where processes talk (`accelerate launch --num_processes N`); on one
-# process each does nothing
-# ---------------------------------------------------------------------------------------------
-def sum_over_processes(accelerator, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Each tensor summed over the processes (one flat all-reduce); on one process the tensors as they are."""
-    if accelerator.num_processes == 1:
-        return tensors
-    flat = accelerator.reduce(torch.cat([t.reshape(-1).to(accelerator.device) for t in tensors]), "sum")
-    return [x.view_as(t).to(t.device) for x, t in zip(flat.split([t.numel() for t in tensors]), tensors)]
-
-
-def gather_over_processes(accelerator, obj) -> list:
-    """[every process's obj], in process order; on one process [obj]."""
-    return gather_object([obj]) if accelerator.num_processes > 1 else [obj]
-
-
-def advantages_over_processes(accelerator, estimator, rewards, dialogues, args) -> tuple[list, dict]:
-    """An advantage estimator over every process's scenario groups at once (a batch-wide statistic, such as
-    REINFORCE++'s, sees the whole batch) -> this process's groups of A and of the terms."""
-    everyone = gather_over_processes(accelerator, (rewards, dialogues))
-    A, A_terms = estimator(
-        [group for part, _ in everyone for group in part], [group for _, part in everyone for group in part], args
-    )
-    first = sum(len(part) for part, _ in everyone[: accelerator.process_index])
-    mine = slice(first, first + len(rewards))
-    return A[mine], {name: value[mine] for name, value in A_terms.items()}
-
-
-# ---------------------------------------------------------------------------------------------
 # The update: clipped policy-gradient steps on the reply tokens (no critic: the advantages come from above)
 # ---------------------------------------------------------------------------------------------
 @dataclass
@@ -473,7 +413,7 @@ class Sample:
     ids: list[int]
     spans: list[tuple[int, int]]
     advantages: list[float | None]
-    sampler: list[list[float]]
+    logp_sampler: list[list[float]]  # per reply, log pi_sampler(y_i) of each of its tokens as they were drawn
 
     def scored(self) -> list[tuple[int, int]]:
         return [span for span, a in zip(self.spans, self.advantages) if a is not None]
@@ -489,7 +429,7 @@ class Sample:
 
     def sampler_logprobs(self) -> torch.Tensor:
         # log pi_sampler(y_i) for every token i of the scored replies (flat, in token_logprobs' order)
-        return torch.tensor([x for lp, a in zip(self.sampler, self.advantages) if a is not None for x in lp])
+        return torch.tensor([x for lp, a in zip(self.logp_sampler, self.advantages) if a is not None for x in lp])
 
 
 def as_samples(trajs, advantages=None, failed=None) -> list[Sample]:
@@ -503,19 +443,6 @@ def as_samples(trajs, advantages=None, failed=None) -> list[Sample]:
     ]
 
 
-def split_minibatches(samples: list[Sample], args, accelerator) -> list[list[int]]:
-    """The samples (scenario by scenario, K each, in the step's seeded order) cut in that order into this
-    process's share of each minibatch of --minibatch-size dialogues. --minibatch-size is a multiple of K, so a
-    minibatch holds whole scenarios, as MICA's verl launch splits a batch. A dialogue with nothing to score is
-    left out. Every process gets as many minibatches (empty ones where it has run out)."""
-    size = args.minibatch_size // accelerator.num_processes
-    out = [
-        [i for i in range(j, min(j + size, len(samples))) if samples[i].n_tokens() > 0]
-        for j in range(0, len(samples), size)
-    ]
-    return out + [[] for _ in range(max(gather_over_processes(accelerator, len(out))) - len(out))]
-
-
 def micro_batches(samples: list[Sample], minibatch: list[int], size: int) -> list[list[int]]:
     """A minibatch's micro-batches, its dialogues sorted by length (less padding; the step is the same)."""
     minibatch = sorted(minibatch, key=lambda i: len(samples[i].ids))
@@ -524,15 +451,17 @@ def micro_batches(samples: list[Sample], minibatch: list[int], size: int) -> lis
 
 def collate(samples: list[Sample], pad_id, device):
     """Right-padded ids, the attention mask and the loss mask: the tokens of every reply with an advantage."""
-    return common.right_pad([s.ids for s in samples], pad_id, [s.scored() for s in samples], device)
+    return sampling.right_pad([s.ids for s in samples], pad_id, [s.scored() for s in samples], device)
 
 
 @torch.no_grad()
 def old_and_ref_logprobs(model, tokenizer, samples, minibatches, args, need_ref: bool) -> tuple[dict, dict]:
-    """pi_old, where the policy has moved since sampling: not in the first minibatch of the first epoch, whose
-    current log-probabilities, detached, serve (so one epoch of one minibatch spends no extra forward). And the
-    reference (the base, the adapter off) once per rollout when the KL is used or logged. Taken in train mode,
-    as the update's own log-probabilities are (the same forward: LoRA's dropout is 0)."""
+    """log pi_old(y_i), the policy before this rollout's first optimizer step, for every minibatch that is scored
+    after a step has moved the policy: with one epoch, every minibatch but the first (the first is scored before
+    any step, so the update's own forward, detached, is pi_old there and no extra forward is spent); with more
+    epochs, every minibatch. And the reference (the base, the adapter off) once per rollout when the KL is used
+    or logged. Taken in train mode, the same forward as the update's own log-probabilities: load_policy zeroes
+    every dropout of a trainable policy, so train mode adds no noise."""
     device, old_from = next(model.parameters()).device, 1 if args.update_epochs == 1 else 0
     old, ref = {}, {}
     model.train()
@@ -543,10 +472,10 @@ def old_and_ref_logprobs(model, tokenizer, samples, minibatches, args, need_ref:
             ids, attn, mask = collate([samples[i] for i in micro], tokenizer.pad_token_id, device)
             sizes = [samples[i].n_tokens() for i in micro]
             if n >= old_from:
-                old.update(zip(micro, common.token_logprobs(model, ids, attn, mask, args.temperature).split(sizes)))
+                old.update(zip(micro, sampling.token_logprobs(model, ids, attn, mask, args.temperature).split(sizes)))
             if need_ref:
                 with common.adapters_off(model):
-                    logp = common.token_logprobs(model, ids, attn, mask, args.temperature)
+                    logp = sampling.token_logprobs(model, ids, attn, mask, args.temperature)
                 ref.update(zip(micro, logp.split(sizes)))
     return old, ref
 
@@ -559,105 +488,54 @@ def policy_update(model, tokenizer, optimizer, scheduler, samples, args, acceler
     Data-parallel: each process holds its part of every minibatch; N, the gradient and the logged sums are
     summed over the processes, so each takes the step that one process would take on all the dialogues."""
     device, params = next(model.parameters()).device, [p for p in model.parameters() if p.requires_grad]
-    minibatches = split_minibatches(samples, args, accelerator)
+    minibatches = parallel.split_minibatches(samples, args, accelerator)
     A_tok = {i: samples[i].token_advantages() for minibatch in minibatches for i in minibatch}
     need_ref = args.kl_coef > 0 or log_kl
     old, ref = old_and_ref_logprobs(model, tokenizer, samples, minibatches, args, need_ref)
     model.train()
-    # running sums, kept on the device: the loss of the steps taken, the clipped token passes, the KL, the gap
-    loss_total, clipped, kl_total, gap_total, w_total, w_capped = (
-        torch.zeros((), dtype=torch.float64, device=device) for _ in range(6)
-    )
-    ratio_lo, ratio_hi = torch.tensor(math.inf, device=device), torch.tensor(-math.inf, device=device)
-    gap_max = torch.zeros((), device=device)
-    token_passes, grad_norms, nonfinite_grads = 0, [], 0
+    stats = runs.UpdateStats(device)  # the loss, the clip fraction, the ratio's range, the KL, the sampler gap
+    # every epoch takes the minibatches in the same order, split once above (CleanRL's ppo.py reshuffles each
+    # epoch): a minibatch holds whole scenarios, in the step's seeded order, and a reshuffle would change the
+    # numbers of every multi-epoch run (docs/training.md, docs/reference.md "Known departures" 15)
     for epoch in range(args.update_epochs):
         for minibatch in minibatches:
             # N: the minibatch's scored reply tokens (over every process); 0: every turn in it failed, no step
-            N = int(sum_over_processes(accelerator, [torch.tensor(sum(samples[i].n_tokens() for i in minibatch))])[0])
+            n_tokens = torch.tensor(sum(samples[i].n_tokens() for i in minibatch))
+            N = int(parallel.sum_over_processes(accelerator, [n_tokens])[0])
             if N == 0:
                 continue
             optimizer.zero_grad(set_to_none=True)
-            minibatch_loss = torch.zeros((), dtype=torch.float64, device=device)
+            stats.minibatch()
             for micro in micro_batches(samples, minibatch, args.micro_batch_size):
                 ids, attn, mask = collate([samples[i] for i in micro], tokenizer.pad_token_id, device)
-                logp = common.token_logprobs(model, ids, attn, mask, args.temperature)
+                logp = sampling.token_logprobs(model, ids, attn, mask, args.temperature)
                 A = torch.cat([A_tok[i] for i in micro]).to(device)
                 logp_old = torch.cat([old[i] for i in micro]) if micro[0] in old else logp.detach()
                 logp_sampler = torch.cat([samples[i].sampler_logprobs() for i in micro]).to(device)
-                if epoch == 0:  # the sampler gap |log pi_sampler(y_i) - log pi_old(y_i)|: 0 when sampling is scoring
-                    gap = (logp_sampler - logp_old).abs()
-                    gap_total += gap.sum()
-                    gap_max = torch.maximum(gap_max, gap.max())
                 # L = (1/N) sum_i w_i max(-ratio_i A_i, -clip(ratio_i) A_i)  [+ beta (1/N) sum_i k3_i], w_i = 1 with
                 # --tis-cap 0
                 pg, was_clipped, ratio = clipped_surrogate(logp, logp_old, A, CLIP_LOW, CLIP_HIGH)
-                if args.tis_cap > 0:
-                    w, capped = tis_weights(logp_old, logp_sampler, args.tis_cap)
+                w, capped = tis_weights(logp_old, logp_sampler, args.tis_cap) if args.tis_cap > 0 else (None, None)
+                if w is not None:
                     pg = w * pg
-                    if epoch == 0:  # the same weights every epoch: counted once
-                        w_total += w.sum()
-                        w_capped += capped.sum()
                 loss_sum = pg.sum()
-                if ref:
-                    kl = k3_kl(logp, torch.cat([ref[i] for i in micro]))
-                    kl_total += kl.detach().sum()
-                    if args.kl_coef > 0:
-                        loss_sum = loss_sum + args.kl_coef * kl.sum()
+                kl = k3_kl(logp, torch.cat([ref[i] for i in micro])) if ref else None
+                if kl is not None and args.kl_coef > 0:
+                    loss_sum = loss_sum + args.kl_coef * kl.sum()
                 (loss_sum / N).backward()
-                minibatch_loss += loss_sum.detach().double() / N
-                clipped += was_clipped.sum()
-                ratio_lo, ratio_hi = torch.minimum(ratio_lo, ratio.min()), torch.maximum(ratio_hi, ratio.max())
-                token_passes += len(A)
+                stats.micro_batch(epoch, loss_sum, N, was_clipped, ratio, logp_old, logp_sampler, kl, w, capped)
             # the minibatch's gradient, summed over the processes (one process: as it is), clipped, one step
-            grads = sum_over_processes(accelerator, [torch.zeros_like(p) if p.grad is None else p.grad for p in params])
-            for p, g in zip(params, grads):
+            grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in params]
+            for p, g in zip(params, parallel.sum_over_processes(accelerator, grads)):
                 p.grad = g
             grad_norm = float(torch.nn.utils.clip_grad_norm_(params, MAX_GRAD_NORM))
             if math.isfinite(grad_norm):
                 optimizer.step()
-                grad_norms.append(grad_norm)
-                loss_total += minibatch_loss
             else:  # a non-finite gradient is skipped, and counted
                 optimizer.zero_grad(set_to_none=True)
-                nonfinite_grads += 1
+            stats.optimizer_step(grad_norm)
     scheduler.step()
-    # the logged sums over every process; the loss is the mean over the optimizer steps taken
-    sums = torch.stack(
-        [
-            loss_total,
-            clipped.double(),
-            kl_total,
-            gap_total,
-            w_total,
-            w_capped,
-            torch.tensor(float(token_passes), dtype=torch.float64, device=device),
-        ]
-    )
-    loss_total, clipped, kl_total, gap_total, w_total, w_capped, token_passes = sum_over_processes(accelerator, [sums])[
-        0
-    ].tolist()
-    extremes = gather_over_processes(accelerator, (float(ratio_lo), float(ratio_hi), float(gap_max)))
-    steps, scored = len(grad_norms), token_passes / args.update_epochs  # each scored token once, in the first epoch
-    return {
-        "loss": loss_total / steps if steps else math.nan,
-        "clip_frac": clipped / token_passes if token_passes else math.nan,
-        "ratio_min": min(lo for lo, _, _ in extremes) if token_passes else math.nan,
-        "ratio_max": max(hi for _, hi, _ in extremes) if token_passes else math.nan,
-        "kl": kl_total / token_passes if need_ref and token_passes else math.nan,
-        "grad_norm": sum(grad_norms) / steps if steps else math.nan,
-        "sampler_gap_mean": gap_total / scored if token_passes else math.nan,
-        "sampler_gap_max": max(gap for _, _, gap in extremes) if token_passes else math.nan,
-        "token_passes": int(token_passes),  # the scored tokens times --update-epochs
-        "optimizer_steps": steps,
-        "nonfinite_grads": nonfinite_grads,
-        # with --tis-cap: the importance weights' mean and the share of tokens the cap cut
-        **(
-            {"tis_weight_mean": w_total / scored, "tis_capped": w_capped / scored}
-            if args.tis_cap > 0 and token_passes
-            else {}
-        ),
-    }
+    return stats.result(accelerator, args.update_epochs, need_ref, args.tis_cap > 0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -739,7 +617,7 @@ def log_step(run: Run, step, trajs, groups, parts, rewards, failed, A, A_terms, 
         for k, i in enumerate(group):
             turn_terms = {name: value[s][k] for name, value in A_terms.items()}
             records.append(dialogue_record(args, step, trajs[i], parts[i], rewards[i], A[s][k], failed[i], turn_terms))
-    api = common.api_counts(run.judge, run.user)  # the backends' totals: this step's is their increase
+    api = backends.api_counts(run.judge, run.user)  # the backends' totals: this step's is their increase
     counts = {
         "degenerate_groups": sum(all(abs(a) < 1e-9 for a_k in group for a in a_k) for group in A),
         **counts,
@@ -748,7 +626,7 @@ def log_step(run: Run, step, trajs, groups, parts, rewards, failed, A, A_terms, 
     run.api_totals = api
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     part = {"records": records, "rewards": [x for r in rewards for x in r], "counts": counts, "rss": rss}
-    everyone = gather_over_processes(run.accelerator, {**part, "seconds": timer.seconds})
+    everyone = parallel.gather_over_processes(run.accelerator, {**part, "seconds": timer.seconds})
     if not run.accelerator.is_main_process:
         return  # the other processes go on to the next step
     records = [rec for p in everyone for rec in p["records"]]
@@ -794,7 +672,9 @@ def train_loop(run: Run, start: int):
         #    dialogues[s][k]
         with timer("advantage"):
             groups = [[i for i, tr in enumerate(trajs) if tr.scenario is s] for s in scenarios]
-            A, A_terms = advantages_over_processes(
+            # 03 keeps each scenario's own dict in its dialogues: a copy would leave a dialogue in no group
+            assert sorted(i for g in groups for i in g) == list(range(len(trajs))), "a dialogue in no group"
+            A, A_terms = parallel.advantages_over_processes(
                 accelerator,
                 ADVANTAGES[args.advantage],
                 [[rewards[i] for i in g] for g in groups],
@@ -881,61 +761,38 @@ def check_args(args):
     return args
 
 
-def check_processes(args, accelerator, n_scenarios: int):
-    """Data-parallel: each process takes its own scenarios and its own whole scenarios of every minibatch."""
-    n = accelerator.num_processes
-    common.check(
-        min(args.scenarios_per_step, n_scenarios) >= n,
-        f"--scenarios-per-step must be >= the number of processes ({n}): each takes its own",
-    )
-    common.check(
-        args.minibatch_size % (args.k * n) == 0,
-        f"--minibatch-size must be a multiple of --k x the number of processes ({args.k} x {n}): each process's "
-        "share holds whole scenarios",
-    )
-
-
 def parse_args(argv=None):
     """Every option of 04, parsed from its dataclasses: the field defaults, under the preset's YAML file (auto:
     gpu with CUDA, else cpu), under --config's file, under the flags given; then what a flag's type cannot
     check."""
-    p = common.options_parser(
+    p = options.options_parser(
         __doc__.split("\n")[0],
         [
             (Args.__doc__, Args),
             ("CARE's graders (01; --reward care)", sft.GraderOptions),
             ("environment (03)", env.EnvOptions),
-            ("model", common.ModelOptions),
-            ("LLM endpoints (api: backends)", common.EndpointOptions),
+            ("model", options.ModelOptions),
+            ("LLM endpoints (api: backends)", backends.EndpointOptions),
             ("inference engine (engine.py)", engine.EngineOptions),
             ("run", runs.RunOptions),
         ],
     )
     p.set_defaults(scenarios=str(HERE / "data" / "scenarios_train.jsonl"), run_name="mica")
-    first = p.parse_known_args(argv)[0]
-    config = common.read_config(first.config, p) if first.config else {}
-    name = first.preset if first.preset != "auto" else config.get("preset", "auto")
-    cuda = common.pick_device().type == "cuda"
-    why = "auto: CUDA found" if cuda else "auto: no CUDA"
-    why = "asked" if first.preset != "auto" else "from --config" if name != "auto" else why
-    name = name if name != "auto" else "gpu" if cuda else "cpu"
-    args = common.parse_options(p, argv, base=common.read_config(PRESETS / f"{name}.yaml", p))
-    args.preset_note = f"preset presets/{name}.yaml ({why})" + (f" | config {first.config}" if first.config else "")
-    args.flags_given = runs.flags_given(p, args)
-    return check_args(args)
+    return check_args(runs.parse_with_preset(p, argv, PRESETS))
 
 
 # ---------------------------------------------------------------------------------------------
-# The entry point: the options, the models, the run folder, then the loop
+# The entry point: parse, load, loop, save
 # ---------------------------------------------------------------------------------------------
-def main(argv=None):
-    args = parse_args(argv)
+def load(args) -> tuple[Run, int]:
+    """The processes, the models (policy, judge, user, graders), the run folder, the optimizer, the checkpoint
+    to resume -> the Run and the first step."""
     set_seed(args.seed)  # every process alike: the same LoRA initialisation
     scenarios = env.load_scenarios(args.scenarios)  # inputs checked before anything is created
     common.check_model_args(args)
     # one process, or each of `accelerate launch --num_processes N`'s: NCCL on GPUs, gloo on CPUs (cpu=True)
     accelerator = Accelerator(cpu=not torch.cuda.is_available())
-    check_processes(args, accelerator, len(scenarios))
+    parallel.check_processes(args, accelerator, len(scenarios))
     args.progress = args.progress and accelerator.is_main_process  # one progress bar, one log: process 0's
     server = engine.connect(args)  # --engine: up and serving --model, or one line before any model loads
     model, tokenizer = common.load_policy(args, trainable=True)  # every model loads before the run folder
@@ -943,7 +800,7 @@ def main(argv=None):
     user = env.make_user(args, (model, tokenizer), server)
     graders = sft.load_graders(args, (model, tokenizer), args.reward_weights, server)
     run_dir = runs.open_run(args, ("metrics.jsonl", "rollouts.jsonl")) if accelerator.is_main_process else None
-    run_dir = Path(gather_over_processes(accelerator, str(run_dir))[0])  # process 0 made (or checked) it
+    run_dir = Path(parallel.gather_over_processes(accelerator, str(run_dir))[0])  # process 0 made (or checked) it
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer, scheduler = common.make_optimizer(params, args.lr, WEIGHT_DECAY, args.steps)
     state = runs.load_checkpoint(run_dir, model, optimizer, scheduler) if args.resume else None
@@ -968,20 +825,31 @@ def main(argv=None):
         logger,
         server,
     )
+    return run, start
+
+
+def save(run: Run):
+    """The final adapter (standard peft: 05_eval.py --adapters takes it), the tracker closed, the curves."""
+    if run.accelerator.is_main_process:
+        run.model.save_pretrained(run.dir / "adapter", safe_serialization=True)
+        run.tokenizer.save_pretrained(run.dir / "adapter")
+        run.logger.finish()
+        print(
+            f"final adapter: {run.dir / 'adapter'} (05_eval.py --adapters takes it); curves: "
+            f"{plots.curves(run.dir, plots.MICA_CURVES)}"
+        )
+    run.accelerator.end_training()
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    run, start = load(args)
     try:
         train_loop(run, start)
     except common.UserError:  # the judge's endpoint went down, say: keep what was learned, then stop
-        runs.checkpoint_on_error(run_dir, model, optimizer, scheduler, logger, start)
+        runs.checkpoint_on_error(run.dir, run.model, run.optimizer, run.scheduler, run.logger, start)
         raise
-    if accelerator.is_main_process:
-        model.save_pretrained(run_dir / "adapter", safe_serialization=True)
-        tokenizer.save_pretrained(run_dir / "adapter")
-        logger.finish()
-        print(
-            f"final adapter: {run_dir / 'adapter'} (05_eval.py --adapters takes it); curves: "
-            f"{plots.curves(run_dir, plots.MICA_CURVES)}"
-        )
-    accelerator.end_training()
+    save(run)
 
 
 if __name__ == "__main__":

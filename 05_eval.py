@@ -1,37 +1,19 @@
 """05_eval.py: evaluate the base model and trained adapters side by side (EMPA, EQ-Bench 3, SAGE, EmoBench).
 
 What it does
-  Loads the base model once, evaluates it, then switches to each --adapters folder (peft) and evaluates it
-  the same way, with the same seeds. Suites (--suite, comma-separated; details: docs/evaluation.md):
-    empa      03's rollout on held-out scenarios, by the benchmark's rules (45 turns, no end before turn 12,
-              collapse window 5, --max-context 8192 capped at the window): outcomes, the EPM sub-metrics and
-              index, and each adapter against the base, paired dialogue by dialogue (same scenario, k, seed):
-              the IDR return d(P0) - d(P_T), the collapse share, the cut-off share and the replies'
-              naturalness (their mean per-token log-likelihood under the base, the adapter off), with a 95% t
-              interval over scenarios (a scenario's K dialogues are not independent) and a verdict line each
-              (under 3 scenarios: too few scenarios to tell; equal differences: no spread).
-    eqbench3  benchmarks/eqbench3.py: with --eqbench3-dir EQ-Bench 3's official rubric protocol (its texts read
-              from that checkout, --judge an LLM, --iterations), else this project's variant (offline: a proxy),
-              not comparable with EQ-Bench 3: fixed user turns, replies capped at --max-new-tokens.
-    sage      benchmarks/sage.py: with --sage-dir SAGE's official protocol (its prompts read from that checkout,
-              --user the simulator), else this project's variant on 03's rollout: emotion from 40, +-10 a turn.
-    emobench  benchmarks/emobench.py: EmoBench EU (emotion and cause) and EA (best response or action), per
-              language: --emobench-dir PATH (an official checkout) its protocol, texts read from PATH;
-              else option log-likelihood (not the official protocol) on --emobench-eu / -ea.
-  Each benchmark's loader, protocol, score and departures are in its own file's docstring.
-  Each batch of --batch-size cases is appended to cases.jsonl when it is done, so --resume RUN skips the
-  finished batches after a kill and reruns the rest whole (the same seeds and batch-mates as a run never
-  stopped); --max-cases N samples N cases per suite and file (EMPA: N scenarios, K dialogues each),
-  stratified by language and category, by --seed.
+  Loads the base model once, evaluates it, then switches to each --adapters folder (peft) and evaluates it the
+  same way, with the same seeds. Suites (--suite, comma-separated; each in full: docs/evaluation.md):
+    empa      03's rollout on held-out scenarios by the benchmark's rules: outcomes, the EPM index, and each
+              adapter against the base, paired dialogue by dialogue (the IDR return d(P0) - d(P_T), the collapse
+              and cut-off shares, naturalness under the base), a 95% t interval over scenarios and a verdict each
+    eqbench3, sage, emobench   benchmarks/<name>.py, each with its official protocol given its checkout
+              (--eqbench3-dir, --sage-dir, --emobench-dir), else this project's variant (not comparable)
+  Each batch of --batch-size cases is appended to cases.jsonl when done: --resume RUN reruns only the rest.
 
 Imports 03_rollout: the environment (scenarios, the batched rollout, judges, users, the EMPA state); and the
         support modules benchmarks/ (the external benchmarks) and plots.py (the pictures).
-Reads   --scenarios, --eqbench3 (a scenario_prompts.txt; a 4-scenario sample ships) or --eqbench3-dir (a checkout:
-        data/*.txt, core/benchmark.py), --sage-profiles (JSONL:
-        id, player, scene, main_cha, cha_group, task, first_talk?), --emobench-eu / -ea (JSONL with EmoBench's
-        fields) or --emobench-dir (a checkout: data/EU.jsonl, EA.jsonl, src/configs/, src/utils.py); UTF-8, a
-        byte-order mark or CRLF is fine. The defaults of the four files are small samples written for this
-        project (4 scenarios, 4 profiles, 6 + 6 items): pass the public files for results.
+Reads   --scenarios and each suite's files or official checkout (its flags; the defaults are small samples
+        written for this project: pass the public files for results; formats: docs/evaluation.md).
 Writes  runs/<name>-<time>/: args.json, cases.jsonl, transcripts.jsonl, results.json, results.md (the table
         and the comparison), distance_per_turn.png, emotion_per_turn.png; with --adapters and EMPA also
         comparison.png and trajectories.png (one held-out case, every model; the base's and the first
@@ -79,10 +61,13 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+import backends
 import common
 import engine
+import options
 import plots
 import runs
+import sampling
 from benchmarks import emobench, eqbench3, sage
 
 env = importlib.import_module("03_rollout")  # the environment: scenarios, judges, users, the rollout
@@ -123,41 +108,41 @@ DATA = HERE / "data" / "eval"
 class Args:
     """05_eval.py's own: the suites, the adapters, the sample of cases, the suites' files."""
 
-    suite: str = common.option(",".join(SUITES), "comma-separated suites: " + ", ".join(SUITES))
-    adapters: list = common.option([], "peft adapter folders, evaluated after the base model", nargs="*", type=str)
-    max_cases: int = common.option(
+    suite: str = options.option(",".join(SUITES), "comma-separated suites: " + ", ".join(SUITES))
+    adapters: list = options.option([], "peft adapter folders, evaluated after the base model", nargs="*", type=str)
+    max_cases: int = options.option(
         0,
         "at most this many cases per suite and file, sampled by --seed and stratified by language and category "
         "(EMPA, EQ-Bench: by kind; EMPA: scenarios, K dialogues each); 0 = all",
-        type=common.number(int, low=0),
+        type=options.number(int, low=0),
     )
-    batch_size: int = common.option(
+    batch_size: int = options.option(
         8,
         "cases generated together (EmoBench log-likelihood: options scored together after their shared prompt); "
         "saved after each batch",
-        type=common.number(int, low=1),
+        type=options.number(int, low=1),
     )
-    eqbench3: str = common.option(
+    eqbench3: str = options.option(
         str(DATA / "eqbench3_sample.txt"),
         "EQ-Bench 3 scenario_prompts.txt (the default: a 4-scenario sample written for this project)",
     )
-    sage_profiles: str = common.option(str(DATA / "sage_profiles.jsonl"), "SAGE profiles JSONL")
-    emobench_eu: str = common.option(str(DATA / "emobench_eu.jsonl"), f"EmoBench EU JSONL, {emobench.LOGLIK}")
-    emobench_ea: str = common.option(str(DATA / "emobench_ea.jsonl"), f"EmoBench EA JSONL, {emobench.LOGLIK}")
-    emobench_dir: str | None = common.option(
+    sage_profiles: str = options.option(str(DATA / "sage_profiles.jsonl"), "SAGE profiles JSONL")
+    emobench_eu: str = options.option(str(DATA / "emobench_eu.jsonl"), f"EmoBench EU JSONL, {emobench.LOGLIK}")
+    emobench_ea: str = options.option(str(DATA / "emobench_ea.jsonl"), f"EmoBench EA JSONL, {emobench.LOGLIK}")
+    emobench_dir: str | None = options.option(
         None,
         "a checkout of github.com/Sahandfer/EmoBench: EmoBench by its official protocol, its texts and "
         "data/EU.jsonl, EA.jsonl read from there (without it: --emobench-eu/-ea)",
     )
-    sage_dir: str | None = common.option(
+    sage_dir: str | None = options.option(
         None,
         "SAGE by its official protocol: a checkout of Tencent/digitalhuman or of its SAGE folder, prompts read "
         "from it, --user the simulator (unset: this project's variant)",
     )
-    sage_turns: int = common.option(
-        10, "SAGE: turns (with --sage-dir: replies; the last is never scored)", type=common.number(int, low=1)
+    sage_turns: int = options.option(
+        10, "SAGE: turns (with --sage-dir: replies; the last is never scored)", type=options.number(int, low=1)
     )
-    resume: str | None = common.option(None, "a run folder of this script: finish its unfinished cases")
+    resume: str | None = options.option(None, "a run folder of this script: finish its unfinished cases")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -275,11 +260,11 @@ def naturalness(model, tok, trajs, batch_size: int) -> list[list[float | None]]:
     with common.adapters_off(model):
         for j in range(0, len(trajs), batch_size):
             part = trajs[j : j + batch_size]
-            ids, attn, mask = common.right_pad(
+            ids, attn, mask = sampling.right_pad(
                 [tr.ids for tr in part], tok.pad_token_id, [tr.spans for tr in part], next(model.parameters()).device
             )
             sizes = [end - start for tr in part for start, end in tr.spans]
-            logp = iter(common.token_logprobs(model, ids, attn, mask).split(sizes))
+            logp = iter(sampling.token_logprobs(model, ids, attn, mask).split(sizes))
             for tr in part:
                 nat = []
                 for _ in tr.spans:
@@ -695,14 +680,14 @@ def side_by_side(left: dict, right: dict, width=58) -> list[str]:
 
 
 def parse_args(argv=None):
-    p = common.options_parser(
+    p = options.options_parser(
         __doc__.split("\n")[0],
         [
             ("05_eval.py", Args),
             ("EQ-Bench 3, official protocol", eqbench3.Options),
             ("environment (03; the EMPA suite)", env.EnvOptions),
-            ("model", common.ModelOptions),
-            ("LLM endpoints (api: backends)", common.EndpointOptions),
+            ("model", options.ModelOptions),
+            ("LLM endpoints (api: backends)", backends.EndpointOptions),
             ("inference engine (engine.py; the EMPA suite)", engine.EngineOptions),
             ("run", runs.RunOptions),
         ],
@@ -711,7 +696,7 @@ def parse_args(argv=None):
     # a CPU) unless 4-bit is asked for
     p.set_defaults(max_turns=45, min_turns=12, collapse_window=5, max_context=8192, load_in_4bit="off")
     p.set_defaults(scenarios=str(HERE / "data" / "scenarios_test.jsonl"), k=1, run_name="eval")
-    args = common.parse_options(p, argv)
+    args = options.parse_options(p, argv)
     env.check_env_args(args)
     c = common.check
     args.suites = [s.strip() for s in args.suite.split(",") if s.strip()]

@@ -1,4 +1,5 @@
-# Two commands: `make demo` (install, then a training demo offline: 412 s after the install on 2 cores, 2026-12-05 and -06; 865 s on 2026-12-07's slower machine) and `make test` (518 tests: 728 s, 2026-12-07, same slower machine).
+# Two commands: `make demo` (install, then a training demo offline) and `make test` (every test); their times on a
+# given machine and day: README's "Quick start" and docs/results.md.
 # `make pipeline` runs 01 -> 02 -> 04 -> 05 at tiny budgets (<= 15 minutes on 2 CPU cores).
 PYTHON ?= python3
 VENV   ?= .venv

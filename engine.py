@@ -39,7 +39,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+import backends
 import common
+import options
+import sampling
 
 # every field of vLLM's sampling that a model's generation_config.json can set, at its neutral value
 NEUTRAL = {"top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
@@ -51,13 +54,13 @@ JSON = {"Content-Type": "application/json"}
 class EngineOptions:
     """The inference engine that samples the policy (04, 05): a vLLM server started by `make serve`."""
 
-    engine: str | None = common.option(
+    engine: str | None = options.option(
         None,
         "URL of a vLLM server (http://localhost:8000) serving --model, started by `make serve` or "
         "`python engine.py --model M`: it samples the policy (04 pushes the adapter after each update), and with "
         "--judge self / --user self it is the judge and the user too",
     )
-    engine_timeout: float = common.option(600.0, "seconds per engine request", type=common.number(above=0))
+    engine_timeout: float = options.option(600.0, "seconds per engine request", type=options.number(above=0))
 
 
 def base_url(url: str) -> str:
@@ -128,7 +131,7 @@ class Engine:
     # ---- sampling -----------------------------------------------------------------------------
     def sample(
         self, contexts: list[list[int]], max_new_tokens: int, temperature: float, top_p: float, stop_ids, seeds
-    ) -> list[common.Reply]:
+    ) -> list[sampling.Reply]:
         """One Reply per token-id context, sampled by the engine from self.policy: the reply's ids up to and with
         its end-of-turn id, whether it ended so, and each id's log-probability under the distribution it was
         drawn from. Every sampling field is sent, so no server default acts."""
@@ -155,7 +158,7 @@ class Engine:
             ids, logprobs = choice["token_ids"], choice["logprobs"]["token_logprobs"]
             cut = next((j for j, tok in enumerate(ids) if tok in stop_ids), None)
             n = len(ids) if cut is None else cut + 1
-            return common.Reply(ids[:n], cut is not None, logprobs[:n])
+            return sampling.Reply(ids[:n], cut is not None, logprobs[:n])
 
         if not contexts:
             return []
@@ -194,10 +197,10 @@ class Engine:
             self.request("/v1/unload_lora_adapter", {"lora_name": self.policy})
             self.policy = self.model
 
-    def chat_backend(self, args, concurrency=None) -> common.ChatBackend:
+    def chat_backend(self, args, concurrency=None) -> backends.ChatBackend:
         """--judge self / --user self with an engine: the served base model (no adapter), asked through its chat
         endpoint with every sampling field neutral, as `self` samples without an engine."""
-        backend = common.ChatBackend(
+        backend = backends.ChatBackend(
             f"api:{self.model}",
             self.url + "/v1",
             "",
@@ -221,14 +224,14 @@ class EngineTurns:
         if self.rows is not None:
             self.rows = [self.rows[b] for b in rows]
 
-    def generate(self, model, tokenizer, contexts: list[list[int]], args) -> list[common.Reply]:
+    def generate(self, model, tokenizer, contexts: list[list[int]], args) -> list[sampling.Reply]:
         import torch
 
         for b, c in enumerate(contexts if self.rows is not None else []):
             assert c[: len(self.rows[b])] == self.rows[b], "EngineTurns: a context does not extend its row"
         # each dialogue's own seed, drawn from torch's generator (seeded per step): the same run samples the same
         seeds = torch.randint(0, 2**31 - 1, (len(contexts),)).tolist()
-        stop = common.end_of_turn_ids(model, tokenizer)
+        stop = sampling.end_of_turn_ids(model, tokenizer)
         replies = self.engine.sample(contexts, args.max_new_tokens, args.temperature, args.top_p, stop, seeds)
         self.rows = [c + r.ids for c, r in zip(contexts, replies)]
         return replies

@@ -5,6 +5,7 @@
                               flushed and fsynced, so a kill tears at most the last line; repair_jsonl_tail
                               cuts such a line on --resume
   atomic_write                a file whole or not at all (args.json, results.json)
+  parse_with_preset           a training stage's options: the preset's file, --config's, the flags given
   RunOptions, open_run        --seed, --out-dir, --run-name, --no-progress; the run folder and its args.json
                               (the API key redacted: public_args); flags_given and header_line, a training
                               run's header
@@ -14,8 +15,11 @@
   PhaseTimer, step_metrics    a training step's seconds by phase, and its metrics line from its records
   MetricsLogger               a step's line on the console, in metrics.jsonl and, with --report-to, in
                               accelerate's tracker
+  UpdateStats                 04's update statistics: one call per micro-batch, one per optimizer step, the
+                              sums over the processes at the end
 
-A support module: it imports common.py, never a stage.
+A support module: it imports common.py, options.py (RunOptions, the preset) and parallel.py (the sums over the
+processes), never a stage.
 """
 
 from __future__ import annotations
@@ -35,6 +39,8 @@ import torch
 from tqdm import tqdm
 
 import common
+import options
+import parallel
 
 
 def text_lines(path):
@@ -128,12 +134,12 @@ def public_args(args) -> dict:
 class RunOptions:
     """The run: its seed, its folder, its progress bars (every stage; each sets its own run_name)."""
 
-    seed: int = common.option(
-        0, "random seed (sampling, data order, the scripted user)", type=common.number(int, low=0, high=2**32 - 1)
+    seed: int = options.option(
+        0, "random seed (sampling, data order, the scripted user)", type=options.number(int, low=0, high=2**32 - 1)
     )
-    out_dir: str = common.option("runs", "each run writes into its own folder under this")
-    run_name: str = common.option("run", "prefix of the run folder")
-    progress: bool = common.option(True, "show progress bars (--no-progress hides them, transformers' too)")
+    out_dir: str = options.option("runs", "each run writes into its own folder under this")
+    run_name: str = options.option("run", "prefix of the run folder")
+    progress: bool = options.option(True, "show progress bars (--no-progress hides them, transformers' too)")
 
 
 def flags_given(parser: argparse.ArgumentParser, args) -> dict:
@@ -145,6 +151,23 @@ def flags_given(parser: argparse.ArgumentParser, args) -> dict:
         for k, v in public_args(args).items()
         if k in defaults and v != defaults[k] and k not in ("resume", "api_key")
     }
+
+
+def parse_with_preset(parser, argv, presets: Path) -> argparse.Namespace:
+    """A training stage's options: the field defaults, under the preset's YAML file (--preset NAME in `presets`;
+    auto, or a --config file's preset: gpu with CUDA, else cpu), under --config's file, under the flags given.
+    args.preset_note says which preset and why (the header line prints it); args.flags_given, the flags given."""
+    first = parser.parse_known_args(argv)[0]
+    config = options.read_config(first.config, parser) if first.config else {}
+    name = first.preset if first.preset != "auto" else config.get("preset", "auto")
+    cuda = common.pick_device().type == "cuda"
+    why = "auto: CUDA found" if cuda else "auto: no CUDA"
+    why = "asked" if first.preset != "auto" else "from --config" if name != "auto" else why
+    name = name if name != "auto" else "gpu" if cuda else "cpu"
+    args = options.parse_options(parser, argv, base=options.read_config(presets / f"{name}.yaml", parser))
+    args.preset_note = f"preset presets/{name}.yaml ({why})" + (f" | config {first.config}" if first.config else "")
+    args.flags_given = flags_given(parser, args)
+    return args
 
 
 def open_run(args, logs=()) -> Path:
@@ -328,3 +351,86 @@ def checkpoint_on_error(run_dir: Path, model, optimizer, scheduler, logger, star
             f"saved checkpoint step {logger.last_step} before stopping; continue with --resume {run_dir}",
             file=sys.stderr,
         )
+
+
+class UpdateStats:
+    """The update's statistics, kept beside the minibatch loop rather than woven through it: one call per
+    micro-batch (micro_batch), one per optimizer step (optimizer_step), then result(): the sums over every
+    process (parallel.py). Running sums stay on the device until then: the loss of the steps taken, the token
+    passes the clip chose, the KL, the sampler gap |log pi_sampler(y_i) - log pi_old(y_i)| (0 when sampling is
+    scoring), the truncated importance weights and the tokens their cap cut (both of the first epoch only: the
+    same every epoch), the ratio's range, the gradient norms."""
+
+    def __init__(self, device):
+        self.device = device
+        self.loss_total, self.clip_count, self.kl_total, self.gap_total, self.w_total, self.w_capped = (
+            torch.zeros((), dtype=torch.float64, device=device) for _ in range(6)
+        )
+        self.ratio_lo, self.ratio_hi = torch.tensor(math.inf, device=device), torch.tensor(-math.inf, device=device)
+        self.gap_max = torch.zeros((), device=device)
+        self.token_passes, self.grad_norms, self.nonfinite_grads = 0, [], 0
+        self.minibatch_loss = None
+
+    def minibatch(self):
+        """A minibatch starts: its loss, (1/N) sum over its micro-batches, counts if its step is taken."""
+        self.minibatch_loss = torch.zeros((), dtype=torch.float64, device=self.device)
+
+    def micro_batch(self, epoch, loss_sum, N, was_clipped, ratio, logp_old, logp_sampler, kl=None, w=None, capped=None):
+        if epoch == 0:
+            gap = (logp_sampler - logp_old).abs()
+            self.gap_total += gap.sum()
+            self.gap_max = torch.maximum(self.gap_max, gap.max())
+            if w is not None:
+                self.w_total += w.sum()
+                self.w_capped += capped.sum()
+        if kl is not None:
+            self.kl_total += kl.detach().sum()
+        self.minibatch_loss += loss_sum.detach().double() / N
+        self.clip_count += was_clipped.sum()
+        self.ratio_lo = torch.minimum(self.ratio_lo, ratio.min())
+        self.ratio_hi = torch.maximum(self.ratio_hi, ratio.max())
+        self.token_passes += len(ratio)
+
+    def optimizer_step(self, grad_norm: float):
+        """After the gradient's clip: a finite norm was a step taken, a non-finite one a step skipped."""
+        if math.isfinite(grad_norm):
+            self.grad_norms.append(grad_norm)
+            self.loss_total += self.minibatch_loss
+        else:
+            self.nonfinite_grads += 1
+
+    def result(self, accelerator, update_epochs: int, kl_logged: bool, tis: bool) -> dict:
+        """The statistics over every process; the loss is the mean over the optimizer steps taken."""
+        sums = torch.stack(
+            [
+                self.loss_total,
+                self.clip_count.double(),
+                self.kl_total,
+                self.gap_total,
+                self.w_total,
+                self.w_capped,
+                torch.tensor(float(self.token_passes), dtype=torch.float64, device=self.device),
+            ]
+        )
+        loss_total, clip_count, kl_total, gap_total, w_total, w_capped, token_passes = parallel.sum_over_processes(
+            accelerator, [sums]
+        )[0].tolist()
+        extremes = parallel.gather_over_processes(
+            accelerator, (float(self.ratio_lo), float(self.ratio_hi), float(self.gap_max))
+        )
+        steps, scored = len(self.grad_norms), token_passes / update_epochs  # each scored token once, in epoch 0
+        return {
+            "loss": loss_total / steps if steps else math.nan,
+            "clip_frac": clip_count / token_passes if token_passes else math.nan,
+            "ratio_min": min(lo for lo, _, _ in extremes) if token_passes else math.nan,
+            "ratio_max": max(hi for _, hi, _ in extremes) if token_passes else math.nan,
+            "kl": kl_total / token_passes if kl_logged and token_passes else math.nan,
+            "grad_norm": sum(self.grad_norms) / steps if steps else math.nan,
+            "sampler_gap_mean": gap_total / scored if token_passes else math.nan,
+            "sampler_gap_max": max(gap for _, _, gap in extremes) if token_passes else math.nan,
+            "token_passes": int(token_passes),  # the scored tokens times --update-epochs
+            "optimizer_steps": steps,
+            "nonfinite_grads": self.nonfinite_grads,
+            # with --tis-cap: the importance weights' mean and the share of tokens the cap cut
+            **({"tis_weight_mean": w_total / scored, "tis_capped": w_capped / scored} if tis and token_passes else {}),
+        }

@@ -31,7 +31,7 @@ Departures from the official code, and where it had to be read (official mode; d
   1. Sampling: the official code sets temperature 0.6 for API models (ChatOpenAI, top_p the endpoint's) and
      50 new tokens for HF models (with the model's own generation_config); the local model here gets
      temperature 0.6, top_p 1, no top_k, at most 50 new tokens, every other setting from the model's own
-     generation_config (common.generate_batch with model_settings=True, seeded per batch by 05).
+     generation_config (sampling.generate_batch with model_settings=True, seeded per batch by 05).
   2. One attempt per item: the official retry loop returns after the first failure, so an unparseable reply
      is answered "" (wrong); it is also counted as unparseable here. A reply that parses as JSON but not as an
      object (the official code would stop with an error there) is unparseable.
@@ -60,6 +60,7 @@ import yaml
 import benchmarks
 import common
 import runs
+import sampling
 
 HERE = Path(__file__).resolve().parents[1]
 TEXTS = json.loads((HERE / "data" / "prompts.json").read_text(encoding="utf-8"))
@@ -88,7 +89,7 @@ def run(model, tok, batch: list[dict], batch_size: int) -> tuple[list[dict], lis
         # the official HF path samples with the model's own generation_config: model_settings=True keeps it
         replies = [
             tok.decode(reply.ids, skip_special_tokens=True)
-            for reply in common.generate_batch(
+            for reply in sampling.generate_batch(
                 model, tok, contexts, MAX_NEW_TOKENS, TEMPERATURE, top_p=1.0, model_settings=True
             )
         ]
@@ -413,7 +414,7 @@ def option_logliks(model, tokenizer, questions: list[dict], batch_size: int) -> 
         first = head.logits[0, -1].float().log_softmax(-1)  # log pi(. | prompt): scores o_1
         opts = [tokenizer(o, add_special_tokens=False)["input_ids"] for o in q["options"]]
         for start in range(0, len(opts), batch_size):
-            ids, attn, _ = common.right_pad(opts[start : start + batch_size], tokenizer.pad_token_id, device=device)
+            ids, attn, _ = sampling.right_pad(opts[start : start + batch_size], tokenizer.pad_token_id, device=device)
             B, L = ids.shape
             cache = copy.deepcopy(head.past_key_values)
             cache.batch_select_indices(torch.zeros(B, dtype=torch.long, device=device))  # the prompt, B times

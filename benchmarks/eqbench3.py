@@ -89,9 +89,12 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
+import backends
 import benchmarks
 import common
+import options
 import runs
+import sampling
 
 HERE = Path(__file__).resolve().parents[1]
 TEXTS = json.loads((HERE / "data" / "prompts.json").read_text(encoding="utf-8"))
@@ -160,25 +163,25 @@ SECTIONS = {
 class Options:
     """05's options for EQ-Bench 3's official protocol."""
 
-    eqbench3_dir: str | None = common.option(
+    eqbench3_dir: str | None = options.option(
         None,
         "EQ-Bench 3 by its official protocol: a checkout of github.com/EQ-bench/eqbench3, its data/ texts read from "
         "there; --judge an LLM (unset: this project's variant, or offline a proxy, neither comparable with EQ-Bench 3)",
     )
-    iterations: int = common.option(
+    iterations: int = options.option(
         1,
         "EQ-Bench 3 with --eqbench3-dir: plays of every task (the official --iterations)",
-        type=common.number(int, low=1),
+        type=options.number(int, low=1),
     )
-    eqbench3_tokens: int = common.option(
+    eqbench3_tokens: int = options.option(
         REPLY_TOKENS,
         "EQ-Bench 3 with --eqbench3-dir: a reply's token budget (lowering it is said in the column)",
-        type=common.number(int, low=1, high=REPLY_TOKENS),
+        type=options.number(int, low=1, high=REPLY_TOKENS),
     )
-    eqbench3_judge_tokens: int = common.option(
+    eqbench3_judge_tokens: int = options.option(
         JUDGE_TOKENS,
         "EQ-Bench 3 with --eqbench3-dir: the judge's token budget (lowering it is said in the column)",
-        type=common.number(int, low=1, high=JUDGE_TOKENS),
+        type=options.number(int, low=1, high=JUDGE_TOKENS),
     )
 
 
@@ -600,7 +603,7 @@ def official_cases(model, tok, units: list[dict], judge, args) -> tuple[list[dic
         answers[judged[i]] = None if text is None else (api_text(text) if judge.backend.kind == "api" else text).strip()
         return read_scores(answers[judged[i]])
 
-    read = common.ask_json(
+    read = backends.ask_json(
         judge.backend,
         [[{"role": "user", "content": prompts[j]}] for j in judged],
         parse,
@@ -676,7 +679,7 @@ def respond(model, tok, asks: dict, runs: list, args, temperature: float, min_p,
     out = {}
     for budget, rows in sorted(budgets.items()):
         # an endpoint's sampling: the temperature and min_p the harness sends, the rest the model's own settings
-        replies = common.generate_batch(
+        replies = sampling.generate_batch(
             model, tok, [ids for _, ids in rows], budget, temperature, 1.0, min_p, model_settings=True
         )
         for (j, _), reply in zip(rows, replies):
@@ -797,7 +800,7 @@ def variant_cases(model, tok, tasks, judge, args) -> tuple[list[dict], list[dict
                 live.append(j)
                 ctx.append(ids)
         replies = (
-            common.generate_batch(
+            sampling.generate_batch(
                 model, tok, ctx, args.max_new_tokens, args.temperature, args.top_p, model_settings=True
             )
             if live
@@ -825,7 +828,7 @@ def variant_cases(model, tok, tasks, judge, args) -> tuple[list[dict], list[dict
             ]
             for t, c, cr in zip(tasks, convs, criteria)
         ]
-        scores = common.ask_json(
+        scores = backends.ask_json(
             judge.backend,
             prompts,
             lambda i, text: parse_criteria(text, criteria[i]),
@@ -940,7 +943,7 @@ def load(path) -> tuple[list[dict], dict]:
 
 def parse_criteria(text, criteria) -> dict | None:
     """{criterion: 0-20} for every criterion, or None."""
-    obj, out = common.first_json(text)[0], {}
+    obj, out = backends.first_json(text)[0], {}
     if obj is None:
         return None
     for c in criteria:

@@ -69,9 +69,12 @@ from pathlib import Path
 
 if __package__ in (None, ""):  # run as `python benchmarks/sage.py`: the repository root on the path
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import backends  # noqa: E402
 import benchmarks  # noqa: E402
 import common  # noqa: E402
+import options  # noqa: E402
 import runs
+import sampling  # noqa: E402
 
 HERE = Path(__file__).resolve().parents[1]
 TEXTS = json.loads((HERE / "data" / "prompts.json").read_text(encoding="utf-8"))
@@ -557,7 +560,7 @@ def npc_replies(model, tok, dialogues: list[Dialogue], system: str, max_context:
                 dialogues[i].stop(AT_LIMIT)
             continue
         # an endpoint's defaults: the model's own generation_config (model_settings=True)
-        out = common.generate_batch(
+        out = sampling.generate_batch(
             model, tok, [contexts[i] for i in rows], budget, TEMPERATURE, TOP_P, model_settings=True
         )
         for i, reply in zip(rows, out):
@@ -676,7 +679,7 @@ def openings(profiles, user, args) -> dict:
         for p in need
     ]
     scenes = [p["scene"].strip()[:120] for p in need]  # an answer that recites the scene is not usable
-    written = common.ask_json(
+    written = backends.ask_json(
         backend,
         prompts,
         lambda i, t: t.strip() if t and t.strip() and not (scenes[i] and scenes[i] in t) else None,
@@ -716,7 +719,7 @@ class SageJudge:
             ]
             for c in cases
         ]
-        changes = common.ask_json(
+        changes = backends.ask_json(
             self.backend, prompts, lambda i, text: parse_change(text), self.retries, who="sage judge", noun="cases"
         )
         return [
@@ -739,7 +742,7 @@ def load_profiles(path) -> list[dict]:
 
 def parse_change(text) -> float | None:
     """The variant judge's emotion change (JSON "change"), clipped to [-10, 10], or None."""
-    obj = common.first_json(text)[0]
+    obj = backends.first_json(text)[0]
     x = obj.get("change") if obj else None
     if x is None:
         m = re.search(r'"?change"?\s*[:=]\s*([+-]?\d+(?:\.\d+)?)', text or "")
@@ -750,7 +753,7 @@ def parse_change(text) -> float | None:
 
 
 def main(argv=None):
-    p = common.ArgumentParser(
+    p = options.ArgumentParser(
         description="The Sentient score of SAGE's result files (*_result.jsonl: one dialogue "
         "a line, its final emotion in emo_point): the mean over all lines, the successes "
         "(>= 100) and the failures (< 10), as 05 scores its SAGE cases."

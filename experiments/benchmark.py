@@ -64,6 +64,8 @@ from accelerate import Accelerator
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
+import options  # noqa: E402
+import sampling  # noqa: E402
 
 trainer = importlib.import_module("04_mica_train")  # the update, advantages and rewards
 env = trainer.env  # 03_rollout: scenarios, judge, user, rollout
@@ -101,7 +103,7 @@ def parse_args(argv=None):
     )
     p.add_argument(
         "--seed",
-        type=common.number(int, low=0, high=2**32 - 1),
+        type=options.number(int, low=0, high=2**32 - 1),
         default=0,
         help="seed of the scenario choice and of sampling",
     )
@@ -342,14 +344,14 @@ def bench_engine(a, scenarios, out_dir) -> list[dict]:
             for side, server in (("generate", None), ("engine", client)):
                 judge, user = env.make_judge(args, (model, tok), server), env.make_user(args, (model, tok), server)
                 counted = {"local": 0}
-                batch = common.generate_batch
+                batch = sampling.generate_batch
 
                 def counting(*x, **k):
                     replies = batch(*x, **k)
                     counted["local"] += sum(len(r.ids) for r in replies)
                     return replies
 
-                common.generate_batch = counting  # the judge's and the user's tokens when generate answers
+                sampling.generate_batch = counting  # the judge's and the user's tokens when generate answers
                 try:
                     warm = copy.copy(args)
                     warm.max_turns = warm.min_turns = 1
@@ -360,7 +362,7 @@ def bench_engine(a, scenarios, out_dir) -> list[dict]:
                     trajs = env.rollout(model, tok, scenarios, judge, user, args, engine=server)
                     seconds = clock() - t0
                 finally:
-                    common.generate_batch = batch
+                    sampling.generate_batch = batch
                 policy = sum(e - s for tr in trajs for s, e in tr.spans)
                 others = counted["local"] if server is None else engine_tokens(client) - before - policy
                 sides[side] = (seconds, policy, others)
@@ -755,7 +757,7 @@ def memory_estimate(
     n_linear, n_lora, n_emb = param_counts(s, r)
     nf4 = NF4_BYTES
     tokens, scored = micro * context, micro * min(turns * reply, context)
-    chunk = min(scored, common.LOGIT_CHUNK // V)  # common.token_logprobs runs the LM head in chunks of rows
+    chunk = min(scored, sampling.LOGIT_CHUNK // V)  # sampling.token_logprobs runs the LM head in chunks of rows
     per_kv = 2 * L * kv * act  # K and V of every layer, per token
     prefill = live * USER_MESSAGE_TOKENS
     rows = judge_rows or live
@@ -1004,7 +1006,7 @@ def decode_work(s: dict, n_params: int, w, calls: list[int], context: float, new
 
 def train_work(s, n_linear, n_lora, w, micros: list[int], tokens, scored, adapter=True, grad=True, checkpointing=True):
     """(FLOPs, bytes) of the update's passes over micro-batches of micros[j] dialogues, each `tokens` long with
-    `scored` of them scored (common.token_logprobs runs the LM head on those only).
+    `scored` of them scored (sampling.token_logprobs runs the LM head on those only).
       forward  = 2 x (n_linear [+ n_lora, adapter on]) x tokens      the matmuls
                + 4 x L x q x tokens^2 / 2                             causal attention, a dialogue
                + 2 x V x h x scored                                   the LM head
@@ -1024,7 +1026,7 @@ def train_work(s, n_linear, n_lora, w, micros: list[int], tokens, scored, adapte
     passes = [w(m * tokens) for m in micros]
     if not grad:
         return mat + att + head, sum(passes)
-    head_again = any(m * scored > common.LOGIT_CHUNK // s["V"] for m in micros)
+    head_again = any(m * scored > sampling.LOGIT_CHUNK // s["V"] for m in micros)
     recompute = (mat + att + (head if head_again else 0)) if checkpointing else 0
     backward = 2 * n_linear * n + 2 * 2 * n_lora * n + 2 * att + head
     return mat + att + head + recompute + backward, (3 if checkpointing else 2) * sum(passes)

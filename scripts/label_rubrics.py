@@ -21,7 +21,9 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import backends  # noqa: E402
 import common  # noqa: E402
+import options  # noqa: E402
 import runs
 
 sft = importlib.import_module("01_rubric_sft")  # the rubric's prompt and its parser
@@ -58,7 +60,7 @@ def dialogues_from(path: str) -> list[tuple[str, list[dict]]]:
 
 
 def main(argv=None):
-    p = common.ArgumentParser(
+    p = options.ArgumentParser(
         description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
     p.add_argument("--teacher", required=True, help="api:<model> or hf:<model>: the LLM that writes the rubrics")
@@ -66,15 +68,15 @@ def main(argv=None):
     p.add_argument("--label-out", required=True, help="where the labelled supervision JSONL goes (a new file)")
     p.add_argument("--teacher-retries", type=int, default=2, help="re-asks when the teacher's rubric is invalid")
     p.add_argument("--weight-tolerance", type=float, default=0.02, help="|sum of weights - 1| allowed")
-    common.add_options(p, "LLM endpoints (api: backends)", common.EndpointOptions)
+    options.add_options(p, "LLM endpoints (api: backends)", backends.EndpointOptions)
     args = p.parse_args(argv)
     common.check(
         args.teacher.startswith(("api:", "hf:")), f"--teacher must be api:<model> or hf:<model>, got {args.teacher}"
     )
     turns = dialogues_from(args.label)
     common.check(not Path(args.label_out).exists(), f"--label-out {args.label_out} exists; not overwriting it")
-    teacher = common.make_chat_backend(args.teacher, args)
-    rubrics = common.ask_json(
+    teacher = backends.make_chat_backend(args.teacher, args)
+    rubrics = backends.ask_json(
         teacher,
         [sft.rubric_prompt(msgs) for _, msgs in turns],
         lambda i, text: sft.parse_rubric(text, args.weight_tolerance)[0],

@@ -40,6 +40,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common  # noqa: E402
+import options  # noqa: E402
 
 
 def base_of(adapter: str) -> str:
@@ -91,7 +92,7 @@ def merge(adapter: str, base: str, trust_remote_code=False):
 
 
 def main(argv=None):
-    p = common.ArgumentParser(
+    p = options.ArgumentParser(
         description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
     p.add_argument("adapter", help="a peft LoRA adapter folder (e.g. runs/<run>/adapter)")

@@ -128,11 +128,12 @@ def tiny(tiny_model):
 
 def env_args(env, check=False, **over):
     """03's environment flags at their defaults, with `over` set (and checked, with check=True)."""
-    import common
+    import backends
+    import options
     import runs
 
-    groups = [("environment", env.EnvOptions), ("endpoints", common.EndpointOptions), ("run", runs.RunOptions)]
-    args = common.options_parser("", groups).parse_args(["--no-progress"])
+    groups = [("environment", env.EnvOptions), ("endpoints", backends.EndpointOptions), ("run", runs.RunOptions)]
+    args = options.options_parser("", groups).parse_args(["--no-progress"])
     for k, v in over.items():
         setattr(args, k, v)
     if check:

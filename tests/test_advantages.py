@@ -413,9 +413,9 @@ def test_the_token_mask_holds_the_replies_with_an_advantage(trainer):
         ids=list(range(100, 120)),
         spans=[(3, 7), (9, 12), (15, 20)],
         advantages=[0.5, None, -1.0],
-        sampler=[[-1.0] * 4, [-2.0] * 3, [-3.0] * 5],
+        logp_sampler=[[-1.0] * 4, [-2.0] * 3, [-3.0] * 5],
     )
-    b = trainer.Sample(ids=[7] * 6, spans=[(2, 5)], advantages=[2.0], sampler=[[-4.0] * 3])
+    b = trainer.Sample(ids=[7] * 6, spans=[(2, 5)], advantages=[2.0], logp_sampler=[[-4.0] * 3])
     inputs = "spans [(3, 7), (9, 12), (15, 20)], advantages [0.5, None, -1.0]"
     case = "the failed turn (A None) is left out"
     expect(a.scored(), [[3, 7], [15, 20]], case, inputs, MASK)
@@ -431,7 +431,7 @@ def test_the_token_mask_holds_the_replies_with_an_advantage(trainer):
     expect(attn, [[1] * 20, [1] * 6 + [0] * 14], "collate's attention mask", inputs, MASK)
     # an advantage of 0.0 is an advantage: its reply is scored (a degenerate group's tokens count in N)
     c = trainer.Sample(
-        ids=[1] * 10, spans=[(1, 3), (4, 6), (7, 9)], advantages=[0.0, None, 2.0], sampler=[[-1.0] * 2] * 3
+        ids=[1] * 10, spans=[(1, 3), (4, 6), (7, 9)], advantages=[0.0, None, 2.0], logp_sampler=[[-1.0] * 2] * 3
     )
     inputs = "spans [(1, 3), (4, 6), (7, 9)], advantages [0.0, None, 2.0]"
     case = "an advantage of 0.0 is scored; only None is left out"

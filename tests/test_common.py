@@ -12,8 +12,10 @@ import types
 import pytest
 import torch
 
+import backends
 import common
 import offline
+import options
 import plots
 import runs
 from conftest import LoopbackServer, ok, write_jsonl
@@ -27,7 +29,7 @@ KEY = "sk-secret-123"
 class FakeAPI(LoopbackServer):
     def backend(self, **kw):
         kw = {"api_base": self.base, "api_key": KEY, "timeout": 5.0, "retries": 2, **kw}
-        return common.ChatBackend("api:m", **kw)
+        return backends.ChatBackend("api:m", **kw)
 
 
 @pytest.fixture
@@ -43,7 +45,7 @@ CONV = [{"role": "system", "content": "be kind"}, {"role": "user", "content": "I
 # 1. ChatBackend("api:...")
 # ---------------------------------------------------------------------------------------------
 def test_api_normal_reply_sends_model_messages_params_and_key(api):
-    b = common.ChatBackend("api:m", api_base=api.base + "/", api_key=KEY, timeout=5, retries=2)
+    b = backends.ChatBackend("api:m", api_base=api.base + "/", api_key=KEY, timeout=5, retries=2)
     assert b.url == api.base + "/chat/completions"
     assert b.chat([CONV], max_tokens=17, temperature=0.7) == ["hello"]
     assert len(api.requests) == 1
@@ -58,7 +60,7 @@ def test_api_normal_reply_sends_model_messages_params_and_key(api):
 def test_api_defaults_from_environment(api, monkeypatch):
     monkeypatch.setenv("OPENAI_BASE_URL", api.base)
     monkeypatch.setenv("OPENAI_API_KEY", "sk-from-env")
-    b = common.ChatBackend("api:other-model", retries=0)
+    b = backends.ChatBackend("api:other-model", retries=0)
     assert b.chat([CONV]) == ["hello"]
     assert api.requests[0]["auth"] == "Bearer sk-from-env"
     assert api.requests[0]["body"]["model"] == "other-model"
@@ -67,7 +69,7 @@ def test_api_defaults_from_environment(api, monkeypatch):
 
 def test_api_no_key_sends_no_authorization(api, monkeypatch):
     monkeypatch.delenv("OPENAI_API_KEY", raising=False)
-    b = common.ChatBackend("api:m", api_base=api.base, retries=0)
+    b = backends.ChatBackend("api:m", api_base=api.base, retries=0)
     assert b.chat([CONV]) == ["hello"]
     assert api.requests[0]["auth"] is None
 
@@ -239,7 +241,7 @@ def test_api_key_not_in_repr_or_public_args(api):
 @pytest.mark.parametrize("spec", ["bogus", "api:", "hf:", "openai:gpt", ":m", ""])
 def test_bad_backend_spec(spec):
     with pytest.raises(common.UserError, match="expected hf:<model-or-path> or api:<model>"):
-        common.ChatBackend(spec)
+        backends.ChatBackend(spec)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -495,8 +497,8 @@ def test_a_model_that_does_not_load_is_one_line_naming_it(tmp_path, monkeypatch)
 
 def test_number_is_an_argparse_type_with_bounds(capsys):
     p = argparse.ArgumentParser(prog="x")
-    p.add_argument("--k", type=common.number(int, low=1))
-    p.add_argument("--top-p", type=common.number(above=0, high=1))
+    p.add_argument("--k", type=options.number(int, low=1))
+    p.add_argument("--top-p", type=options.number(above=0, high=1))
     assert p.parse_args(["--k", "3", "--top-p", "1"]).k == 3
     for argv, says in (
         (["--k", "0"], "argument --k: must be >= 1, got 0"),
@@ -508,8 +510,8 @@ def test_number_is_an_argparse_type_with_bounds(capsys):
             p.parse_args(argv)
         assert ei.value.code == 2 and says in capsys.readouterr().err
     # the stages' parser: the same words as one UserError (run_main prints one line, exit 2), no usage block
-    stage = common.ArgumentParser(prog="x")
-    stage.add_argument("--k", type=common.number(int, low=1))
+    stage = options.ArgumentParser(prog="x")
+    stage.add_argument("--k", type=options.number(int, low=1))
     with pytest.raises(common.UserError, match=r"^argument --k: must be >= 1, got 0$"):
         stage.parse_args(["--k", "0"])
     with pytest.raises(SystemExit) as ei:
@@ -552,7 +554,7 @@ def test_ask_json_reasks_only_the_unparsable_and_stops_when_the_endpoint_is_down
         return int(text) if text and text.isdigit() else None
 
     b = Fake(["1", "x", "y", "2", "z"])  # round 1: 1, x, y; round 2 (x, y): 2, z; round 3 (y): -
-    assert common.ask_json(b, ["p0", "p1", "p2"], parse, retries=1) == [1, 2, None]
+    assert backends.ask_json(b, ["p0", "p1", "p2"], parse, retries=1) == [1, 2, None]
     assert b.asked == [["p0", "p1", "p2"], ["p1", "p2"]]
 
     class Down(Fake):
@@ -561,8 +563,8 @@ def test_ask_json_reasks_only_the_unparsable_and_stops_when_the_endpoint_is_down
             return [None] * len(prompts)
 
     with pytest.raises(common.UserError, match=r"sage judge api:m: no usable answer for any of 2 cases"):
-        common.ask_json(Down([]), ["a", "b"], parse, retries=2, who="sage judge", noun="cases")
-    assert common.ask_json(Fake(["x", "x"]), ["a", "b"], parse, retries=0) == [None, None]  # up, just unparsable
+        backends.ask_json(Down([]), ["a", "b"], parse, retries=2, who="sage judge", noun="cases")
+    assert backends.ask_json(Fake(["x", "x"]), ["a", "b"], parse, retries=0) == [None, None]  # up, just unparsable
 
 
 def test_a_step_logged_again_by_a_resumed_run_is_drawn_once_with_its_last_values(tmp_path, monkeypatch):

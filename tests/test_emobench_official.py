@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 import common
+import sampling
 from benchmarks import emobench
 from conftest import ROOT, run_script
 
@@ -184,10 +185,11 @@ def test_run_generates_at_the_official_temperature_and_budget(tiny_model, monkey
         asked.update(contexts=contexts, settings=(max_new_tokens, temperature, top_p, model_settings))
         texts = ['{"answer_q1": "B", "answer_q2": "C"}'] + ["no idea"] * (len(contexts) - 1)
         return [
-            common.Reply(tok(t, add_special_tokens=False)["input_ids"] + [tok.eos_token_id], True, None) for t in texts
+            sampling.Reply(tok(t, add_special_tokens=False)["input_ids"] + [tok.eos_token_id], True, None)
+            for t in texts
         ]
 
-    monkeypatch.setattr(common, "generate_batch", fake_generate)
+    monkeypatch.setattr(sampling, "generate_batch", fake_generate)
     cases, transcripts = emobench.run(None, tok, batch, batch_size=3)
     assert asked["settings"] == (50, 0.6, 1.0, True)  # the official HF path: the model's own generation_config
     assert asked["contexts"] == [emobench.official_ids(tok, it["messages"]) for it in batch]

@@ -27,6 +27,7 @@ from test_sampling import LEAKS, MildJudge, with_generation_config
 import common
 import engine
 import offline
+import sampling
 from conftest import ROOT, SCEN, build_tiny_model, env_args, run_script
 
 pytestmark = pytest.mark.xdist_group("engine")
@@ -188,7 +189,7 @@ def test_the_pushed_adapter_is_the_one_that_samples(smollm2, tmp_path):
 
     def learner() -> torch.Tensor:
         with torch.no_grad():
-            return common.token_logprobs(model, torch.tensor([ids]), ones, ones)
+            return sampling.token_logprobs(model, torch.tensor([ids]), ones, ones)
 
     server.push(model, tmp_path)
     before = engine_logprobs(url, server.policy, ids)
@@ -196,7 +197,7 @@ def test_the_pushed_adapter_is_the_one_that_samples(smollm2, tmp_path):
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     for _ in range(3):
         optimizer.zero_grad()
-        (-common.token_logprobs(model, torch.tensor([ids]), ones, ones).mean()).backward()
+        (-sampling.token_logprobs(model, torch.tensor([ids]), ones, ones).mean()).backward()
         optimizer.step()
     first = server.policy
     server.push(model, tmp_path)
@@ -215,8 +216,8 @@ def test_the_judge_and_the_user_are_the_engines_base_model(smollm2, trainer, tmp
     def no_generate(*a, **k):
         raise AssertionError("generate ran in the learner's process")
 
-    monkeypatch.setattr(common, "generate", no_generate)
-    monkeypatch.setattr(common, "generate_batch", no_generate)
+    monkeypatch.setattr(sampling, "generate", no_generate)
+    monkeypatch.setattr(sampling, "generate_batch", no_generate)
     chats, completions = smollm2.requests("/v1/chat/completions"), smollm2.requests("/v1/completions")
     argv = ["--engine", url, "--steps", "1", "--judge", "self", "--user", "self", "--out-dir", str(tmp_path), *SMALL]
     trainer.main(argv + ["--scenarios-per-step", "1"])  # the last of a flag given twice wins
@@ -252,7 +253,7 @@ def test_no_generation_config_field_acts_through_the_engine(env, trainer, leaky_
     samples = trainer.as_samples(trajs)
     ids, attn, mask = trainer.collate(samples, tok.pad_token_id, "cpu")
     with torch.no_grad():
-        scorer = common.token_logprobs(model, ids, attn, mask, 1.0)
+        scorer = sampling.token_logprobs(model, ids, attn, mask, 1.0)
     sampler = torch.cat([s.sampler_logprobs() for s in samples])
     assert [tr.T for tr in trajs] == [3, 3, 3, 3] and len(sampler) == len(scorer) > 100
     assert (sampler - scorer).abs().max() < 1e-3
@@ -265,9 +266,9 @@ def test_no_generation_config_field_acts_through_the_engine(env, trainer, leaky_
     prompt = trajs[0].ids[: trajs[0].spans[0][0]]
     row = prompt + choice["token_ids"]
     span = [(len(prompt), len(row))]
-    i, a, m = common.right_pad([row], tok.pad_token_id, [span])
+    i, a, m = sampling.right_pad([row], tok.pad_token_id, [span])
     with torch.no_grad():
-        learner = common.token_logprobs(model, i, a, m, 1.0)
+        learner = sampling.token_logprobs(model, i, a, m, 1.0)
     leaked = torch.tensor(choice["logprobs"]["token_logprobs"])
     assert (leaked - learner).abs().mean() > 0.5
 

@@ -230,7 +230,7 @@ def test_embed_judge_ranks_validating_above_dismissive_on_affective_axis(env):
 
 
 class FakeBackend:
-    """Stands in for common.ChatBackend: answers from a list, records what it was asked."""
+    """Stands in for backends.ChatBackend: answers from a list, records what it was asked."""
 
     def __init__(self, answers):
         self.answers, self.asked = list(answers), []

@@ -13,6 +13,7 @@ import types
 import pytest
 
 import common
+import sampling
 from benchmarks import eqbench3
 from conftest import ROOT, LoopbackServer, ok, run_script
 
@@ -248,11 +249,11 @@ def test_every_call_its_settings_and_the_100_character_guard(monkeypatch, tiny, 
             for c in contexts
         ]
         return [
-            common.Reply(tok(f"<think>hidden</think>{x}", add_special_tokens=False)["input_ids"], True, None)
+            sampling.Reply(tok(f"<think>hidden</think>{x}", add_special_tokens=False)["input_ids"], True, None)
             for x in texts
         ]
 
-    monkeypatch.setattr(eqbench3.common, "generate_batch", generate)
+    monkeypatch.setattr(eqbench3.sampling, "generate_batch", generate)
     judge = Judge(['<think>a</think>{"demonstrated_empathy": "16/20", "theory_of_mind": 8, "correctness": 10}'])
     units = eqbench3.units(P.tasks, types.SimpleNamespace(eqbench3_dir=str(FIX), iterations=1))
     args = types.SimpleNamespace(
@@ -283,7 +284,9 @@ def test_every_call_its_settings_and_the_100_character_guard(monkeypatch, tiny, 
 
 def test_a_turn_with_no_room_left_fails_its_task(monkeypatch, tiny, P):
     model, tok = tiny
-    monkeypatch.setattr(eqbench3.common, "generate_batch", lambda *a, **k: [common.Reply([], True, None)] * len(a[2]))
+    monkeypatch.setattr(
+        eqbench3.sampling, "generate_batch", lambda *a, **k: [sampling.Reply([], True, None)] * len(a[2])
+    )
     args = types.SimpleNamespace(
         eqbench3_dir=str(FIX),
         eqbench3_tokens=50,
@@ -307,9 +310,9 @@ def test_the_variants_cell_counts_the_tasks_that_reached_the_context_limit(monke
     # without --eqbench3-dir a turn that does not fit is not played: the task is judged on the turns before it
     model, tok = tiny
     monkeypatch.setattr(
-        eqbench3.common,
+        eqbench3.sampling,
         "generate_batch",
-        lambda *a, **k: [common.Reply(tok("ok")["input_ids"], True, None)] * len(a[2]),
+        lambda *a, **k: [sampling.Reply(tok("ok")["input_ids"], True, None)] * len(a[2]),
     )
     tasks = [
         {"id": str(i), "kind": "roleplay", "category": "", "prompts": ["Hi.", second]}

@@ -15,6 +15,7 @@ import pytest
 import common
 import offline
 import runs
+import sampling
 from benchmarks import emobench, eqbench3, sage
 from conftest import ROOT, LoopbackServer, ok, prompt_text, run_script, write_jsonl
 
@@ -331,10 +332,10 @@ def old_option_logliks(model, tok, questions) -> list[list[float]]:
         for q in questions:
             prompt = common.render_ids(tok, [{"role": "user", "content": q["prompt"]}])
             opts = [tok(o, add_special_tokens=False)["input_ids"] for o in q["options"]]
-            ids, attn, mask = common.right_pad(
+            ids, attn, mask = sampling.right_pad(
                 [prompt + o for o in opts], tok.pad_token_id, [[(len(prompt), len(prompt) + len(o))] for o in opts]
             )
-            lp = common.token_logprobs(model, ids, attn, mask)
+            lp = sampling.token_logprobs(model, ids, attn, mask)
             out.append([x.mean().item() for x in lp.split([len(o) for o in opts])])
     return out
 

@@ -23,6 +23,7 @@ import pytest
 import torch
 
 import common
+import sampling
 from conftest import JUDGE_OK, ROOT, run_script
 
 
@@ -258,7 +259,7 @@ def test_cast_for_kbit_training_keeps_lora_fp32_and_runs_the_rest_in_bf16(tiny_m
     assert {h.dtype for h in out.hidden_states} == {torch.bfloat16}  # the residual stream
     assert out.past_key_values.layers[0].keys.dtype == torch.bfloat16  # the KV cache
     # the loss side: log-probs in fp32, gradients reach the fp32 LoRA weights
-    logp = common.token_logprobs(model, ids, torch.ones_like(ids), torch.tensor([[0, 0, 1, 1, 1, 1]]))
+    logp = sampling.token_logprobs(model, ids, torch.ones_like(ids), torch.tensor([[0, 0, 1, 1, 1, 1]]))
     assert logp.dtype == torch.float32 and logp.shape == (4,)
     logp.sum().backward()
     grads = [p.grad for n, p in model.named_parameters() if "lora_B" in n]
@@ -385,7 +386,7 @@ def test_4bit_qlora_end_to_end_on_a_cpu(tiny_model_64, tmp_path):
     assert {h.dtype for h in out.hidden_states} == {torch.float32}  # the compute dtype on a CPU
     before = {n: p.detach().clone() for n, p in trainable.items()}
     opt = torch.optim.AdamW(trainable.values(), lr=1e-2)
-    logp = common.token_logprobs(model, ids, torch.ones_like(ids), torch.ones_like(ids))
+    logp = sampling.token_logprobs(model, ids, torch.ones_like(ids), torch.ones_like(ids))
     assert torch.isfinite(logp).all() and logp.dtype == torch.float32
     (-logp.mean()).backward()
     opt.step()
@@ -456,15 +457,15 @@ def test_the_gpu_preset_end_to_end_on_a_cpu(tiny_model, tmp_path, monkeypatch, t
     """04 --preset gpu as on a GPU (8-15 turns, 256-token replies, 4096-token contexts, minibatches of 32,
     gradient checkpointing, the frozen base as judge and user), one step of one scenario x K=4. The random
     model writes no judge JSON, so its judge answers are replaced by valid ones (everything else runs)."""
-    real, answer = common.generate_batch, JUDGE_OK
+    real, answer = sampling.generate_batch, JUDGE_OK
 
     def judge_answers_json(model, tok, contexts, max_new_tokens, temperature=0.0, top_p=1.0):
         if all("MDEP-PR" in tok.decode(c) for c in contexts):
             ids = tok(answer, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
-            return [common.Reply(ids, True, [0.0] * len(ids)) for _ in contexts]
+            return [sampling.Reply(ids, True, [0.0] * len(ids)) for _ in contexts]
         return real(model, tok, contexts, max_new_tokens, temperature, top_p)
 
-    monkeypatch.setattr(common, "generate_batch", judge_answers_json)
+    monkeypatch.setattr(sampling, "generate_batch", judge_answers_json)
     trainer.main(
         [
             "--model",

@@ -1,14 +1,18 @@
 """The card's shape: five self-contained stages sharing a small common.py, every other piece in its place.
 
 1. Each stage reads alone: it imports common.py, another stage only for that stage's product (02 and 04: 01's
-   rubric; 04 and 05: 03's environment), and the support modules (offline.py, plots.py, runs.py, benchmarks/),
-   at the top of the file; 04 holds its own update (not 02's). A support module imports common.py (and runs.py,
-   a run's files), never a stage; a benchmark module may import its own package too (benchmarks/__init__.py:
-   the rule labelling a checkout).
+   rubric; 04 and 05: 03's environment), and the support modules (backends.py, sampling.py, engine.py,
+   offline.py, plots.py, runs.py, benchmarks/), at the top of the file; 04 holds its own update (not 02's). A
+   support module imports common.py and the support modules below it (options.py, the options and the command
+   line; parallel.py, the data-parallel helpers;
+   runs.py, a run's files and the update's statistics; sampling.py, the sampler and the scorer; backends.py, the
+   chat backends), never a stage, and never in a cycle; a benchmark
+   module may import its own package too (benchmarks/__init__.py: the rule labelling a checkout). sampling.py
+   imports nothing of the project, and common.py nothing but sampling.py (load_policy's check of the scorer).
 2. common.py holds only plumbing that two or more callers (stages, support modules) use.
 3. The layout: the CPU stand-ins in offline.py, every figure in plots.py (matplotlib nowhere else), one file
-   per external benchmark in benchmarks/; in 04 processes talk only inside its three data-parallel helpers
-   (accelerate carries the collectives).
+   per external benchmark in benchmarks/; processes talk only inside parallel.py's data-parallel helpers
+   (accelerate carries the collectives), which 04 and runs.UpdateStats call.
 4. The layout is ruff's (pyproject.toml; `make test` runs `ruff format --check` and `ruff check` first): no line
    count or width is held here; sizes are what the design gives (docs/files.md reports them). No tuple-expression
    statement, no lambda bound to a name, no walrus in a comprehension.
@@ -25,7 +29,29 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 STAGES = sorted(ROOT.glob("[0-9][0-9]_*.py"))
 COMMON = ROOT / "common.py"
-SUPPORT = [ROOT / "offline.py", ROOT / "plots.py", ROOT / "runs.py"] + sorted((ROOT / "benchmarks").glob("*.py"))
+SUPPORT = [
+    ROOT / name
+    for name in (
+        "backends.py",
+        "engine.py",
+        "offline.py",
+        "options.py",
+        "parallel.py",
+        "plots.py",
+        "runs.py",
+        "sampling.py",
+    )
+] + sorted((ROOT / "benchmarks").glob("*.py"))
+# what a support module may import of the project, besides common.py: the modules below it (no cycle)
+BELOW = {
+    "options": set(),
+    "parallel": set(),
+    "runs": {"options", "parallel"},
+    "sampling": set(),
+    "backends": {"options", "sampling"},
+    "engine": {"backends", "options", "sampling"},
+}
+# sampling.py imports nothing of the project (common.py imports it)
 PROJECT = (
     STAGES
     + [COMMON]
@@ -42,7 +68,8 @@ def project_imports(tree):
     """(module, the function it is imported in or None, line) for every import of common.py, a stage or a
     support module: `import common`, `from common import x`, `from benchmarks import sage` (as
     benchmarks.sage), importlib.import_module("NN_...")."""
-    names, out = {p.stem for p in STAGES} | {"common", "offline", "plots", "runs", "benchmarks"}, []
+    names = {p.stem for p in STAGES} | {"common", "benchmarks"} | {p.stem for p in SUPPORT if p.parent == ROOT}
+    out = []
 
     def visit(node, func):
         for child in ast.iter_child_nodes(node):
@@ -89,10 +116,35 @@ def test_a_stage_imports_common_and_only_the_products_it_names(path):
 def test_a_support_module_imports_common_and_never_a_stage(path):
     found = project_imports(ast.parse(path.read_text(encoding="utf-8")))
     own = {"benchmarks"} if path.parent.name == "benchmarks" else set()  # `import benchmarks`: its package
-    assert {name for name, _, _ in found} <= {"common", "runs"} - {path.stem} | own, (
-        f"{path.name} imports {sorted({n for n, _, _ in found})}"
-    )
+    below = BELOW.get(path.stem, {"options", "runs", "sampling", "backends"})  # offline, plots, a benchmark
+    allowed = set() if path.stem == "sampling" else {"common"} | below | own
+    assert {name for name, _, _ in found} <= allowed, f"{path.name} imports {sorted({n for n, _, _ in found})}"
     assert ast.get_docstring(ast.parse(path.read_text(encoding="utf-8"))), f"{path.name} opens with a docstring"
+
+
+def test_common_imports_only_the_scorer_and_nothing_imports_upwards():
+    """common.py imports sampling.py only (load_policy measures the scorer against the model's forward); the
+    import graph of common.py and the support modules has no cycle."""
+    graph = {
+        p.stem: {n.split(".")[0] for n, _, _ in project_imports(ast.parse(p.read_text(encoding="utf-8")))}
+        for p in [COMMON] + [s for s in SUPPORT if s.parent == ROOT]
+    }
+    assert graph["common"] == {"sampling"}, graph["common"]
+    assert graph["sampling"] == set(), graph["sampling"]
+    done, stack = set(), []
+
+    def visit(name):
+        assert name not in stack, f"an import cycle: {' -> '.join(stack + [name])}"
+        if name in done or name not in graph:
+            return
+        stack.append(name)
+        for child in graph[name]:
+            visit(child)
+        stack.pop()
+        done.add(name)
+
+    for name in graph:
+        visit(name)
 
 
 def test_every_piece_is_in_its_place():
@@ -151,8 +203,9 @@ def test_04_uses_nothing_before_it_defines_it():
     assert early == [], early
 
 
-# the data-parallel helpers of 04: the only functions in which processes talk (each does nothing on one process)
-DP_HELPERS = {"sum_over_processes", "gather_over_processes", "advantages_over_processes"}
+# the data-parallel helpers (parallel.py): the only functions in which processes talk (each does nothing on one
+# process)
+DP_HELPERS = {"sum_over_processes", "gather_over_processes", "advantages_over_processes", "split_minibatches"}
 COLLECTIVE = re.compile(r"reduce|all_reduce|gather|broadcast|all_gather|scatter|barrier", re.I)
 
 
@@ -174,13 +227,14 @@ def collectives_outside(tree, helpers) -> list[tuple[int, str]]:
     return found
 
 
-def test_04_talks_between_processes_only_in_its_three_helpers():
-    text = (ROOT / "04_mica_train.py").read_text(encoding="utf-8")
-    tree = ast.parse(text)
-    assert "torch.distributed" not in text  # accelerate carries the collectives
-    defs = {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
-    assert DP_HELPERS <= defs
-    assert collectives_outside(tree, DP_HELPERS) == []
+def test_processes_talk_only_in_the_data_parallel_helpers():
+    parallel = ast.parse((ROOT / "parallel.py").read_text(encoding="utf-8"))
+    assert DP_HELPERS <= {n.name for n in parallel.body if isinstance(n, ast.FunctionDef)}
+    # the files of a data-parallel training step (elsewhere `gather` is torch's tensor gather, not a collective)
+    for path in (ROOT / "04_mica_train.py", ROOT / "runs.py", ROOT / "parallel.py"):
+        text = path.read_text(encoding="utf-8")
+        assert "torch.distributed" not in text, path.name  # accelerate carries the collectives
+        assert collectives_outside(ast.parse(text), DP_HELPERS) == [], path.name
 
 
 def test_the_layout_test_catches_a_collective_outside_the_helpers():

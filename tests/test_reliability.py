@@ -19,6 +19,7 @@ import torch
 from accelerate import Accelerator
 
 import common
+import options
 import runs
 from conftest import FAULTS, ROOT, run_script, write_jsonl
 
@@ -556,8 +557,6 @@ def test_loading_is_safe_by_default():
     flag asks for it; weights are written as safetensors (no pickled .bin anywhere)."""
     import re
 
-    import common
-
     sources = [p for p in ROOT.glob("*.py")] + list((ROOT / "experiments").glob("*.py"))
     for path in sources:
         text = path.read_text()
@@ -565,6 +564,6 @@ def test_loading_is_safe_by_default():
             assert "weights_only=True" in call, (path.name, call)
         assert "pickle" not in text and ".bin" not in text, path.name
         assert "trust_remote_code=True" not in text, path.name
-    p = common.options_parser("", [("model", common.ModelOptions)])
+    p = options.options_parser("", [("model", options.ModelOptions)])
     assert p.parse_args([]).trust_remote_code is False
     assert p.parse_args(["--trust-remote-code"]).trust_remote_code is True

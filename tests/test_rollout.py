@@ -9,6 +9,7 @@ from accelerate import Accelerator
 
 import common
 import offline
+import sampling
 from conftest import SCEN, env_args, run_script
 
 
@@ -180,7 +181,7 @@ def test_token_logprobs_match_full_forward(trainer, tiny, env):
     )
     ids, attn, mask = trainer.collate(trainer.as_samples(trajs), tok.pad_token_id, "cpu")
     with torch.no_grad():
-        lp = common.token_logprobs(model, ids, attn, mask)
+        lp = sampling.token_logprobs(model, ids, attn, mask)
         full = torch.log_softmax(model(input_ids=ids, attention_mask=attn).logits.float(), -1)
     ref = full[:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1)[mask[:, 1:].bool()]
     assert lp.shape == ref.shape and torch.allclose(lp, ref, atol=1e-5)
@@ -196,10 +197,10 @@ def test_token_logprobs_in_chunks_equal_in_one_piece(trainer, tiny, env, monkeyp
     )
     ids, attn, mask = trainer.collate(trainer.as_samples(trajs), tok.pad_token_id, "cpu")
     out = []
-    for chunk in (common.LOGIT_CHUNK, 3 * model.config.vocab_size):  # one piece; 3 rows a chunk
-        monkeypatch.setattr(common, "LOGIT_CHUNK", chunk)
+    for chunk in (sampling.LOGIT_CHUNK, 3 * model.config.vocab_size):  # one piece; 3 rows a chunk
+        monkeypatch.setattr(sampling, "LOGIT_CHUNK", chunk)
         model.zero_grad()
-        lp = common.token_logprobs(model, ids, attn, mask, temperature=0.7)
+        lp = sampling.token_logprobs(model, ids, attn, mask, temperature=0.7)
         (lp * torch.linspace(-1, 1, len(lp))).sum().backward()
         out.append((lp.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]))
     assert len(out[0][0]) > 3 and torch.allclose(out[0][0], out[1][0], atol=1e-6)
@@ -562,12 +563,14 @@ def test_care_weights_the_distance_and_uniform_is_mica(trainer):
     import types
 
     states = [[-6, -9, -4], [-5, -6, -4], [-6, -5, -3], [-3, -6, -2]]
+    # idr+care: the rubric, which 01's write_rubrics put in tr.extra, weights idr's distance (rubric_weighted_distance)
     args = argparse.Namespace(
-        idr_weights=(1, 1, 1), eps=1.0, reward_weights={"idr": 1.0}, care_distance="weighted", kardia_format=False
+        idr_weights=(1, 1, 1), eps=1.0, reward_weights={"idr": 1.0, "care": 1.0}, care_distance="weighted"
     )
+    assert trainer.rubric_weighted_distance(args)
     uniform = {"weights": {d: 1 / 3 for d in trainer.sft.DIMS}}
     tr = types.SimpleNamespace(T=3, states=states, extra={"rubrics": [uniform] * 3})
-    assert trainer.reward_parts([tr], args, None)[0][0]["idr"] == pytest.approx([2.828, 0.363, 1.231], abs=1e-3)
+    assert trainer.idr_rewards([tr], args, None)[0] == pytest.approx([2.828, 0.363, 1.231], abs=1e-3)
     # affective-heavy rubric: w = 3 * (0.2, 0.6, 0.2) = (0.6, 1.8, 0.6); turn 1 moves A by +3
     aff = {"weights": {"cognitive": 0.2, "affective": 0.6, "proactive": 0.2}}
     tr.extra["rubrics"] = [aff] * 3
@@ -575,13 +578,13 @@ def test_care_weights_the_distance_and_uniform_is_mica(trainer):
     def d(P):
         return (0.6 * max(0, -1 - P[0]) ** 2 + 1.8 * max(0, -1 - P[1]) ** 2 + 0.6 * max(0, -1 - P[2]) ** 2) ** 0.5
 
-    assert trainer.reward_parts([tr], args, None)[0][0]["idr"] == pytest.approx(
+    assert trainer.idr_rewards([tr], args, None)[0] == pytest.approx(
         [d(states[t]) - d(states[t + 1]) for t in range(3)]
     )
-    assert trainer.reward_parts([tr], args, None)[0][0]["idr"][0] > 2.828  # the affective move counts more
+    assert trainer.idr_rewards([tr], args, None)[0][0] > 2.828  # the affective move counts more
     # --care-distance plain keeps MICA's potential difference: the rewards telescope to d(P0) - d(P_T)
     args.care_distance = "plain"
-    plain = trainer.reward_parts([tr], args, None)[0][0]["idr"]
+    plain = trainer.idr_rewards([tr], args, None)[0]
     assert plain == pytest.approx([2.828, 0.363, 1.231], abs=1e-3) and sum(plain) == pytest.approx(9.899495 - 5.477226)
 
 

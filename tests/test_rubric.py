@@ -54,9 +54,9 @@ def test_generate_rubrics_greedy_decodes_each_distinct_prompt_once(tiny_model, m
     a = [{"role": "user", "content": "I failed the exam again."}]
     b = [{"role": "user", "content": "My sister stopped calling me and I do not know why."}]
     rows = []
-    real = sft.common.generate_batch
+    real = sft.sampling.generate_batch
     monkeypatch.setattr(
-        sft.common, "generate_batch", lambda m, t, prompts, *a: rows.append(len(prompts)) or real(m, t, prompts, *a)
+        sft.sampling, "generate_batch", lambda m, t, prompts, *a: rows.append(len(prompts)) or real(m, t, prompts, *a)
     )
     out = sft.generate_rubrics(model, tok, [a, b, a, a], 8, 0.0, batch_size=8)
     assert rows == [2] and out[0] == out[2] == out[3] and out[0][1] != out[1][1]

@@ -15,6 +15,7 @@ import sys
 import pytest
 
 import common
+import sampling
 from benchmarks import sage
 from conftest import ROOT, LoopbackServer, ok, run_script
 
@@ -294,9 +295,9 @@ def test_the_tested_model_gets_the_system_prompt_and_the_room_left(monkeypatch, 
     def generate(model, tok, contexts, budget, temperature, top_p, model_settings):
         assert model_settings  # the official protocol: an endpoint's defaults, the model's own settings
         seen.append(([tok.decode(c) for c in contexts], budget, temperature, top_p))
-        return [common.Reply(tok("fine", add_special_tokens=False)["input_ids"], budget > 5, None)] * len(contexts)
+        return [sampling.Reply(tok("fine", add_special_tokens=False)["input_ids"], budget > 5, None)] * len(contexts)
 
-    monkeypatch.setattr(sage.common, "generate_batch", generate)
+    monkeypatch.setattr(sage.sampling, "generate_batch", generate)
     short = sage.Dialogue({"id": "a"}, history=[{"role": "user", "content": "hi", "emotion-point": 40}])
     long = sage.Dialogue({"id": "b"}, history=[{"role": "user", "content": "word " * 300, "emotion-point": 40}])
     n_short = len(common.render_ids(tok, [{"role": "system", "content": "SYS"}, {"role": "user", "content": "hi"}]))

@@ -7,6 +7,7 @@ Each model here stands in for a real one: the tiny random Qwen2 of conftest.py w
 <|eot_id|> as eos and pad, three end-of-turn ids), with a Qwen2.5-like template (a default system prompt), and
 tiny Gemma 2, Cohere and Granite models (soft-capped or scaled final logits)."""
 
+import argparse
 import importlib
 import json
 import shutil
@@ -17,6 +18,7 @@ from transformers import AutoModelForCausalLM
 
 import common
 import offline
+import sampling
 from conftest import CHATML, SCEN, env_args, run_script
 
 # Qwen2.5-7B-Instruct's published generation_config.json (its sampling fields), and a no_repeat_ngram_size that
@@ -99,7 +101,7 @@ def sampled_and_scored(trainer, env, model, tok, temperature=1.0, turns=3, **ove
     ids, attn, mask = trainer.collate(samples, tok.pad_token_id, "cpu")
     model.train()
     with torch.no_grad():
-        scorer = common.token_logprobs(model, ids, attn, mask, temperature)
+        scorer = sampling.token_logprobs(model, ids, attn, mask, temperature)
     sampler = torch.cat([s.sampler_logprobs() for s in samples])
     return trajs, sampler, scorer
 
@@ -133,7 +135,7 @@ def test_the_models_own_settings_apply_only_where_asked(tiny_model, tmp_path):
     for name, path, own in (("clean", tiny_model, False), ("scratch", leaky, False), ("own", leaky, True)):
         model, tok = load(path)
         torch.manual_seed(1)
-        draws[name] = [r.ids for r in common.generate_batch(model, tok, contexts, 12, 1.0, model_settings=own)]
+        draws[name] = [r.ids for r in sampling.generate_batch(model, tok, contexts, 12, 1.0, model_settings=own)]
     assert draws["scratch"] == draws["clean"]
     assert draws["own"] != draws["clean"]
     # no_repeat_ngram_size 1: under the model's own settings no token repeats within a context and its reply
@@ -193,7 +195,7 @@ def test_the_rollout_keeps_tokens_in_tokens_out_under_real_templates(env, traine
     model, tok = load(path)
     trajs, sampler, scorer = sampled_and_scored(trainer, env, model, tok)
     assert (sampler - scorer).abs().max() < 1e-4
-    ends = common.end_of_turn_ids(model, tok)
+    ends = sampling.end_of_turn_ids(model, tok)
     assert len(ends) == (3 if template == "llama3.1" else 1)
     for tr in trajs:
         # outside the replies, the context is the template's own text: the opening as rendered (one bos, no
@@ -221,11 +223,11 @@ def test_a_turn_ends_at_any_of_the_models_end_of_turn_ids(tiny_model, tmp_path):
     the reply is that one token, ended."""
     model, tok = load(tiny_model)
     context = [[5, 6, 7, 8, 9, 10]]
-    first = common.generate_batch(model, tok, context, 4, 0.0)[0].ids[0]
+    first = sampling.generate_batch(model, tok, context, 4, 0.0)[0].ids[0]
     assert first != tok.eos_token_id
     model.generation_config.eos_token_id = [tok.eos_token_id, first]
-    assert common.end_of_turn_ids(model, tok) == sorted({tok.eos_token_id, first})
-    (reply,) = common.generate_batch(model, tok, context, 4, 0.0)
+    assert sampling.end_of_turn_ids(model, tok) == sorted({tok.eos_token_id, first})
+    (reply,) = sampling.generate_batch(model, tok, context, 4, 0.0)
     assert reply.ids == [first] and reply.ended
 
 
@@ -269,22 +271,22 @@ def tiny_with_final_logits(kind: str, out) -> str:
 
 @pytest.mark.parametrize("kind", ["gemma2", "cohere", "granite"])
 def test_soft_capped_or_scaled_logits_are_scored_as_the_forward_gives_them(env, trainer, tiny_model, tmp_path, kind):
-    """token_logprobs runs the LM head itself, not the model's forward: without common.final_logits the rollout
+    """token_logprobs runs the LM head itself, not the model's forward: without sampling.final_logits the rollout
     (whose logits come from the forward) and the update would score different distributions."""
     shutil.copytree(tiny_model, tmp_path / "tok")
     model, tok = load(tiny_with_final_logits(kind, tmp_path / kind))
-    common.check_token_logprobs(model, kind)  # passes: the transform is known
+    assert sampling.scoring_gap(model) <= 0.5  # load_policy passes it: the transform is known
     _, sampler, scorer = sampled_and_scored(trainer, env, model, tok, turns=2)
     assert (sampler - scorer).abs().max() < 1e-4
     # and the transform matters here: the head's raw output is not what the forward gives
     x = torch.linspace(-4, 4, 9)
-    assert (common.final_logits(model.config, x) - x).abs().max() > 1
+    assert (sampling.final_logits(model.config, x) - x).abs().max() > 1
 
 
-def test_an_unknown_transform_of_the_final_logits_stops_the_load(tiny_model):
+def test_an_unknown_transform_of_the_final_logits_stops_the_load(tiny_model, monkeypatch):
     """A model whose forward changes its logits in a way final_logits does not know: one line, before training."""
     model, _ = load(tiny_model)
-    common.check_token_logprobs(model, "tiny")
+    assert sampling.scoring_gap(model) <= 0.5
     forward = model.forward
 
     def scaled(*args, **kwargs):
@@ -293,8 +295,20 @@ def test_an_unknown_transform_of_the_final_logits_stops_the_load(tiny_model):
         return out
 
     model.forward = scaled
+    gap = sampling.scoring_gap(model)
+    assert gap > 0.5
+    # load_policy measures the gap of the model it loaded and stops with one line
+    monkeypatch.setattr(sampling, "scoring_gap", lambda m: gap)
+    args = argparse.Namespace(
+        model=tiny_model,
+        adapter=None,
+        lora_targets="q_proj,v_proj",
+        load_in_4bit="off",
+        gradient_checkpointing=False,
+        trust_remote_code=False,
+    )
     with pytest.raises(common.UserError, match="differs from the model's own forward"):
-        common.check_token_logprobs(model, "tiny")
+        common.load_policy(args, trainable=False)
 
 
 def test_bf16_drift_is_what_the_gap_measures(env, trainer, tiny_model):

@@ -8,9 +8,11 @@ import json
 import pytest
 import torch
 
+import backends
 import common
 import conftest
 import offline
+import sampling
 from conftest import JUDGE_OK, USER_OK, ok, run_script
 from conftest import env_args as shared_env_args
 
@@ -56,7 +58,7 @@ def lora_layers(model):
 
 
 class FakeGenerator:
-    """Stands in for common.generate_batch (the self judge and user) and 03's TurnCache.generate (the
+    """Stands in for sampling.generate_batch (the self judge and user) and 03's TurnCache.generate (the
     policy): install(monkeypatch, env) patches both. Each call is recorded as (kind, adapter off?,
     training?, grad on?, decoded contexts); judge prompts get `judge(text, asked)` (asked: how often this
     very prompt came before), user prompts USER_OK, the policy `policy(row)` plus eos."""
@@ -66,7 +68,7 @@ class FakeGenerator:
         self.calls, self.asked = [], {}
 
     def install(self, monkeypatch, env):
-        monkeypatch.setattr(common, "generate_batch", self)
+        monkeypatch.setattr(sampling, "generate_batch", self)
         monkeypatch.setattr(
             env.TurnCache,
             "generate",
@@ -89,7 +91,7 @@ class FakeGenerator:
             else:
                 answer = USER_OK if kind == "user" else self.policy(b)
             ids = tokenizer(answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-            out.append(common.Reply(ids, True, [0.0] * len(ids)))
+            out.append(sampling.Reply(ids, True, [0.0] * len(ids)))
         return out
 
     def kinds(self, kind):
@@ -118,7 +120,7 @@ def test_self_judge_and_user_rollout_with_the_adapter_off_while_they_speak(env, 
     # afterwards: the adapter back on, train mode back, requires_grad as it was
     assert not any(m.disable_adapters for m in lora_layers(model)) and model.training
     assert all(p.requires_grad == ("lora" in n) for n, p in model.named_parameters())
-    assert common.api_counts(judge, user) == {}  # no endpoint counters for self
+    assert backends.api_counts(judge, user) == {}  # no endpoint counters for self
 
 
 def test_adapters_off_gives_the_base_logits_for_a_peft_model_and_a_wrapped_base(tiny_model):
