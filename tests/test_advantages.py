@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import common
+import sampling
 
 
 def approx(xs, ys, tol=1e-4):
@@ -493,7 +494,7 @@ def update_with(trainer, tiny_model, tis_cap, shift):
     old = []
     for r, s in zip(rows, spans):  # one row at a time, as the update's micro-batches of 1 score them
         with torch.no_grad():
-            old.append(common.token_logprobs(model, *common.right_pad([r], tok.pad_token_id, [s])))
+            old.append(sampling.token_logprobs(model, *sampling.right_pad([r], tok.pad_token_id, [s])))
     samples = [
         trainer.Sample(r, s, [(-1.0) ** i], [(lp - shift).tolist()])
         for i, (r, s, lp) in enumerate(zip(rows, spans, old))
