@@ -297,8 +297,7 @@ def start_engine(a, dtype: str, log: Path):
 
     import engine
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
+    with socket.create_server(("127.0.0.1", 0)) as sock:  # a free port
         port = sock.getsockname()[1]
     argv = [a.engine_python, str(ROOT / "engine.py"), "--model", a.model, "--port", str(port), "--dtype", dtype]
     with open(log, "w") as out:
