@@ -206,7 +206,7 @@ def test_the_pushed_adapter_is_the_one_that_samples(smollm2, tmp_path):
     assert (after - learner()).abs().max() < 1e-3
 
 
-@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step()` before `optimizer.step()`")
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler:UserWarning")
 def test_the_judge_and_the_user_are_the_engines_base_model(smollm2, trainer, tmp_path, monkeypatch):
     """--judge self --user self with --engine: one server, three roles. 04 runs a step in this process with
     transformers' generate disabled: the policy's replies come from /v1/completions, the judge's verdicts and the
