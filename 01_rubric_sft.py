@@ -1,42 +1,34 @@
 """01_rubric_sft.py: CARE stage 1, supervised fine-tuning of the rubric generator (LoRA).
 
-What it does
-  For a dialogue up to the user's latest turn, CARE's generator writes a rubric for the supporter's next
-  reply: weights over cognitive / affective / proactive empathy and 1-4 fine-grained criteria per
-  dimension. This script fine-tunes a LoRA adapter on turn-level rubric supervision with the loss on the
-  rubric tokens only, evaluates on held-out turns every --eval-every steps (parse-valid rate, weight MAE,
-  dominant-dimension accuracy), and saves the adapter that 02 starts from.
-  It also holds the rubric's product that 02 and 04 import: the format, its one parser, batched rubric
-  generation, and the criteria judge that scores a reply on a rubric's criteria.
+For a dialogue up to the user's latest turn, CARE's generator writes a rubric for the supporter's next reply:
+weights over cognitive / affective / proactive empathy and 1-4 criteria per dimension. This script fine-tunes a
+LoRA adapter on labelled turns, the loss on the rubric's tokens only, evaluates on held-out turns every
+--eval-every steps, and saves the adapter that 02 starts from.
 
-Reads   data/rubric_sft_train.jsonl / data/rubric_sft_val.jsonl (or --train / --val): {"messages": [...
-        ending with a user turn], "rubric": {...}} (TRL's conversational format plus the rubric); the base
-        model (--model, default the packaged SmolLM2). scripts/label_rubrics.py writes this format from
-        your own dialogues with a teacher LLM.
-Writes  runs/<name>-<time>/: args.json, metrics.jsonl (the loss per step, eval_* at each evaluation),
-        eval_samples.jsonl (the rubrics of each evaluation), checkpoint.pt, adapter/, curves.png.
-
-The rubric
-  {"weights": {"cognitive": w_C, "affective": w_A, "proactive": w_P},
-   "criteria": {"cognitive": [...], "affective": [...], "proactive": [...]}}
-  w_d >= 0, sum_d w_d = 1 (within --weight-tolerance, then renormalised), 1-4 non-empty criteria per d.
+Reads   data/rubric_sft_train.jsonl / data/rubric_sft_val.jsonl (or --train / --val): {"messages": [... ending
+        with a user turn], "rubric": {...}}; the base model (--model). scripts/label_rubrics.py writes this
+        format from your own dialogues with a teacher LLM.
+Writes  runs/<name>-<time>/: args.json, metrics.jsonl, eval_samples.jsonl, checkpoint.pt, adapter/, curves.png.
 
 Equations (CARE; docs/reference.md section 5)
-  SFT loss      L = -(1/N) sum_i log p(y_i | x, y_<i)   over the N rubric tokens y of the batch (the prompt
-                masked out; the closing end-of-turn token is a target, so the model learns to stop)
-  weight MAE    (1/3) sum_d |w_d - w*_d|, averaged over held-out turns with a valid rubric
-  dominant acc  share of held-out turns where argmax_d w_d = argmax_d w*_d (an invalid rubric is wrong)
-  criteria      s(y, c) in [0, 1]: an LLM's 0-10 score / 10 (hf:, api:), or offline (embed)
-  judge         max(0, cos(e(y), e(c))) with all-MiniLM-L6-v2: how close the reply is in meaning to the
-                criterion; a similarity, not a judgement ("validates the fear" and "dismisses the fear"
-                are both about fear); an LLM judge for real results
+  rubric        {"weights": {d: w_d}, "criteria": {d: [c, ...]}} for d in (cognitive, affective, proactive);
+                w_d >= 0, sum_d w_d = 1 (within --weight-tolerance, then renormalised), 1-4 criteria per d
+  SFT loss      L = -(1/N) sum_i log p(y_i | x, y_<i)   over the N rubric tokens of the batch (the closing
+                end-of-turn token is a target, so the model learns to stop)
+  weight MAE    (1/3) sum_d |w_d - w*_d| over held-out turns with a valid rubric;  dominant acc: the share of
+                held-out turns with argmax_d w_d = argmax_d w*_d (an invalid rubric is wrong)
+  S(y)          sum_d w_d (1/|C_d|) sum_{c in C_d} s(y, c),  s in [0, 1]: an LLM's 0-10 score / 10 (hf:, api:),
+                or offline max(0, cos(e(y), e(c))) with all-MiniLM-L6-v2: a similarity, not a judgement
 
-Departures from the paper (and why)
-  1. LoRA instead of full fine-tuning; the paper's generator is a larger model.
-  2. The supervision is small and written for this project (147 train / 33 validation turns); the paper
-     labels real dialogues with a strong LLM, which scripts/label_rubrics.py does for your own data.
-  3. Length-grouped batches (turns of similar length together) instead of packing: with rubric-only loss
-     masks packing saves little and complicates the attention mask.
+Where each part lives
+  here          Args; the rubric (parse_rubric, rubric_score, the prompt, generate_rubrics); the loss; the loop;
+                the criteria judge and the graders 04 calls for --reward care and kardia (care_rewards, beside
+                the judge it calls); main
+  runs.py       the run folder, the checkpoint, the metrics line;  options.py  the options and --config
+
+Departures from CARE, one line each; the reasons: docs/reference.md, "Known departures at a glance" (item)
+  1. LoRA on a small generator, and a small supervision set written for this project (3, 17)
+  2. turns of similar length batched together instead of packing (18)
 
 CPU:  python 01_rubric_sft.py                     (SmolLM2, 150 steps; docs/results.md has the seconds a step)
 GPU:  python 01_rubric_sft.py --model Qwen2.5-7B-Instruct --batch-size 16 --steps 300 --lr 1e-4

@@ -1,49 +1,38 @@
 """02_rubric_pref_rl.py: CARE stage 2, preference RL of the rubric generator.
 
-What it does
-  Starts from the SFT generator (01's adapter). Each step takes preference pairs (a context, the reply
-  people preferred, the one they did not), samples G rubrics per context, lets the judge score both replies
-  on every criterion of each rubric, and rewards a rubric that ranks the preferred reply higher (preference
-  recovery), by how much (margin), and that parses at all (format). Advantages are normalised within each
-  context's G rubrics; the update is a clipped policy gradient on the rubric tokens. Before and after RL it
-  reports, on held-out pairs, the preference-recovery accuracy and the parse-valid rate, and on held-out
-  supervision turns the mean weights by turn index and by the user's emotion (the paper's Figures 3-4).
-  The final adapter is the frozen generator that 04 (--reward care) uses.
+Starts from 01's adapter. Each step takes preference pairs (a context, the reply people preferred, the one they
+did not), samples G rubrics per context, has the judge score both replies on every criterion of each rubric, and
+rewards a rubric that ranks the preferred reply higher, by how much, and that parses at all; a clipped policy
+gradient on the rubric tokens follows. Before and after RL it reports, on held-out pairs, the preference-recovery
+accuracy and the parse-valid rate, and the mean weights by turn and by the user's emotion (CARE's Figures 3-4).
+The final adapter is the frozen generator of 04's --reward care.
 
 Imports 01_rubric_sft: the rubric format, its parser, batched rubric generation and the criteria judge.
 Reads   data/rubric_pref_train.jsonl / data/rubric_pref_test.jsonl (TRL's preference format: "prompt" or
-        "messages" ending with a user turn, "chosen", "rejected": a string or a one-message list),
-        data/rubric_sft_val.jsonl (turns with their index and the user's emotion, for the weights report),
-        the generator (--model + --adapter from 01), the judge (embed offline, hf:, api:).
-Writes  runs/<name>-<time>/: args.json, metrics.jsonl, rollouts.jsonl (every sampled rubric with its scores
-        and reward), report.md + report.json (before / after), weights_by_turn.png, weights_by_emotion.png,
-        checkpoint.pt, adapter/, curves.png.
+        "messages" ending with a user turn, "chosen", "rejected"), data/rubric_sft_val.jsonl (for the weights
+        report), the generator (--model + --adapter from 01), the judge (embed offline, hf:, api:).
+Writes  runs/<name>-<time>/: args.json, metrics.jsonl, rollouts.jsonl (every rubric with its scores and reward),
+        report.md + report.json (before / after), weights_by_turn.png, weights_by_emotion.png, checkpoint.pt,
+        adapter/, curves.png.
 
 Equations (CARE; docs/reference.md section 5)
-  rubric score  S(y) = sum_d w_d * (1/|C_d|) sum_{c in C_d} s(y, c)      s in [0, 1], the judge's score (01)
-  recovery      r_rec = 1 if S(chosen) > S(rejected) else 0
-  margin        r_margin = lambda * tanh((S(chosen) - S(rejected)) / tau)
-  format        r_fmt = 0 for a rubric that parses, -1 otherwise (then r_rec = r_margin = 0)
-  reward        r = r_rec + r_margin + r_fmt      (Table-4 ablations: --no-margin, --no-format, --recovery-only)
+  S(y)          sum_d w_d (1/|C_d|) sum_{c in C_d} s(y, c)     s in [0, 1], the judge's score (01)
+  reward        r = r_rec + r_margin + r_fmt:  r_rec = 1[S(chosen) > S(rejected)],  r_margin = lambda tanh((S(chosen)
+                - S(rejected)) / tau),  r_fmt = 0 for a rubric that parses, -1 otherwise (then r_rec = r_margin = 0)
   advantage     A_g = (r_g - mean_G) / (std_G + 1e-6)     over the G rubrics of one context (sample std)
-  loss          ratio_i = exp(log pi(y_i) - log pi_old(y_i)) for every rubric token i
-                L = (1/N) sum_i max(-ratio_i A_i, -clip(ratio_i, 1 - eps_low, 1 + eps_high) A_i)
-                    + beta (1/N) sum_i [exp(ref_i - logp_i) - (ref_i - logp_i) - 1]   (k3 KL to the base,
-                    the adapter off: the model before 01's SFT, not the SFT generator; beta = --kl-coef, 0 by
-                    default); N = the minibatch's rubric tokens
-  accuracy      the share of held-out pairs whose greedy rubric gives S(chosen) > S(rejected) (an invalid
-                rubric is a miss)
+  loss          L = (1/N) sum_i max(-ratio_i A_i, -clip(ratio_i, 1 - eps_low, 1 + eps_high) A_i) + beta (1/N) sum_i k3_i
+                over the N rubric tokens; ratio_i = pi(y_i) / pi_old(y_i); k3 to the base (the adapter off)
+  accuracy      the share of held-out pairs whose greedy rubric gives S(chosen) > S(rejected) (invalid: a miss)
 
-Departures from the paper (and why)
-  1. LoRA, a small generator and a small preference set written for this project.
-  2. The margin term is lambda * tanh(diff / tau), bounded so that it cannot outweigh recovery (and with
-     lambda < 1, the default 0.5, a wrong valid rubric stays above an invalid one); the paper does not give
-     its exact form.
-  3. The offline judge is an embedding similarity (01's docstring says what it is not): use an LLM judge
-     (hf: / api:) for real results.
-  4. With the defaults (4 contexts x G = 4 = 16 rubrics, --minibatch-size 64) a step is one optimizer step
-     on the rubrics just sampled: the ratio is 1 and the clip never acts (clip_frac 0), as in GRPO with one
-     iteration per batch; with --minibatch-size below contexts x G the later minibatches are clipped.
+Where each part lives
+  here          Args; the reward (preference_reward); the advantage; the loss; the update; the report; the loop
+  01            the rubric's parser, its generation, the criteria judge;  runs.py  the run folder, the log
+
+Departures from CARE, one line each; the reasons: docs/reference.md, "Known departures at a glance" (item)
+  1. LoRA, a small generator and a small preference set written for this project (3, 17)
+  2. the margin's form, lambda tanh(diff / tau), is ours: the paper gives none (11)
+  3. the offline judge is a similarity, not a judgement: an LLM judge (hf:, api:) for results (17)
+  4. with the defaults a step is one optimizer step on the rubrics just sampled: ratio 1, no clip (19)
 
 CPU:  python 02_rubric_pref_rl.py --adapter runs/rubric-sft-<time>/adapter   (docs/results.md has the seconds a step)
 GPU:  python 02_rubric_pref_rl.py --model Qwen2.5-7B-Instruct --adapter <01 adapter> \\

@@ -36,6 +36,12 @@ Judges and users: --judge embed | self | hf: | api: and --user scripted | self |
   (offline.py) or an LLM with its prompt here (LLMJudge, LLMUser); self is the policy's own frozen base. What each
   is and is not, and what a failed turn does: docs/environment.md.
 
+Where each part lives
+  here          EnvOptions; the equations (initial_deficit to emotion_status); the Trajectory and its state;
+                the batched rollout (rollout, policy_turn, user_turn, TurnCache); the LLM judge and user; main
+  sampling.py   the sampler and the scorer (one module: what is sampled is what 04's loss scores)
+  offline.py    the offline judge (embed) and the scripted user;  backends.py  hf:, api:, self;  engine.py  --engine
+
 Departures from EMPA (one line each; the reasons: docs/reference.md, "Known departures at a glance", items 4, 9)
   1. The shipped scenarios start at ||P0|| 17.5-25.3 (EMPA's: 17.5-41); the training defaults are short (3 turns,
      no end before turn 2, collapse window 3); the benchmark's rules (45, 12, 5) are flags, 05's empa uses them.

@@ -56,10 +56,9 @@ import importlib
 import math
 import os
 import random
-import resource
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
@@ -556,9 +555,8 @@ class Run:
     graders: sft.Graders  # CARE's rubric generator and the criteria judge, for --reward care and kardia
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
-    logger: runs.MetricsLogger | None  # process 0's
+    log: runs.StepLog  # the step's record: rollouts.jsonl and the metrics line (process 0 writes)
     engine: engine.Engine | None = None  # --engine: the server that samples the policy (and judges, and plays the user)
-    api_totals: dict = field(default_factory=dict)  # the api: backends' retries and failures so far
 
 
 def push_adapter(run: Run):
@@ -606,41 +604,6 @@ def dialogue_record(args, step, tr, parts, r, A, failed, A_terms) -> dict:
         if "rubrics" in tr.extra:
             turn["rubric"] = tr.extra["rubrics"][t]
     return rec
-
-
-def log_step(run: Run, step, trajs, groups, parts, rewards, failed, A, A_terms, counts, stats, lr, timer):
-    """The step's record: every dialogue to rollouts.jsonl, and one metrics line (the console, metrics.jsonl,
-    --report-to). Data-parallel: process 0 gathers every process's share and writes."""
-    args = run.args
-    records = []
-    for s, group in enumerate(groups):
-        for k, i in enumerate(group):
-            turn_terms = {name: value[s][k] for name, value in A_terms.items()}
-            records.append(dialogue_record(args, step, trajs[i], parts[i], rewards[i], A[s][k], failed[i], turn_terms))
-    api = backends.api_counts(run.judge, run.user)  # the backends' totals: this step's is their increase
-    counts = {
-        "degenerate_groups": sum(all(abs(a) < 1e-9 for a_k in group for a in a_k) for group in A),
-        **counts,
-        **{k: v - run.api_totals.get(k, 0) for k, v in api.items()},
-    }
-    run.api_totals = api
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-    part = {"records": records, "rewards": [x for r in rewards for x in r], "counts": counts, "rss": rss}
-    everyone = parallel.gather_over_processes(run.accelerator, {**part, "seconds": timer.seconds})
-    if not run.accelerator.is_main_process:
-        return  # the other processes go on to the next step
-    records = [rec for p in everyone for rec in p["records"]]
-    runs.append_jsonl(run.dir / "rollouts.jsonl", records)
-    metrics = runs.step_metrics(
-        records,
-        [x for p in everyone for x in p["rewards"]],  # every turn's training reward, unrounded
-        {k: sum(p["counts"][k] for p in everyone) for k in everyone[0]["counts"]},
-        stats,
-        lr,
-        {k: max(p["seconds"][k] for p in everyone) for k in timer.seconds},  # processes run side by side
-        max(p["rss"] for p in everyone),  # of the largest process
-    )
-    run.logger.log(step, metrics)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -692,9 +655,15 @@ def train_loop(run: Run, start: int):
             stats = policy_update(
                 run.model, run.tokenizer, run.optimizer, run.scheduler, samples, args, accelerator, log_kl
             )
-        # 5. log the step (rollouts.jsonl: every dialogue with its rewards, A and the estimator's terms), checkpoint,
-        #    draw
-        log_step(run, step, trajs, groups, parts, rewards, failed, A, A_terms, counts, stats, lr, timer)
+        # 5. log the step: every dialogue with its rewards, G_t, A and the estimator's terms (rollouts.jsonl), and
+        #    one metrics line; checkpoint, draw
+        records = []
+        for s, group in enumerate(groups):
+            for k, i in enumerate(group):
+                terms = {name: value[s][k] for name, value in A_terms.items()}
+                records.append(dialogue_record(args, step, trajs[i], parts[i], rewards[i], A[s][k], failed[i], terms))
+        degenerate = sum(all(abs(a) < 1e-9 for a_k in group for a in a_k) for group in A)  # every A of a group 0
+        run.log(step, records, rewards, {"degenerate_groups": degenerate, **counts}, stats, lr, timer)
         if accelerator.is_main_process and (step % args.save_every == 0 or step == args.steps):
             runs.save_checkpoint(run.dir, step, run.model, run.optimizer, run.scheduler)
             plots.curves(run.dir, plots.MICA_CURVES)
@@ -808,6 +777,7 @@ def load(args) -> tuple[Run, int]:
     logger = (
         runs.MetricsLogger(run_dir, args.report_to, runs.public_args(args)) if accelerator.is_main_process else None
     )
+    log = runs.StepLog(accelerator, run_dir, logger, lambda: backends.api_counts(judge, user))
     if accelerator.is_main_process:
         print(runs.header_line(args, run_dir, params, accelerator, start if state else None))
     run = Run(
@@ -822,7 +792,7 @@ def load(args) -> tuple[Run, int]:
         graders,
         optimizer,
         scheduler,
-        logger,
+        log,
         server,
     )
     return run, start
@@ -833,7 +803,7 @@ def save(run: Run):
     if run.accelerator.is_main_process:
         run.model.save_pretrained(run.dir / "adapter", safe_serialization=True)
         run.tokenizer.save_pretrained(run.dir / "adapter")
-        run.logger.finish()
+        run.log.logger.finish()
         print(
             f"final adapter: {run.dir / 'adapter'} (05_eval.py --adapters takes it); curves: "
             f"{plots.curves(run.dir, plots.MICA_CURVES)}"
@@ -847,7 +817,7 @@ def main(argv=None):
     try:
         train_loop(run, start)
     except common.UserError:  # the judge's endpoint went down, say: keep what was learned, then stop
-        runs.checkpoint_on_error(run.dir, run.model, run.optimizer, run.scheduler, run.logger, start)
+        runs.checkpoint_on_error(run.dir, run.model, run.optimizer, run.scheduler, run.log.logger, start)
         raise
     save(run)
 

@@ -31,6 +31,11 @@ Equations (docs/reference.md sections 3, 4, 6; r0 = ||P0||, rho_max = sqrt(12), 
   95% CI     mean +- t_{0.975, n-1} * sd / sqrt(n) over n independent units: scenarios (EMPA: a scenario's
              dialogues averaged first), tasks, profiles, items; none below 2 units
 
+Where each part lives
+  here          Args; the EPM equations (epm_*), naturalness, t_interval; the loop; the paired comparison
+                (compare_with_base); the results' files
+  03            the environment and the rollout;  benchmarks/  EQ-Bench 3, SAGE, EmoBench;  plots.py  the pictures
+
 Choices and departures (numbered as in docs/evaluation.md, where each is in full)
   1. S_proj's u_t = v* (S_PROJ; "step": -P_{t-1}/||P_{t-1}||); R_pen counts levels (R_PEN; "points").
   2. tau undefined (P_T = P0): its index is 0; no index is clamped.  3. Judge-failed turns are left out; a
@@ -46,6 +51,7 @@ GPU:  python 05_eval.py --model Qwen2.5-7B-Instruct --adapters runs/mica-A/adapt
 
 from __future__ import annotations
 
+import functools
 import importlib
 import json
 import math
@@ -229,26 +235,38 @@ def epm_index(P0, vs, levels, r_pen="levels", s_proj="goal") -> dict:
     return m
 
 
-# Student's t: the 0.975 quantile by degrees of freedom (a 95% two-sided interval); between rows the smaller
-# df is used (a little wide, never narrow)
-T975 = {
-    1: 12.706,
-    2: 4.303,
-    3: 3.182,
-    4: 2.776,
-    5: 2.571,
-    6: 2.447,
-    7: 2.365,
-    8: 2.306,
-    9: 2.262,
-    10: 2.228,
-    12: 2.179,
-    15: 2.131,
-    20: 2.086,
-    30: 2.042,
-    60: 2.000,
-    120: 1.980,
-}
+# Student's t, for the 95% intervals: its density, its distribution function, its quantile
+def t_density(x: float, df: int) -> float:
+    # f(x) = Gamma((df + 1) / 2) / (sqrt(df pi) Gamma(df / 2)) (1 + x^2 / df)^(-(df + 1) / 2)
+    log_c = math.lgamma((df + 1) / 2) - math.lgamma(df / 2) - 0.5 * math.log(df * math.pi)
+    return math.exp(log_c - (df + 1) / 2 * math.log1p(x * x / df))
+
+
+def t_cdf(x: float, df: int, n: int = 4000) -> float:
+    # F(x) = 1/2 + integral_0^x f(u) du, by Simpson's rule on n (even) intervals; F(-x) = 1 - F(x)
+    if x < 0:
+        return 1.0 - t_cdf(-x, df, n)
+    h = x / n
+    total = t_density(0.0, df) + t_density(x, df)
+    for i in range(1, n):
+        total += (4 if i % 2 else 2) * t_density(i * h, df)
+    return 0.5 + total * h / 3
+
+
+@functools.cache
+def t_quantile(p: float, df: int) -> float:
+    """t_{p, df}, Student's t quantile at any df >= 1 (p > 0.5): t_cdf inverted by bisection, to 1e-9. Exact up
+    to the integration's error (Simpson, 4000 intervals: below 1e-8 at df 1-1000), at the interval's own df
+    (a short table read at its nearest df below would give 2.086, df 20's, for 23)."""
+    if df < 1:
+        raise ValueError(f"t_quantile: df must be >= 1, got {df}")
+    lo, hi = 0.0, 1.0
+    while t_cdf(hi, df) < p:
+        hi *= 2
+    while hi - lo > 1e-9:
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if t_cdf(mid, df) < p else (lo, mid)
+    return (lo + hi) / 2
 
 
 @torch.no_grad()
@@ -279,7 +297,7 @@ def t_interval(xs) -> tuple[float, float | None]:
     if len(xs) < 2:
         return sum(xs) / len(xs), None
     mean, sd = common.mean_std(xs, ddof=1)
-    return mean, T975[max(df for df in T975 if df <= len(xs) - 1)] * sd / math.sqrt(len(xs))
+    return mean, t_quantile(0.975, len(xs) - 1) * sd / math.sqrt(len(xs))
 
 
 # ---------------------------------------------------------------------------------------------

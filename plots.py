@@ -82,39 +82,60 @@ def curves(run_dir: Path, keys: dict) -> Path | None:
 
 
 def credit(run_dir: Path, step: int) -> Path:
-    """credit_step<N>.png from rollouts.jsonl: the K dialogues of the step's first scenario, one panel each,
-    per turn the reward r_t, the return G_t, the estimator's own terms as it returned them (MICA: A_turn and
-    A_group; none for GRPO and REINFORCE++) and the advantage A (cut-off turns marked x, failed turns left out
-    of the loss shaded)."""
+    """credit_step<N>.png from rollouts.jsonl: the K dialogues of the step's first scenario, one column each. Top,
+    in the reward's units: per turn the reward r_t and the return G_t (a cut-off reply's reward crossed). Below,
+    unitless: the estimator's own terms as it returned them (MICA: A_turn and A_group; none for GRPO and
+    REINFORCE++) and the advantage A. A turn whose judge failed (left out of the loss) is shaded in both."""
     plt = pyplot()
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
     records = last_lines_by(
         [r for r in runs.read_jsonl(Path(run_dir) / "rollouts.jsonl") if r["step"] == step],
         lambda r: (r["scenario_id"], r["k"]),
     )
     dialogues = [r for r in records if r["scenario_id"] == records[0]["scenario_id"]]
-    estimator = json.loads((Path(run_dir) / "args.json").read_text()).get("advantage", "the estimator")
-    fig, axes = plt.subplots(1, len(dialogues), figsize=(3.4 * len(dialogues), 3.2), squeeze=False, sharey=True)
-    for ax, rec in zip(axes[0], dialogues):
+    args = json.loads((Path(run_dir) / "args.json").read_text())
+    estimator = f"--advantage {args.get('advantage', '?')}"
+    if args.get("advantage") == "mica":
+        estimator += f" (alpha {args['alpha']:g})"
+    fig, axes = plt.subplots(
+        2, len(dialogues), figsize=(3.4 * len(dialogues), 5.0), squeeze=False, sharex="col", sharey="row"
+    )
+    for col, rec in enumerate(dialogues):
+        top, bottom = axes[0][col], axes[1][col]
         t = [turn["t"] for turn in rec["turns"]]
-        series = {"r_t": [turn["reward"] for turn in rec["turns"]], "G_t": [turn["G"] for turn in rec["turns"]]}
-        for name in rec["turns"][0]["terms"] if rec["turns"] else []:
-            series[name] = [turn["terms"][name] for turn in rec["turns"]]
-        series["A"] = [turn["advantage"] for turn in rec["turns"]]
-        for label, values in series.items():
-            ax.plot(t, values, marker="o", markersize=3, label=label)
+        top.plot(t, [turn["reward"] for turn in rec["turns"]], marker="o", markersize=3, label="r_t", color="C0")
+        top.plot(t, [turn["G"] for turn in rec["turns"]], marker="o", markersize=3, label="G_t", color="C1")
+        names = list(rec["turns"][0]["terms"]) if rec["turns"] else []
+        for j, name in enumerate(names):
+            values = [turn["terms"][name] for turn in rec["turns"]]
+            bottom.plot(t, values, marker="o", markersize=3, label=name, color=("C2", "C4", "C6", "C8")[j % 4])
+        bottom.plot(t, [turn["advantage"] for turn in rec["turns"]], marker="o", markersize=3, label="A", color="k")
         for turn in rec["turns"]:
             if turn["cut_off"]:
-                ax.plot(turn["t"], turn["reward"], "kx")
+                top.plot(turn["t"], turn["reward"], "x", color="C3", markeredgewidth=2)
             if turn["judge_failed"]:
-                ax.axvspan(turn["t"] - 0.4, turn["t"] + 0.4, color="0.85")
-        ax.axhline(0, color="0.6", linewidth=0.6)
-        ax.set_title(
+                for ax in (top, bottom):
+                    ax.axvspan(turn["t"] - 0.4, turn["t"] + 0.4, color="0.85")
+        for ax in (top, bottom):
+            ax.axhline(0, color="0.6", linewidth=0.6)
+            ax.tick_params(labelsize=7)
+        top.set_title(
             f"k={rec['k']}: {rec['outcome']}, d {rec['initial_distance']} -> {rec['final_distance']}", fontsize=8
         )
-        ax.set_xlabel("turn", fontsize=8)
-        ax.set_xticks(t)
-        ax.tick_params(labelsize=7)
-    axes[0][0].legend(fontsize=7)
+        bottom.set_xlabel("turn", fontsize=8)
+        bottom.set_xticks(t)
+    axes[0][0].set_ylabel("reward units (r_t, G_t)", fontsize=8)
+    axes[1][0].set_ylabel("advantage (unitless)", fontsize=8)
+    marks = [
+        Line2D(
+            [], [], linestyle="", marker="x", color="C3", markersize=8, markeredgewidth=2, label="cut off at the cap"
+        ),
+        Patch(color="0.85", label="judge failed: out of the loss"),
+    ]
+    axes[0][0].legend(handles=[*axes[0][0].get_legend_handles_labels()[0], *marks], fontsize=7)
+    axes[1][0].legend(fontsize=7)
     fig.suptitle(
         f"{Path(run_dir).name}, step {step}, scenario {dialogues[0]['scenario_id']}: how {estimator} assigned credit",
         fontsize=9,

@@ -15,6 +15,8 @@
   PhaseTimer, step_metrics    a training step's seconds by phase, and its metrics line from its records
   MetricsLogger               a step's line on the console, in metrics.jsonl and, with --report-to, in
                               accelerate's tracker
+  StepLog                     04's step record: the dialogues to rollouts.jsonl and the metrics line, gathered
+                              from every process
   UpdateStats                 04's update statistics: one call per micro-batch, one per optimizer step, the
                               sums over the processes at the end
 
@@ -31,6 +33,7 @@ import datetime as dt
 import json
 import math
 import os
+import resource
 import sys
 import time
 from pathlib import Path
@@ -340,6 +343,39 @@ def step_metrics(records, rewards, counts, stats, lr, seconds, peak_rss_gb) -> d
         **{f"{k}_seconds": v for k, v in seconds.items()},
         "peak_rss_gb": peak_rss_gb,
     }
+
+
+class StepLog:
+    """A training step's record (04's), one call a step: every dialogue's record to <run>/rollouts.jsonl, then one
+    metrics line (step_metrics, written by the MetricsLogger: the console, metrics.jsonl, --report-to).
+    Data-parallel: process 0 gathers every process's share and writes. api_totals() gives the api: backends'
+    retries and failures so far; a step logs their increase."""
+
+    def __init__(self, accelerator, run_dir, logger, api_totals):
+        self.accelerator, self.dir, self.logger = accelerator, run_dir, logger  # logger: None off process 0
+        self.api_totals, self.api_before = api_totals, {}
+
+    def __call__(self, step, records, rewards, counts, stats, lr, timer):
+        api = self.api_totals()
+        counts = {**counts, **{k: v - self.api_before.get(k, 0) for k, v in api.items()}}
+        self.api_before = api
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+        part = {"records": records, "rewards": [x for r in rewards for x in r], "counts": counts, "rss": rss}
+        everyone = parallel.gather_over_processes(self.accelerator, {**part, "seconds": timer.seconds})
+        if not self.accelerator.is_main_process:
+            return  # the other processes go on to the next step
+        records = [rec for p in everyone for rec in p["records"]]
+        append_jsonl(self.dir / "rollouts.jsonl", records)
+        metrics = step_metrics(
+            records,
+            [x for p in everyone for x in p["rewards"]],  # every turn's training reward, unrounded
+            {k: sum(p["counts"][k] for p in everyone) for k in everyone[0]["counts"]},
+            stats,
+            lr,
+            {k: max(p["seconds"][k] for p in everyone) for k in timer.seconds},  # processes run side by side
+            max(p["rss"] for p in everyone),  # of the largest process
+        )
+        self.logger.log(step, metrics)
 
 
 def checkpoint_on_error(run_dir: Path, model, optimizer, scheduler, logger, start: int, extra=None):

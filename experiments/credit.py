@@ -876,51 +876,13 @@ def gradient_quality(estimators: list[dict], train_set: list[dict], test: list[d
 # Learning speed (--speed; issue 62, points 2 and 3): the area under the held-out curve over a short budget,
 # each estimator at the lr that maximises that speed on tuning seeds (the protocol is in the docstring)
 # ---------------------------------------------------------------------------------------------
-def t_density(x: float, df: int) -> float:
-    # f(x) = Gamma((df + 1) / 2) / (sqrt(df pi) Gamma(df / 2)) (1 + x^2 / df)^(-(df + 1) / 2)
-    log_c = math.lgamma((df + 1) / 2) - math.lgamma(df / 2) - 0.5 * math.log(df * math.pi)
-    return math.exp(log_c - (df + 1) / 2 * math.log1p(x * x / df))
-
-
-def t_cdf(x: float, df: int, n: int = 4000) -> float:
-    # F(x) = 1/2 + integral_0^x f(u) du, by Simpson's rule on n (even) intervals; F(-x) = 1 - F(x)
-    if x < 0:
-        return 1.0 - t_cdf(-x, df, n)
-    h = x / n
-    total = t_density(0.0, df) + t_density(x, df)
-    for i in range(1, n):
-        total += (4 if i % 2 else 2) * t_density(i * h, df)
-    return 0.5 + total * h / 3
-
-
-def t_quantile(p: float, df: int) -> float:
-    """t_{p, df}, Student's t quantile at any df >= 1 (p > 0.5): t_cdf inverted by bisection, to 1e-9. Exact up
-    to the integration's error (Simpson, 4000 intervals: below 1e-8 at df 1-1000); no table, no floor to a
-    tabulated df (05's T975 gives t at 20 df for 23)."""
-    if df < 1:
-        raise ValueError(f"t_quantile: df must be >= 1, got {df}")
-    lo, hi = 0.0, 1.0
-    while t_cdf(hi, df) < p:
-        hi *= 2
-    while hi - lo > 1e-9:
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if t_cdf(mid, df) < p else (lo, mid)
-    return (lo + hi) / 2
-
-
-T_CACHE = {}
-
-
 def t_cell(xs: list[float], digits: int = 2) -> str:
     """mean ± sd [lo, hi], the 95% interval mean ± t_{0.975, n-1} sd / sqrt(n) over n independent units, t at
-    the actual df (t_quantile)."""
+    the actual df (05's t_quantile)."""
     if len(xs) < 2:
         return f"{xs[0]:.{digits}f}"
     mean, sd = common.mean_std(xs, ddof=1)
-    df = len(xs) - 1
-    if df not in T_CACHE:
-        T_CACHE[df] = t_quantile(0.975, df)
-    h = T_CACHE[df] * sd / math.sqrt(len(xs))
+    h = evaluation.t_quantile(0.975, len(xs) - 1) * sd / math.sqrt(len(xs))
     return f"{mean:.{digits}f} ± {sd:.{digits}f} [{mean - h:.{digits}f}, {mean + h:.{digits}f}]"
 
 
@@ -965,7 +927,7 @@ def power_check(tune_rows: list[dict], chosen: dict, estimators: list[dict], spa
     n = len(args.fresh_seeds)
     if n < 2:  # one fresh seed (a rerun of a committed rung and seed): no interval to size
         return "Power check: one fresh seed, no interval (a rerun of one seed, not a result)\n"
-    t = t_quantile(0.975, n - 1)
+    t = evaluation.t_quantile(0.975, n - 1)
     score = {}
     for r in tune_rows:
         if r["lr"] == chosen.get(r["estimator"]):

@@ -600,7 +600,14 @@ def test_a_step_logged_again_by_a_resumed_run_is_drawn_once_with_its_last_values
         [{**rec, "k": k, "turns": [turn]} for k in (0, 1)]
         + [{**rec, "k": k, "turns": [{**turn, "reward": 9.0}]} for k in (0, 1)],
     )
-    (tmp_path / "args.json").write_text('{"advantage": "mica"}')
+    (tmp_path / "args.json").write_text('{"advantage": "mica", "alpha": 0.4}')
     plots.credit(tmp_path, 2)
-    assert len(figures[1].axes) == 2
-    assert all(list(ax.lines[0].get_ydata()) == [9.0] for ax in figures[1].axes)
+    # two columns (the dialogues), two rows: r_t and G_t in the reward's units above, the advantages below
+    top, bottom = figures[1].axes[:2], figures[1].axes[2:]
+    assert len(figures[1].axes) == 4
+    assert all(list(ax.lines[0].get_ydata()) == [9.0] for ax in top)
+    assert [line.get_label() for line in top[0].lines[:2]] == ["r_t", "G_t"]
+    assert [line.get_label() for line in bottom[0].lines[:3]] == ["A_turn", "A_group", "A"]
+    assert "how --advantage mica (alpha 0.4) assigned credit" in figures[1]._suptitle.get_text()
+    legend = [x.get_text() for x in top[0].get_legend().get_texts()]
+    assert legend == ["r_t", "G_t", "cut off at the cap", "judge failed: out of the loss"]

@@ -409,7 +409,7 @@ MISTAKES = [
     (
         17,
         "the normal 1.96 for the t quantile",
-        "T975[max(df for df in T975 if df <= len(xs) - 1)]",
+        "t_quantile(0.975, len(xs) - 1)",
         "1.96",
     ),
     (
@@ -420,15 +420,15 @@ MISTAKES = [
     ),
     (
         17,
-        "the table indexed directly at n - 1 (no entry at 23 df)",
-        "T975[max(df for df in T975 if df <= len(xs) - 1)]",
-        "T975[len(xs) - 1]",
+        "the one-sided 0.95 quantile for a two-sided interval",
+        "t_quantile(0.975, len(xs) - 1)",
+        "t_quantile(0.95, len(xs) - 1)",
     ),
     (
         17,
         "n degrees of freedom, not n - 1",
-        "T975[max(df for df in T975 if df <= len(xs) - 1)]",
-        "T975[max(df for df in T975 if df <= len(xs))]",
+        "t_quantile(0.975, len(xs) - 1)",
+        "t_quantile(0.975, len(xs))",
     ),
 ]
 # the exercises whose tests also call another exercise's function: a round never plants a mistake in both
@@ -575,13 +575,21 @@ def test_the_course_pictures_are_drawn_from_the_real_functions_and_shown_where_t
 COURSE = ROOT / "docs" / "course.md"
 # the scripts that load a model: here they get the tiny model and these flags after the page's (argparse: the
 # last of a flag given twice wins); the playground gets fewer seeds, steps and dialogues, and its own --out
-MODEL_SCRIPTS = ("01_rubric_sft.py", "02_rubric_pref_rl.py", "03_rollout.py", "04_mica_train.py", "05_eval.py")
+MODEL_SCRIPTS = (
+    "01_rubric_sft.py",
+    "02_rubric_pref_rl.py",
+    "03_rollout.py",
+    "04_mica_train.py",
+    "05_eval.py",
+    "scripts/score_reply.py",
+)
 QUICK = {
     "01_rubric_sft.py": ["--steps", "2", "--eval-every", "2", "--eval-limit", "2", "--max-new-tokens", "12"],
     "02_rubric_pref_rl.py": ["--max-new-tokens", "12", "--report-limit", "2"],
     "03_rollout.py": ["--max-new-tokens", "6"],
     "04_mica_train.py": ["--max-new-tokens", "6"],
     "05_eval.py": ["--max-new-tokens", "6"],
+    "scripts/score_reply.py": ["--max-new-tokens", "6"],
     "experiments/credit.py": [
         *("--seeds", "2", "--steps", "6", "--eval-every", "3", "--eval-k", "1", "--final-eval-k", "1"),
         *("--beam-width", "4", "--survivor-groups", "3"),
@@ -596,9 +604,10 @@ EXPECT = [
     ("python scripts/exercise.py check", ["exercise 13: 1 of 1 tests pass", "exercise 15: 2 of 2 tests pass"]),
     ("python 04_mica_train.py", ["trainable parameters", "step    2 | reward_mean", "--adapters takes it)"]),
     ("python scripts/view_run.py", ["/rollouts.html"]),
-    ("metrics.jsonl", ['{"step": 2, "reward_mean": ', '"clip_frac": ']),
+    ("metrics.jsonl", ['{"step": 2, "reward_mean": ', '"degenerate_groups": ']),
     ("python 01_rubric_sft.py", ["eval_parse_valid", "(02_rubric_pref_rl.py --adapter takes it)"]),
     ("python 02_rubric_pref_rl.py", ["| preference-recovery accuracy |", "frozen rubric generator: "]),
+    ("python scripts/score_reply.py", ['its rubric, parsed by parse_rubric: {"cognitive": 0.2', "    S(y) = 0.20 x "]),
     ("python 05_eval.py", ["vs base on 3 scenarios, 6 dialogues paired by scenario, k and seed", "  IDR return "]),
     ("--survivors", ["## The survivor question (table delayed", "| all |"]),
     ("--tune", ["(table delayed", "RLOO - GRPO"]),
