@@ -1,8 +1,10 @@
 """The course (docs/course.md): scripts/worked_example.py's table pinned to the last digit and its numbers checked by
 hand; scripts/exercise.py's exercises, each check failing on its blank and passing on the real code; every command
 of the page run as a user types it (the tiny model in place of SmolLM2, quick flags added), printing what the page
-shows, its fork exercise done in a copy, every file and function it says to read found, its exercises those of
-`scripts/exercise.py list`."""
+shows; lesson 7's quick ladder command run exactly as the page gives it, printing its quoted tables line for line;
+its fork exercise done as a student does it (the Answers' RLOO in my_estimators.py, 04 untouched), the student's
+playground rows equal to the playground's own RLOO; its GPU experiment's flags parsed; every file and function it
+says to read found, its exercises those of `scripts/exercise.py list`."""
 
 import ast
 import importlib.util
@@ -610,22 +612,37 @@ EXPECT = [
     ("python scripts/score_reply.py", ['its rubric, parsed by parse_rubric: {"cognitive": 0.2', "    S(y) = 0.20 x "]),
     ("python 05_eval.py", ["vs base on 3 scenarios, 6 dialogues paired by scenario, k and seed", "  IDR return "]),
     ("--survivors", ["## The survivor question (table delayed", "| all |"]),
-    ("--tune", ["(table delayed", "RLOO - GRPO"]),
-    ("--table delayed", ["| MICA (alpha=1) |", "| myopic greedy (argmax r_t, knows the table) |"]),
-    ("python experiments/credit.py", ["| MICA (alpha=0) |", "| search ceiling (beam"]),
+    (
+        "--speed",
+        [
+            "## Gradient quality at fixed policies (table delayed, delay 3, judge noise 2 sd",
+            "## Learning speed (table delayed, delay 3, judge noise 2 sd",
+            "| MICA (alpha=1) - GRPO |",
+        ],
+    ),
 ]
-# what the fork exercise's commands print, at least (the same form as EXPECT)
+# what the fork exercise's commands print, at least (the same form as EXPECT); the module is the Answers' solution
+FORK_MODULE = "my_estimators"
+FORK_NAME = f"{FORK_MODULE}:rloo_advantages"
 FORK_EXPECT = [
-    ("python 04_mica_train.py", ["flags given: --advantage rloo", "step    1 | reward_mean"]),
-    ("python experiments/credit.py", ["| RLOO |"]),
+    ("python 04_mica_train.py", [f"flags given: --advantage {FORK_NAME}", "step    1 | reward_mean"]),
+    ("python experiments/credit.py", [f"| {FORK_NAME} |", f"| {FORK_NAME} - GRPO |"]),
 ]
 GROUPS = {"1": [1], "2": [2], "3": [3], "4+6": [4, 6], "5": [5], "7": [7]}  # 6 evaluates 4's adapter
 
 
 def lessons() -> dict[int, str]:
-    """{n: the text of "## Lesson n" up to the next "## "}."""
+    """{n: the text of "## Lesson n" up to the next "## " heading (a "## " line inside a ``` block, a quoted
+    output's title, is not one)}."""
+    parts, fenced = [[]], False
+    for line in COURSE.read_text(encoding="utf-8").splitlines(keepends=True):
+        fenced ^= line.startswith("```")
+        if line.startswith("## ") and not fenced:
+            parts.append([line[3:]])
+        else:
+            parts[-1].append(line)
     out = {}
-    for part in re.split(r"^## ", COURSE.read_text(encoding="utf-8"), flags=re.M):
+    for part in map("".join, parts):
         m = re.match(r"Lesson (\d+)", part)
         if m:
             out[int(m.group(1))] = part
@@ -700,15 +717,28 @@ def check_output(line: str, p: subprocess.CompletedProcess, page: str, expect=No
         assert key in p.stdout, (line, key, p.stdout[-3000:])
 
 
-def forked(copy: Path, fork_text: str) -> Path:
-    """The fork exercise done in a copy: the page's python block replaces 04's one-line ADVANTAGES (the
-    playground has its own RLOO row, so experiments/credit.py is not edited)."""
-    (trainer_block,) = python_blocks(fork_text)
-    (copy / "04_mica_train.py").unlink()
-    text = (ROOT / "04_mica_train.py").read_text(encoding="utf-8")
-    (line,) = [x for x in text.splitlines(keepends=True) if x.startswith("ADVANTAGES = {")]
-    (copy / "04_mica_train.py").write_text(text.replace(line, trainer_block), encoding="utf-8")
+def fork_answer() -> str:
+    """The Answers' "### The fork exercise" (to the end of the page)."""
+    answers = COURSE.read_text(encoding="utf-8").split("\n## Answers\n", 1)[1]
+    return answers.split("\n### The fork exercise\n", 1)[1]
+
+
+def forked(copy: Path) -> Path:
+    """The fork exercise done as the page asks: the Answers' python block written to my_estimators.py in the
+    folder the commands run from; no file of the repository is edited (the copy's entries are links to it)."""
+    (solution,) = python_blocks(fork_answer())
+    (copy / f"{FORK_MODULE}.py").write_text(solution, encoding="utf-8")
     return copy
+
+
+def table_rows(stdout: str) -> dict[str, list[str]]:
+    """{a table row's first cell: its other cells} for every markdown table row of the output."""
+    rows = {}
+    for line in stdout.splitlines():
+        if line.startswith("| ") and not line.startswith("|---"):
+            cells = [c.strip() for c in line.strip("|").split("|")]
+            rows.setdefault(cells[0], []).append(cells[1:])
+    return rows
 
 
 @pytest.mark.parametrize("group", list(GROUPS))
@@ -723,11 +753,20 @@ def test_every_command_of_the_course_runs_and_prints_what_the_page_shows(group, 
             ran += 1
             check_output(line, run_command(line, copy, env, tiny_model, ran), page)
         if fork_text:
-            fork = forked(linked_copy(tmp_path / "fork"), fork_text)
+            # the lesson describes the function and does not give it; 04 is run, never edited
+            assert "def rloo_advantages" not in by_lesson[lesson] and not python_blocks(fork_text)
+            fork = forked(linked_copy(tmp_path / "fork"))
             for line in commands(fork_text):
+                assert "python 04_mica_train.py" not in line or "--preset cpu" in line, line
                 ran += 1
                 keys = next(keys for piece, keys in FORK_EXPECT if piece in line)
-                check_output(line, run_command(line, fork, env, tiny_model, ran), page, keys)
+                p = run_command(line, fork, env, tiny_model, ran)
+                check_output(line, p, page, keys)
+                if "experiments/credit.py" in line:
+                    # the student's RLOO gives the playground's own RLOO rows, number for number
+                    rows = table_rows(p.stdout)
+                    assert rows[FORK_NAME] == rows["RLOO"] and len(rows["RLOO"]) == 2, rows
+                    assert rows[f"{FORK_NAME} - GRPO"] == rows["RLOO - GRPO"], rows
     assert ran > 0
 
 
@@ -792,8 +831,108 @@ def test_the_lessons_name_the_exercises_of_scripts_exercise_list():
     assert set(listed) == set(lessons())
 
 
+def output_blocks(text: str) -> list[list[str]]:
+    """The lines of the text's plain ``` blocks (the outputs it quotes; not ```bash or ```python)."""
+    blocks, open_block, plain = [], None, False
+    for line in text.splitlines():
+        if line.startswith("```"):
+            if open_block is None:
+                open_block, plain = [], line == "```"
+            else:
+                if plain:
+                    blocks.append(open_block)
+                open_block = None
+        elif open_block is not None:
+            open_block.append(line)
+    return blocks
+
+
+def printed_as_shown(shown: list[str], printed: list[str]) -> bool:
+    """The page's lines are the output's, in its order: `…` stands for what depends on the machine, and a line
+    "(left out here: ...)" for lines the page does not quote."""
+    at = 0
+    for line in shown:
+        if line.startswith("(left out here:"):
+            continue
+        pattern = re.compile(".*?".join(map(re.escape, line.split("…"))) + r"\Z")
+        while at < len(printed) and not pattern.match(printed[at]):
+            at += 1
+        if at == len(printed):
+            return False
+        at += 1
+    return True
+
+
+def test_lesson_7s_quick_ladder_command_prints_the_pages_tables_exactly(tmp_path):
+    """The playground is seeded: its quick ladder command, run exactly as the page gives it (no flags added),
+    prints the gradient-quality and speed tables the page quotes, line for line; the fork exercise's rows are
+    the same run's GRPO and RLOO rows (its estimator is RLOO)."""
+    text, _, fork_text = lessons()[7].partition("### The fork exercise")
+    (line,) = [c for c in commands(text) if "--speed" in c]
+    assert "--quick" in line and "--judge-noise 2" in line
+    env = dict(shell(tmp_path), OMP_NUM_THREADS="1")
+    p = subprocess.run(
+        ["bash", "-c", line], cwd=linked_copy(tmp_path / "repo"), env=env, capture_output=True, text=True, timeout=600
+    )
+    assert p.returncode == 0, p.stderr[-3000:]
+    printed = p.stdout.splitlines()
+    headings = [ln for ln in printed if ln.startswith("## ")]
+    assert [h.split(" (")[0] for h in headings] == ["## Gradient quality at fixed policies", "## Learning speed"]
+    quoted = [b for b in output_blocks(text) if b and b[0] in headings]
+    assert [b[0] for b in quoted] == headings  # both quoted, in the order printed
+    for block in quoted:
+        assert sum(ln.startswith("| ") for ln in block) >= 7, block[0]  # a header and six rows, at least
+        assert printed_as_shown(block, printed), block[0]
+    # the machine's seconds are elided, the rest is whole: a changed digit anywhere fails
+    assert quoted[1][-1] == "… s" and re.fullmatch(r"\d+ s", [ln for ln in printed if ln][-1])
+    assert [ln for ln in quoted[0] + quoted[1] if "…" in ln] == ["… s", "… s"]
+    row = next(ln for ln in quoted[1] if ln.startswith("| MICA (alpha=1) | 316 | "))
+    assert not printed_as_shown([row.replace(" | 316 | 0.292", " | 316 | 0.293")], printed)
+    # the fork's playground rows: GRPO's and RLOO's of this run, the student's named in place of RLOO's
+    (fork_rows,) = [b for b in output_blocks(fork_text) if any("my_estimators:rloo_advantages" in ln for ln in b)]
+    assert len(fork_rows) == 9  # two headers, their rules, five rows
+    for row in fork_rows:
+        if row.startswith("| ") and not row.startswith("|---"):
+            assert row.replace("my_estimators:rloo_advantages", "RLOO") in printed, row
+
+
+def test_the_gpu_experiment_of_lesson_7_parses_with_the_preset_the_page_describes(trainer, tmp_path):
+    """The lesson's GPU commands (not run) are 04's and 05's flags, and the gpu preset is what the page says it
+    is: 8-15 turns, collapse window 5, the frozen base as judge and user, 16 scenarios x K = 4, lr 1e-5."""
+    text = lessons()[7]
+    (block,) = [b for b in output_blocks(text) if b and b[0].startswith("# not run")]
+    runs_04 = [shlex.split(ln)[2:] for ln in block if ln.startswith("python 04_mica_train.py")]
+    assert len(runs_04) == 2
+    seen = {}
+    for argv in runs_04:
+        args = trainer.parse_args(argv)
+        assert (args.preset, args.min_turns, args.max_turns, args.collapse_window) == ("gpu", 8, 15, 5)
+        assert (args.judge, args.user, args.scenarios_per_step, args.k, args.lr, args.steps) == (
+            "self",
+            "self",
+            16,
+            4,
+            1e-5,
+            20,
+        )
+        seen[args.advantage] = args.alpha
+    assert sorted(seen) == ["grpo", "mica"] and seen["mica"] == 1.0
+    assert "(`judge: self`, `user: self`)" in text and "(`min_turns: 8`, `max_turns: 15`" in text
+    evaluation = importlib.import_module("05_eval")
+    (eval_line,) = [ln for ln in block if ln.startswith("python 05_eval.py")]
+    argv = shlex.split(eval_line)[2:]
+    for i, arg in enumerate(argv):  # a run folder the glob would find: <run-name>-<time>/adapter
+        if "*" in arg:
+            argv[i] = str(tmp_path / arg.replace("*", "20270101-000000"))
+            Path(argv[i]).mkdir(parents=True)
+            (Path(argv[i]) / "adapter_config.json").write_text("{}")
+    args = evaluation.parse_args(argv)
+    assert (args.min_turns, args.max_turns, args.collapse_window, args.judge, args.user) == (8, 15, 5, "self", "self")
+
+
 def test_lesson_7s_numbers_are_the_results_pages():
-    """The numbers lesson 7 quotes from the tuned tables are the results page's, not a rounded memory of them."""
+    """The numbers lesson 7 and its answers quote from the tuned tables and the ladder are the results pages',
+    not a rounded memory of them."""
     text, results = COURSE.read_text(encoding="utf-8"), (ROOT / "docs" / "results.md").read_text(encoding="utf-8")
     # the delayed table's MICA alpha 0 on the training scenarios at lr 1, 3.16, 10, 31.6, 100 (its tuning row)
     row = next(line for line in results.splitlines() if line.startswith("| delayed | MICA (alpha=0) |"))
@@ -803,5 +942,39 @@ def test_lesson_7s_numbers_are_the_results_pages():
     assert "about -6.1" not in text  # the slip the page once had (31.6 and 100 give -5.35 and -5.37)
     # alpha 0 at lr 1 on the test scenarios, the number the greedy row (test scenarios) is compared with
     assert "| MICA (alpha=0) | -6.72 ± 0.28" in results and "-6.72 (seeds 0-23)" in text
-    # the times beside the commands were measured with the tables as shown, RLOO's row included
-    assert "before the RLOO" not in lessons()[7] and "with every row below (RLOO's included)" in lessons()[7]
+    # the one-lr and tuned tables, quoted as context (inconclusive: a ceiling)
+    for quoted, source in [
+        ("RLOO 20.15 against GRPO 10.17", ["| delayed | RLOO | 20.15 ± 0.08", "| delayed | GRPO | 10.17 ± 0.37"]),
+        ("RLOO - GRPO +9.98 [+9.82, +10.15]", ["+9.98 ± 0.39 [+9.82, +10.15] (delayed)"]),
+        ("GRPO tuned gets 20.29 ± 0.58", ["| 100 | 20.29 ± 0.58 [20.04, 20.54] |"]),
+        ("+0.22 [-0.03, +0.47]", ["+0.22 ± 2.086 x 0.58 / sqrt(24) = [-0.03, +0.47]"]),
+        ("5.7 on the short table and 7.0", ["averages 5.7 on the short table and 7.0 on the delayed one"]),
+    ]:
+        assert quoted in text, quoted
+        assert all(x in results for x in source), source
+    # the ladder: every row lesson 7 quotes from its tables is a row of results.md, whole
+    ladder = [ln for ln in lessons()[7].splitlines() if re.match(r"\| \d\. ", ln)]
+    assert all(ln in results.splitlines() for ln in ladder), [ln for ln in ladder if ln not in results]
+    speed = [ln.split(" | ") for ln in ladder if " | uniform | " not in ln]
+    assert len(speed) == 9 and sum(" | uniform | " in ln for ln in ladder) == 3
+    # the readings the lesson counts (pays 1, costs 3, not separated 5) and the alpha 1 - GRPO means it lists
+    readings = [cells[-1].rstrip(" |") for cells in speed]
+    assert [readings.count(r) for r in ("pays", "costs", "not separated")] == [1, 3, 5], readings
+    assert "pays on 1 rung of 9 (judge noise 2 sd), costs on 3 (delays 5 and 8,\n   horizons 8-15)" in text
+    means = {cells[0][2:]: float(cells[3].split(" ± ")[0]) for cells in speed}
+    noise = [means[k] for k in ("1. base (delay 3, K 4, no noise)", "2. judge noise 0.5 sd", "3. judge noise 1 sd")]
+    noise.append(means["4. judge noise 2 sd"])
+    assert "-0.118,\n   +0.018, +0.062, +0.159 against GRPO" in text and noise == [-0.118, 0.018, 0.062, 0.159]
+    # the fork's answer: RLOO - GRPO over the nine rungs of docs/ladder/, each interval as printed
+    intervals = {}
+    for f in sorted((ROOT / "docs" / "ladder").glob("*.md")):
+        (ln,) = [x for x in f.read_text(encoding="utf-8").splitlines() if x.startswith("| RLOO - GRPO |")]
+        lo, hi = map(float, re.search(r"\[(-?[\d.]+), (-?[\d.]+)\]", ln).groups())
+        intervals[f.stem] = (lo, hi)
+    assert len(intervals) == 9 and [k for k, (lo, hi) in intervals.items() if not lo <= 0 <= hi] == ["noise0.5"]
+    assert intervals["noise0.5"] == (-0.098, -0.001) and intervals["base"] == (-0.079, 0.0)
+    assert "holds 0 on 8 of the 9 rungs" in text and "(-0.098 to -0.001)" in text
+    # the times are labelled: the date, the machine, and each lesson-7 command's seconds beside it
+    assert "2026-12-07 on this project's 2-core CPU" in lessons()[7]
+    for block in re.findall(r"```bash\n(.*?)```", lessons()[7], re.S):
+        assert all(re.search(r"   # \d+ s$", ln) for ln in block.splitlines()), block
