@@ -28,7 +28,7 @@ Where each part lives
   01, 03       CARE's and Kardia-R1's rewards and graders; the environment and the rollout
   common.py    LoRA (LORA_R = 16, LORA_ALPHA = 32) and make_optimizer: AdamW with a warmup-stable-decay schedule,
                stepped once a rollout (under 30 steps no warm-up: two steps at the peak, then a half cosine)
-  runs.py      the run folder, the checkpoint, the step's metrics line, the update's statistics (UpdateStats)
+  runs.py      the run folder, the checkpoint, the step's record (StepLog), the update's statistics (UpdateStats)
   parallel.py  the data-parallel helpers: the only places where processes talk;  engine.py  --engine's vLLM client
   presets/     the budgets --preset picks: cpu, demo, gpu
 
