@@ -27,7 +27,7 @@ Where each part lives
   runs.py       the run folder, the checkpoint, the metrics line;  options.py  the options and --config
 
 Departures from CARE, one line each; the reasons: docs/reference.md, "Known departures at a glance" (item)
-  1. LoRA on a small generator, and a small supervision set written for this project (3, 17)
+  1. LoRA on a small generator, and a small supervision set written for this project (17)
   2. turns of similar length batched together instead of packing (18)
 
 CPU:  python 01_rubric_sft.py                     (SmolLM2, 150 steps; docs/results.md has the seconds a step)

@@ -29,7 +29,7 @@ Where each part lives
   01            the rubric's parser, its generation, the criteria judge;  runs.py  the run folder, the log
 
 Departures from CARE, one line each; the reasons: docs/reference.md, "Known departures at a glance" (item)
-  1. LoRA, a small generator and a small preference set written for this project (3, 17)
+  1. LoRA, a small generator and a small preference set written for this project (17)
   2. the margin's form, lambda tanh(diff / tau), is ours: the paper gives none (11)
   3. the offline judge is a similarity, not a judgement: an LLM judge (hf:, api:) for results (17)
   4. with the defaults a step is one optimizer step on the rubrics just sampled: ratio 1, no clip (19)

@@ -42,11 +42,13 @@ Where each part lives
   sampling.py   the sampler and the scorer (one module: what is sampled is what 04's loss scores)
   offline.py    the offline judge (embed) and the scripted user;  backends.py  hf:, api:, self;  engine.py  --engine
 
-Departures from EMPA (one line each; the reasons: docs/reference.md, "Known departures at a glance", items 4, 9)
-  1. The shipped scenarios start at ||P0|| 17.5-25.3 (EMPA's: 17.5-41); the training defaults are short (3 turns,
-     no end before turn 2, collapse window 3); the benchmark's rules (45, 12, 5) are flags, 05's empa uses them.
-  2. Tokens in, tokens out: training sees the very ids that were sampled (a thinking model's <think> part too;
-     it is cut only from what the user and the judge see).
+Departures from EMPA, one line each; the reasons: docs/reference.md, "Known departures at a glance" (item)
+  1. the shipped scenarios start at ||P0|| 17.5-25.3, not 17.5-41 (9)
+  2. the training defaults are short (3 turns, no end before turn 2, collapse window 3); EMPA's rules are flags (4)
+  3. a local LLM judge decodes greedily and is not asked again; an api: judge is, --judge-retries times (13)
+  4. the user's emotion change is derived from the judge's levels offline (10)
+  Not a departure, a rule: tokens in, tokens out (training sees the very ids sampled; a <think> part is cut only
+  from what the user and the judge see).
 
 CPU:  python 03_rollout.py                     (SmolLM2-135M-Instruct, embed judge, scripted user)
 GPU:  python 03_rollout.py --model Qwen2.5-7B-Instruct --judge api:Qwen2.5-72B-Instruct \\

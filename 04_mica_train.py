@@ -26,6 +26,8 @@ Where each part lives
   here         Args; ADVANTAGES (the returns, the estimators); REWARDS (idr, rlver, each with its cut-off unit);
                the loss; the update; the loop; main
   01, 03       CARE's and Kardia-R1's rewards and graders; the environment and the rollout
+  sampling.py  the sampler (each reply's tokens and log pi_sampler) beside the scorer (token_logprobs): what the
+               loss scores is what was sampled
   common.py    LoRA (LORA_R = 16, LORA_ALPHA = 32) and make_optimizer: AdamW with a warmup-stable-decay schedule,
                stepped once a rollout (under 30 steps no warm-up: two steps at the peak, then a half cosine)
   runs.py      the run folder, the checkpoint, the step's record (StepLog), the update's statistics (UpdateStats)
@@ -40,6 +42,9 @@ Departures from MICA, one line each; the reasons: docs/reference.md, "Known depa
   5. REINFORCE++ discounts and whitens per turn; RLVER's reward is paid per turn, its end rule for every part (8, 10)
   6. two optimizer steps a rollout; pi_old is taken once, before the first (15)
   7. a reward positive every turn (care, kardia) favours long dialogues; idr and rlver do not (16)
+  8. GRPO and REINFORCE++ whiten with the sample std, MICA with the population std, as its paper (1)
+  9. idr+care weights each turn's distance by its rubric (--care-distance plain keeps MICA's IDR) (2)
+  10. with --engine, each token's term is weighted by the truncated importance weight w_i above (14)
 
 CPU:  python 04_mica_train.py --preset demo      (make demo: 4 steps; then 05 compares held out)
 GPU:  python 04_mica_train.py --model Qwen2.5-7B-Instruct      (the gpu preset; docs/scale.md)
@@ -480,14 +485,22 @@ def old_and_ref_logprobs(model, tokenizer, samples, minibatches, args, need_ref:
 
 
 def policy_update(model, tokenizer, optimizer, scheduler, samples, args, accelerator, log_kl=False) -> dict:
-    """--update-epochs passes over the minibatches (split_minibatches), each one optimizer step with its
+    """--update-epochs passes over the minibatches, each one optimizer step with its
     gradient accumulated over micro-batches and the loss a mean over the minibatch's scored tokens; then one
     scheduler step, always. pi_old and the reference are taken once, before the first step. Returns the
     update's statistics (the loss, the clip fraction, the ratio's range, the KL, the sampler gap, ...).
     Data-parallel: each process holds its part of every minibatch; N, the gradient and the logged sums are
     summed over the processes, so each takes the step that one process would take on all the dialogues."""
     device, params = next(model.parameters()).device, [p for p in model.parameters() if p.requires_grad]
-    minibatches = parallel.split_minibatches(samples, args, accelerator)
+    # the minibatches: the samples in the step's seeded order (scenario by scenario, K each) cut every
+    # --minibatch-size dialogues, a multiple of K, so each holds whole scenarios (as MICA's verl launch splits a
+    # batch); data-parallel, each process cuts its own samples into its share, size / N. A dialogue with nothing
+    # to score is left out.
+    size = args.minibatch_size // accelerator.num_processes
+    minibatches = []
+    for start in range(0, len(samples), size):
+        minibatches.append([i for i in range(start, min(start + size, len(samples))) if samples[i].n_tokens() > 0])
+    minibatches = parallel.as_many_minibatches(accelerator, minibatches)
     A_tok = {i: samples[i].token_advantages() for minibatch in minibatches for i in minibatch}
     need_ref = args.kl_coef > 0 or log_kl
     old, ref = old_and_ref_logprobs(model, tokenizer, samples, minibatches, args, need_ref)
@@ -559,14 +572,6 @@ class Run:
     engine: engine.Engine | None = None  # --engine: the server that samples the policy (and judges, and plays the user)
 
 
-def push_adapter(run: Run):
-    """--engine: the adapter as it is now, saved and loaded by the engine as the one that samples (process 0 pushes,
-    the others wait for it)."""
-    if run.accelerator.is_main_process:
-        run.engine.push(run.model, run.dir / "engine")
-    run.accelerator.wait_for_everyone()
-
-
 def step_scenarios(run: Run, step: int) -> list[dict]:
     """This step's scenarios (this process's share of them), and the step's seeds: every step's randomness
     depends on (seed, step), and on the process (each samples its own dialogues). Every user takes the step's
@@ -619,7 +624,7 @@ def train_loop(run: Run, start: int):
         #    which samples this step with it
         if run.engine is not None:
             with timer("push"):
-                push_adapter(run)
+                parallel.on_main_process(accelerator, run.engine.push, run.model, run.dir / "engine")
         # 1. rollout: K dialogues for each of this step's scenarios, every live dialogue batched each turn
         with timer("rollout"):
             scenarios = step_scenarios(run, step)
@@ -637,13 +642,12 @@ def train_loop(run: Run, start: int):
             groups = [[i for i, tr in enumerate(trajs) if tr.scenario is s] for s in scenarios]
             # 03 keeps each scenario's own dict in its dialogues: a copy would leave a dialogue in no group
             assert sorted(i for g in groups for i in g) == list(range(len(trajs))), "a dialogue in no group"
-            A, A_terms = parallel.advantages_over_processes(
-                accelerator,
-                ADVANTAGES[args.advantage],
-                [[rewards[i] for i in g] for g in groups],
-                [[trajs[i] for i in g] for g in groups],
-                args,
+            # every process's groups (data-parallel), so that a batch-wide statistic (REINFORCE++'s) sees them all
+            all_rewards, all_dialogues, mine = parallel.gather_groups(
+                accelerator, [[rewards[i] for i in g] for g in groups], [[trajs[i] for i in g] for g in groups]
             )
+            A, A_terms = ADVANTAGES[args.advantage](all_rewards, all_dialogues, args)
+            A, A_terms = A[mine], {name: value[mine] for name, value in A_terms.items()}  # this process's groups
         # 4. update: clipped policy-gradient steps on the reply tokens of every turn no judge failed on
         with timer("update"):
             order = [i for g in groups for i in g]  # dialogue by dialogue, scenario by scenario

@@ -3,8 +3,9 @@
 On one process each helper does nothing: sum_over_processes returns its tensors, gather_over_processes [obj].
   sum_over_processes         tensors summed over the processes (one flat all-reduce): N, the gradient, the sums
   gather_over_processes      every process's object, in process order: records, counts, the run folder
-  advantages_over_processes  an estimator over every process's scenario groups (a batch-wide statistic sees all)
-  split_minibatches          this process's share of each minibatch, whole scenarios, in the step's order
+  gather_groups              every process's scenario groups, for the estimator (a batch-wide statistic sees all)
+  as_many_minibatches        every process as many minibatches (empty ones where it has run out)
+  on_main_process            a call on process 0 while the others wait (the engine's adapter push)
   check_processes            the flags that make those shares whole
 04 calls them; accelerate carries the collectives (tests/test_layout.py: none outside these helpers).
 Imports common.py (its one-line errors).
@@ -31,29 +32,27 @@ def gather_over_processes(accelerator, obj) -> list:
     return gather_object([obj]) if accelerator.num_processes > 1 else [obj]
 
 
-def advantages_over_processes(accelerator, estimator, rewards, dialogues, args) -> tuple[list, dict]:
-    """An advantage estimator over every process's scenario groups at once (a batch-wide statistic, such as
-    REINFORCE++'s, sees the whole batch) -> this process's groups of A and of the terms."""
+def gather_groups(accelerator, rewards, dialogues) -> tuple[list, list, slice]:
+    """Every process's scenario groups, in process order (so that a batch-wide statistic, such as REINFORCE++'s,
+    sees the whole batch), and where this process's groups are among them; on one process its own and all."""
     everyone = gather_over_processes(accelerator, (rewards, dialogues))
-    A, A_terms = estimator(
-        [group for part, _ in everyone for group in part], [group for _, part in everyone for group in part], args
-    )
     first = sum(len(part) for part, _ in everyone[: accelerator.process_index])
-    mine = slice(first, first + len(rewards))
-    return A[mine], {name: value[mine] for name, value in A_terms.items()}
+    all_rewards = [group for part, _ in everyone for group in part]
+    all_dialogues = [group for _, part in everyone for group in part]
+    return all_rewards, all_dialogues, slice(first, first + len(rewards))
 
 
-def split_minibatches(samples, args, accelerator) -> list[list[int]]:
-    """The samples (scenario by scenario, K each, in the step's seeded order) cut in that order into this
-    process's share of each minibatch of --minibatch-size dialogues. --minibatch-size is a multiple of K, so a
-    minibatch holds whole scenarios, as MICA's verl launch splits a batch. A dialogue with nothing to score is
-    left out. Every process gets as many minibatches (empty ones where it has run out)."""
-    size = args.minibatch_size // accelerator.num_processes
-    out = [
-        [i for i in range(j, min(j + size, len(samples))) if samples[i].n_tokens() > 0]
-        for j in range(0, len(samples), size)
-    ]
-    return out + [[] for _ in range(max(gather_over_processes(accelerator, len(out))) - len(out))]
+def as_many_minibatches(accelerator, minibatches: list[list[int]]) -> list[list[int]]:
+    """Every process gets as many minibatches, empty ones where it has run out (each optimizer step all-reduces)."""
+    most = max(gather_over_processes(accelerator, len(minibatches)))
+    return minibatches + [[] for _ in range(most - len(minibatches))]
+
+
+def on_main_process(accelerator, fn, *args):
+    """fn(*args) on process 0 while the others wait for it (the engine's adapter push: one process loads it)."""
+    if accelerator.is_main_process:
+        fn(*args)
+    accelerator.wait_for_everyone()
 
 
 def check_processes(args, accelerator, n_scenarios: int):
