@@ -225,9 +225,26 @@ def sft_loss(model, batch: list[dict], pad_id: int, device) -> tuple[torch.Tenso
 # ---------------------------------------------------------------------------------------------
 # The main loop
 # ---------------------------------------------------------------------------------------------
-def main(argv=None):
-    args = parse_args(argv)
-    train = load_sft(args.train, args.weight_tolerance)  # inputs checked before anything is created
+@dataclass
+class Run:
+    """What the loop works with, made once by load."""
+
+    args: argparse.Namespace
+    dir: Path  # the run folder
+    model: torch.nn.Module  # the generator: the base with its LoRA adapter
+    tokenizer: object
+    examples: list[dict]  # the encoded training turns
+    val: list[dict]  # the held-out turns
+    params: list  # the adapter's parameters
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    logger: runs.MetricsLogger
+
+
+def load(args) -> tuple[Run, int]:
+    """The labelled turns (checked before anything is created), the generator, the run folder, the optimizer, the
+    checkpoint to resume -> the Run and the first step."""
+    train = load_sft(args.train, args.weight_tolerance)
     val = load_sft(args.val, args.weight_tolerance)[: args.eval_limit or None]
     common.check_model_args(args)
     from transformers import set_seed
@@ -247,15 +264,15 @@ def main(argv=None):
         f"run folder {run_dir} | {len(train)} train / {len(val)} val turns | "
         f"trainable parameters {sum(p.numel() for p in params):,}"
     )
-    try:
-        train_loop(args, run_dir, model, tokenizer, examples, val, params, optimizer, scheduler, logger, start)
-    except common.UserError:  # keep the finished steps, then stop with the one message
-        runs.checkpoint_on_error(run_dir, model, optimizer, scheduler, logger, start)
-        raise
-    model.save_pretrained(run_dir / "adapter", safe_serialization=True)
-    tokenizer.save_pretrained(run_dir / "adapter")
+    return Run(args, run_dir, model, tokenizer, examples, val, params, optimizer, scheduler, logger), start
+
+
+def save(run: Run):
+    """The adapter (standard peft: 02_rubric_pref_rl.py --adapter takes it) and the curves."""
+    run.model.save_pretrained(run.dir / "adapter", safe_serialization=True)
+    run.tokenizer.save_pretrained(run.dir / "adapter")
     plots.curves(
-        run_dir,
+        run.dir,
         {
             "loss": "SFT loss (rubric tokens)",
             "eval_parse_valid": "val: parse-valid share",
@@ -263,10 +280,23 @@ def main(argv=None):
             "eval_dominant_acc": "val: dominant dimension",
         },
     )
-    print(f"rubric generator adapter: {run_dir / 'adapter'} (02_rubric_pref_rl.py --adapter takes it); curves.png")
+    print(f"rubric generator adapter: {run.dir / 'adapter'} (02_rubric_pref_rl.py --adapter takes it); curves.png")
 
 
-def train_loop(args, run_dir, model, tokenizer, examples, val, params, optimizer, scheduler, logger, start):
+def main(argv=None):
+    args = parse_args(argv)
+    run, start = load(args)
+    try:
+        train_loop(run, start)
+    except common.UserError:  # keep the finished steps, then stop with the one message
+        runs.checkpoint_on_error(run.dir, run.model, run.optimizer, run.scheduler, run.logger, start)
+        raise
+    save(run)
+
+
+def train_loop(run: Run, start: int):
+    args, run_dir, model, tokenizer, logger = run.args, run.dir, run.model, run.tokenizer, run.logger
+    examples, val, params, optimizer, scheduler = run.examples, run.val, run.params, run.optimizer, run.scheduler
     device = next(model.parameters()).device
 
     def run_eval(step):

@@ -41,6 +41,7 @@ GPU:  python 02_rubric_pref_rl.py --model Qwen2.5-7B-Instruct --adapter <01 adap
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import json
 import math
@@ -247,9 +248,28 @@ def policy_update(model, tokenizer, optimizer, scheduler, samples: list[dict], a
 # ---------------------------------------------------------------------------------------------
 # The main loop
 # ---------------------------------------------------------------------------------------------
-def main(argv=None):
-    args = parse_args(argv)
-    train, test = load_pairs(args.train), load_pairs(args.test)  # inputs checked before anything is created
+@dataclass
+class Run:
+    """What the loop works with, made once by load."""
+
+    args: argparse.Namespace
+    dir: Path  # the run folder
+    model: torch.nn.Module  # the generator: the base with its LoRA adapter (01's, or a fresh one)
+    tokenizer: object
+    judge: object  # 01's criteria judge
+    train: list[dict]  # the preference pairs
+    test: list[dict]  # the held-out pairs
+    weight_turns: list[dict]  # the held-out turns of the weights report
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    logger: runs.MetricsLogger
+    before: dict  # the held-out report before RL (kept in the checkpoint: a resumed run reports against it)
+
+
+def load(args) -> tuple[Run, int]:
+    """The pairs and turns (checked before anything is created), the generator, the judge, the run folder, the
+    optimizer, the checkpoint to resume, the report before RL -> the Run and the first step."""
+    train, test = load_pairs(args.train), load_pairs(args.test)
     weight_turns = sft.load_sft(args.weight_turns, args.weight_tolerance)
     if args.report_limit:
         test, weight_turns = test[: args.report_limit], weight_turns[: args.report_limit]
@@ -274,32 +294,34 @@ def main(argv=None):
         f"before RL: held-out preference-recovery accuracy {before['recovery_acc']:.3f}, "
         f"parse-valid {before['parse_valid']:.3f}"
     )
-    if args.report_only:
-        print(write_report(run_dir, before, before))
-        return
+    if not args.report_only:
+        print(
+            f"run folder {run_dir} | {len(train)} train / {len(test)} test pairs | "
+            f"trainable parameters {sum(p.numel() for p in params):,}"
+        )
     logger = runs.MetricsLogger(run_dir)
-    print(
-        f"run folder {run_dir} | {len(train)} train / {len(test)} test pairs | "
-        f"trainable parameters {sum(p.numel() for p in params):,}"
-    )
-    try:
-        for step in tqdm(
-            range(start, args.steps + 1),
-            desc="rubric rl",
-            initial=start - 1,
-            total=args.steps,
-            disable=not args.progress,
-        ):
-            train_step(step, args, run_dir, model, tokenizer, judge, train, optimizer, scheduler, logger)
-            if step % args.save_every == 0 or step == args.steps:
-                runs.save_checkpoint(run_dir, step, model, optimizer, scheduler, extra={"report_before": before})
-    except common.UserError:  # keep the finished steps, then stop with the one message
-        runs.checkpoint_on_error(run_dir, model, optimizer, scheduler, logger, start, extra={"report_before": before})
-        raise
-    model.save_pretrained(run_dir / "adapter", safe_serialization=True)
-    tokenizer.save_pretrained(run_dir / "adapter")
+    run = Run(args, run_dir, model, tokenizer, judge, train, test, weight_turns, optimizer, scheduler, logger, before)
+    return run, start
+
+
+def train_loop(run: Run, start: int):
+    args = run.args
+    for step in tqdm(
+        range(start, args.steps + 1), desc="rubric rl", initial=start - 1, total=args.steps, disable=not args.progress
+    ):
+        train_step(run, step)
+        if step % args.save_every == 0 or step == args.steps:
+            runs.save_checkpoint(
+                run.dir, step, run.model, run.optimizer, run.scheduler, extra={"report_before": run.before}
+            )
+
+
+def save(run: Run):
+    """The adapter (the frozen generator of 04's --reward care), the curves, the held-out report after RL."""
+    run.model.save_pretrained(run.dir / "adapter", safe_serialization=True)
+    run.tokenizer.save_pretrained(run.dir / "adapter")
     plots.curves(
-        run_dir,
+        run.dir,
         {
             "reward_mean": "reward (mean)",
             "recovery_rate": "preference recovered",
@@ -307,14 +329,32 @@ def main(argv=None):
             "clip_frac": "clip fraction",
         },
     )
-    print(write_report(run_dir, before, report(model, tokenizer, judge, test, weight_turns, args)))
-    print(f"frozen rubric generator: {run_dir / 'adapter'}")
+    after = report(run.model, run.tokenizer, run.judge, run.test, run.weight_turns, run.args)
+    print(write_report(run.dir, run.before, after))
+    print(f"frozen rubric generator: {run.dir / 'adapter'}")
 
 
-def train_step(step, args, run_dir, model, tokenizer, judge, train, optimizer, scheduler, logger):
+def main(argv=None):
+    args = parse_args(argv)
+    run, start = load(args)
+    if args.report_only:  # the generator as it is, reported on the held-out pairs: no training
+        print(write_report(run.dir, run.before, run.before))
+        return
+    try:
+        train_loop(run, start)
+    except common.UserError:  # keep the finished steps, then stop with the one message
+        runs.checkpoint_on_error(
+            run.dir, run.model, run.optimizer, run.scheduler, run.logger, start, extra={"report_before": run.before}
+        )
+        raise
+    save(run)
+
+
+def train_step(run: Run, step: int):
+    args, model, tokenizer = run.args, run.model, run.tokenizer
     t0, step_seed = time.time(), args.seed * 100_003 + step
     torch.manual_seed(step_seed)
-    batch = random.Random(step_seed).sample(train, min(args.contexts_per_step, len(train)))
+    batch = random.Random(step_seed).sample(run.train, min(args.contexts_per_step, len(run.train)))
     # 1. sample G rubrics per context
     model.eval()
     pairs = [p for p in batch for _ in range(args.g)]
@@ -323,7 +363,7 @@ def train_step(step, args, run_dir, model, tokenizer, judge, train, optimizer, s
     )
     parsed = [sft.parse_rubric(gen.text, args.weight_tolerance) for gen in gens]
     # 2. judge chosen and rejected on every criterion; S(y); the rewards r = r_rec + r_margin + r_fmt
-    judged = judge_rubrics(judge, pairs, [rb for rb, _ in parsed])
+    judged = judge_rubrics(run.judge, pairs, [rb for rb, _ in parsed])
     rewards, parts = [], []
     for (rb, _), j in zip(parsed, judged):
         # the judge failed on a valid rubric: no signal (None, left out)
@@ -360,11 +400,11 @@ def train_step(step, args, run_dir, model, tokenizer, judge, train, optimizer, s
             if gens[i].ids
         ]
     # 4. update: the clipped surrogate on the rubric tokens (the lr logged is the one this step used)
-    lr = optimizer.param_groups[0]["lr"]
-    upd = policy_update(model, tokenizer, optimizer, scheduler, samples, args)
+    lr = run.optimizer.param_groups[0]["lr"]
+    upd = policy_update(model, tokenizer, run.optimizer, run.scheduler, samples, args)
     # 5. log, keep the samples
     runs.append_jsonl(
-        run_dir / "rollouts.jsonl",
+        run.dir / "rollouts.jsonl",
         [
             {
                 "step": step,
@@ -382,7 +422,7 @@ def train_step(step, args, run_dir, model, tokenizer, judge, train, optimizer, s
         ],
     )
     ok, judged_ok = [r for r in rewards if r is not None], [j for j in judged if j is not None]
-    logger.log(
+    run.logger.log(
         step,
         {
             "reward_mean": sum(ok) / len(ok) if ok else None,
