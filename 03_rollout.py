@@ -39,6 +39,7 @@ Judges and users: --judge embed | self | hf: | api: and --user scripted | self |
 Where each part lives
   here          EnvOptions; the equations (initial_deficit to emotion_status); the Trajectory and its state;
                 the batched rollout (rollout, policy_turn, user_turn, TurnCache); the LLM judge and user; main
+                (load, sample_dialogues, save)
   sampling.py   the sampler and the scorer (one module: what is sampled is what 04's loss scores)
   offline.py    the offline judge (embed) and the scripted user;  backends.py  hf:, api:, self;  engine.py  --engine
 
@@ -459,8 +460,24 @@ def trajectory_record(tr: Trajectory, args, rewards: list[float] | None = None, 
     }
 
 
-def main(argv=None):
-    args = parse_args(argv)
+# ---------------------------------------------------------------------------------------------
+# The entry point: parse, load, sample, save
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class Run:
+    """What the rollout works with, made once by load."""
+
+    args: object
+    dir: Path  # the run folder
+    scenarios: list[dict]
+    model: torch.nn.Module  # the policy, frozen
+    tokenizer: object
+    judge: object
+    user: object
+
+
+def load(args) -> Run:
+    """The scenarios (checked first), the policy, the judge and the user, then the run folder."""
     scenarios = load_scenarios(args.scenarios)[: args.num_scenarios or None]  # inputs checked before anything
     common.check_model_args(args)
     from transformers import set_seed
@@ -469,10 +486,19 @@ def main(argv=None):
     model, tokenizer = common.load_policy(args, trainable=False)
     judge, user = make_judge(args, (model, tokenizer)), make_user(args, (model, tokenizer))
     run_dir = runs.open_run(args)  # after every model loaded: a bad one leaves no folder
-    t0 = time.time()
-    records = [trajectory_record(tr, args) for tr in rollout(model, tokenizer, scenarios, judge, user, args)]
-    runs.append_jsonl(run_dir / "rollouts.jsonl", records)
-    for rec in records if not args.quiet else []:
+    return Run(args, run_dir, scenarios, model, tokenizer, judge, user)
+
+
+def sample_dialogues(run: Run) -> list[dict]:
+    """K dialogues per scenario, as rollouts.jsonl's records."""
+    trajectories = rollout(run.model, run.tokenizer, run.scenarios, run.judge, run.user, run.args)
+    return [trajectory_record(tr, run.args) for tr in trajectories]
+
+
+def save(run: Run, records: list[dict], t0: float):
+    """rollouts.jsonl, the transcripts printed (unless --quiet), then the totals (seconds since t0)."""
+    runs.append_jsonl(run.dir / "rollouts.jsonl", records)
+    for rec in records if not run.args.quiet else []:
         print(
             f"\n=== {rec['scenario_id']} k={rec['k']}  P0={rec['p0']}  outcome={rec['outcome']}  "
             f"d: {rec['initial_distance']} -> {rec['final_distance']}  return={rec['return']:.3f}"
@@ -485,13 +511,21 @@ def main(argv=None):
     print(
         f"\n{n} trajectories in {time.time() - t0:.1f}s | mean return {sum(r['return'] for r in records) / n:.3f} "
         f"| success {sum(r['outcome'] == 'success' for r in records)}/{n} | mean final distance "
-        f"{sum(r['final_distance'] for r in records) / n:.3f} | written to {run_dir / 'rollouts.jsonl'}"
+        f"{sum(r['final_distance'] for r in records) / n:.3f} | written to {run.dir / 'rollouts.jsonl'}"
     )
     print(
         f"judge failed on {sum(judged)}/{len(judged)} turns | user failed in "
         f"{sum(r['outcome'] == 'user_failed' for r in records)} dialogues"
-        + "".join(f" | {k} {v}" for k, v in backends.api_counts(judge, user).items())
+        + "".join(f" | {k} {v}" for k, v in backends.api_counts(run.judge, run.user).items())
     )
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    run = load(args)
+    t0 = time.time()
+    records = sample_dialogues(run)
+    save(run, records, t0)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -32,8 +32,8 @@ Equations (docs/reference.md sections 3, 4, 6; r0 = ||P0||, rho_max = sqrt(12), 
              dialogues averaged first), tasks, profiles, items; none below 2 units
 
 Where each part lives
-  here          Args; the EPM equations (epm_*), naturalness, t_interval; the loop; the paired comparison
-                (compare_with_base); the results' files
+  here          Args; the EPM equations (epm_*), naturalness, t_interval; the loop (load, evaluate, save); the paired
+                comparison (compare_with_base); the results' files
   03            the environment and the rollout;  benchmarks/  EQ-Bench 3, SAGE, EmoBench;  plots.py  the pictures
 
 Choices and departures (numbered as in docs/evaluation.md, where each is in full)
@@ -303,8 +303,23 @@ def t_interval(xs) -> tuple[float, float | None]:
 # ---------------------------------------------------------------------------------------------
 # The main loop
 # ---------------------------------------------------------------------------------------------
-def main(argv=None):
-    args = parse_args(argv)
+@dataclass
+class Run:
+    """What the evaluation works with, made once by load."""
+
+    args: object
+    dir: Path  # the run folder, new or resumed
+    data: dict  # each suite's units of work, checked and sampled (--max-cases)
+    model: torch.nn.Module  # the base, then a PeftModel holding the adapters switched to
+    tokenizer: object
+    judge: object | None  # 03's judge (EMPA, EQ-Bench 3, this project's SAGE), else None
+    user: object | None  # 03's simulated user (EMPA, SAGE), else None
+    server: engine.Engine | None  # --engine: the server that samples the replies
+    done: set  # the (model, suite, case) already finished in the run folder
+
+
+def load(args) -> Run:
+    """Steps 1-3: the inputs checked, the base model, the judge and the user, the run folder."""
     # 1. read and check every input before anything is created
     data = load_suite_data(args)
     common.check_model_args(args)
@@ -323,45 +338,69 @@ def main(argv=None):
     if args.resume:
         print(f"resume {run_dir}: {len(done)} cases finished; batches of finished cases are skipped")
     print(f"run folder {run_dir} | models: {', '.join(['base'] + args.adapters)} | device {common.pick_device()}")
+    return Run(args, run_dir, data, model, tok, judge, user, server, done)
+
+
+def evaluate(run: Run):
+    """Steps 4-5: the base, then each adapter, on every suite."""
+    args = run.args
+    for label, adapter in [("base", None)] + [(a, a) for a in args.adapters]:
+        # 4. switch to this model's adapter (peft keeps the base weights, one adapter active)
+        if adapter is not None:
+            run.model = switch_adapter(run.model, adapter, f"a{args.adapters.index(adapter)}")
+        if run.server is not None:  # the engine samples this model's replies: the base, or the adapter loaded
+            run.server.use(adapter, f"{args.model}@a{args.adapters.index(adapter)}" if adapter else None)
+        for suite in args.suites:
+            evaluate_suite(run, label, suite)
+
+
+def evaluate_suite(run: Run, label: str, suite: str):
+    """Step 5: one model's unfinished batches of one suite, each appended to the run folder when done."""
+    args = run.args
+    # 5. the suite's batches with an unfinished case; each batch is saved as soon as it is done. A resumed run
+    # reruns such a batch whole: the same batches, seeds and batch-mates as a run never stopped
+    units = run.data[suite]
+    batches = [units[j : j + args.batch_size] for j in range(0, len(units), args.batch_size)]
+    todo = [
+        batch
+        for batch in batches
+        if not all((label, suite, c) in run.done for u in batch for c in case_ids(suite, u, args.k))
+    ]
+    bar = tqdm(
+        total=len(units),
+        initial=len(units) - sum(map(len, todo)),
+        desc=f"{label} {suite}",
+        disable=not args.progress,
+    )
+    for batch in todo:
+        # the same seed per batch for every model: paired comparisons
+        torch.manual_seed(zlib.crc32(f"{args.seed}|{suite}|{case_ids(suite, batch[0], 1)[0]}".encode()))
+        cases, transcripts = run_suite(suite, run.model, run.tokenizer, batch, run.judge, run.user, args, run.server)
+        tag = {"model": label, "suite": suite}
+        runs.append_jsonl(run.dir / "transcripts.jsonl", [{**tag, **t} for t in transcripts])
+        runs.append_jsonl(run.dir / "cases.jsonl", [{**tag, **c} for c in cases])
+        bar.update(len(batch))
+    bar.close()
+
+
+def save(run: Run):
+    """Step 6: the results' files, and what they say printed."""
+    # 6. aggregate: results.json, results.md, plots; print the table and the comparison
+    print(
+        f"\n{write_results(run.dir, run.args)}\n\nwritten to {run.dir} (results.md, results.json, cases.jsonl, plots)"
+    )
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    run = load(args)
     try:
-        for label, adapter in [("base", None)] + [(a, a) for a in args.adapters]:
-            # 4. switch to this model's adapter (peft keeps the base weights, one adapter active)
-            if adapter is not None:
-                model = switch_adapter(model, adapter, f"a{args.adapters.index(adapter)}")
-            if server is not None:  # the engine samples this model's replies: the base, or the adapter loaded
-                server.use(adapter, f"{args.model}@a{args.adapters.index(adapter)}" if adapter else None)
-            for suite in args.suites:
-                # 5. the suite's batches with an unfinished case; each batch is saved as soon as it is done. A
-                # resumed run reruns such a batch whole: the same batches, seeds and batch-mates as a run
-                # never stopped
-                units = data[suite]
-                batches = [units[j : j + args.batch_size] for j in range(0, len(units), args.batch_size)]
-                todo = [
-                    batch
-                    for batch in batches
-                    if not all((label, suite, c) in done for u in batch for c in case_ids(suite, u, args.k))
-                ]
-                bar = tqdm(
-                    total=len(units),
-                    initial=len(units) - sum(map(len, todo)),
-                    desc=f"{label} {suite}",
-                    disable=not args.progress,
-                )
-                for batch in todo:
-                    # the same seed per batch for every model: paired comparisons
-                    torch.manual_seed(zlib.crc32(f"{args.seed}|{suite}|{case_ids(suite, batch[0], 1)[0]}".encode()))
-                    cases, transcripts = run_suite(suite, model, tok, batch, judge, user, args, server)
-                    tag = {"model": label, "suite": suite}
-                    runs.append_jsonl(run_dir / "transcripts.jsonl", [{**tag, **t} for t in transcripts])
-                    runs.append_jsonl(run_dir / "cases.jsonl", [{**tag, **c} for c in cases])
-                    bar.update(len(batch))
-                bar.close()
+        evaluate(run)
     except common.UserError as e:
         # the judge's endpoint went down, say: keep what was finished, then stop with the one message
-        write_results(run_dir, args)
-        raise common.UserError(f"{e}; the finished cases are saved: continue with --resume {run_dir}") from None
-    # 6. aggregate: results.json, results.md, plots; print the table and the comparison
-    print(f"\n{write_results(run_dir, args)}\n\nwritten to {run_dir} (results.md, results.json, cases.jsonl, plots)")
+        write_results(run.dir, args)
+        raise common.UserError(f"{e}; the finished cases are saved: continue with --resume {run.dir}") from None
+    save(run)
 
 
 def compare_with_base(records: list[dict], adapters: list[str]) -> tuple[list[str], dict]:
