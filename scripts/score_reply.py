@@ -25,11 +25,10 @@ import sys
 import textwrap
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common  # noqa: E402
 import runs  # noqa: E402
+import sampling  # noqa: E402
 
 sft = importlib.import_module("01_rubric_sft")  # the rubric's parser, S(y), the criteria judge
 
@@ -38,17 +37,14 @@ VAL = HERE / "data" / "rubric_sft_val.jsonl"
 
 
 def policy_reply(model_name: str, messages: list[dict], max_new_tokens: int) -> str:
-    """The policy's greedy reply to the dialogue (its chat template, its end-of-turn token)."""
+    """The policy's greedy reply to the dialogue: its chat template, the project's sampler (sampling.py: nothing of
+    the model's generation_config but its end-of-turn ids), the end-of-turn token cut from the text."""
     from transformers import AutoModelForCausalLM
 
-    path = common.resolve_model(model_name)
-    tokenizer = common.load_tokenizer(path)
+    tokenizer = common.load_tokenizer(common.resolve_model(model_name))
     model = common.from_pretrained(AutoModelForCausalLM.from_pretrained, model_name, dtype="float32")
-    ids = common.render_ids(tokenizer, messages)
-    out = model.generate(
-        input_ids=torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False, top_p=None, top_k=None
-    )
-    return tokenizer.decode(out[0, len(ids) :], skip_special_tokens=True).strip()
+    (reply,) = sampling.generate_batch(model, tokenizer, [common.render_ids(tokenizer, messages)], max_new_tokens)
+    return tokenizer.decode(reply.ids, skip_special_tokens=True).strip()
 
 
 def score_table(rubric: dict, reply: str, judge) -> float:

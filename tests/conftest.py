@@ -1,6 +1,7 @@
 """Shared fixtures: a tiny random Qwen2 model with a locally trained BPE tokenizer and a ChatML chat
 template (built once per session in seconds), and the repo root on sys.path."""
 
+import argparse
 import http.server
 import importlib
 import json
@@ -61,6 +62,19 @@ def tiny_model(tmp_path_factory) -> str:
 def tiny_model_64(tmp_path_factory) -> str:
     """The tiny model 64 wide: bitsandbytes quantises blocks of 64 weights, so a 32-wide layer cannot be 4-bit."""
     return build_tiny_model(tmp_path_factory.mktemp("tiny_qwen2_64"), hidden_size=64)
+
+
+def policy_args(model: str, **options) -> argparse.Namespace:
+    """The flags common.load_policy reads, for a test's tiny model: LoRA on q_proj and v_proj, full precision, no
+    gradient checkpointing; `options` add flags (policy_update's) or override these (load_in_4bit="on")."""
+    defaults = dict(
+        adapter=None,
+        lora_targets="q_proj,v_proj",
+        load_in_4bit="off",
+        gradient_checkpointing=False,
+        trust_remote_code=False,
+    )
+    return argparse.Namespace(model=model, **{**defaults, **options})
 
 
 def build_tiny_model(out, hidden_size=32, window=4096) -> str:

@@ -13,6 +13,7 @@ import torch
 
 import common
 import sampling
+from conftest import policy_args
 
 
 def approx(xs, ys, tol=1e-4):
@@ -470,13 +471,8 @@ def update_with(trainer, tiny_model, tis_cap, shift):
     are pi_old's own minus `shift` (a sampler less sure of every token by `shift` nats): its statistics."""
     from accelerate import Accelerator
 
-    args = argparse.Namespace(
-        model=tiny_model,
-        adapter=None,
-        lora_targets="q_proj,v_proj",
-        load_in_4bit="off",
-        gradient_checkpointing=False,
-        trust_remote_code=False,
+    args = policy_args(
+        tiny_model,
         minibatch_size=8,
         micro_batch_size=1,
         update_epochs=1,

@@ -7,7 +7,6 @@
    ranks' tokens, summed gradients): this file run by the launcher is the 2-process side.
 """
 
-import argparse
 import importlib
 import json
 import os
@@ -22,6 +21,7 @@ from accelerate import Accelerator
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
+from conftest import policy_args  # noqa: E402
 
 TINY = ["--max-new-tokens", "6", "--max-turns", "2", "--no-progress"]
 
@@ -118,13 +118,8 @@ def fixed_update(trainer, model_path, share=(0, 1)):
     trajectories share[0]::share[1], runs one policy_update, and returns the LoRA weights."""
     env = trainer.env
 
-    args = argparse.Namespace(
-        model=model_path,
-        adapter=None,
-        lora_targets="q_proj,v_proj",
-        load_in_4bit="off",
-        gradient_checkpointing=False,
-        trust_remote_code=False,
+    args = policy_args(
+        model_path,
         minibatch_size=64,
         micro_batch_size=1,
         update_epochs=1,

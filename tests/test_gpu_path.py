@@ -24,7 +24,7 @@ import torch
 
 import common
 import sampling
-from conftest import JUDGE_OK, ROOT, run_script
+from conftest import JUDGE_OK, ROOT, policy_args, run_script
 
 
 # ---------------------------------------------------------------------------------------------
@@ -355,18 +355,13 @@ def test_4bit_qlora_end_to_end_on_a_cpu(tiny_model_64, tmp_path):
     """The base in NF4 (Linear4bit layers), only the LoRA weights trainable and in fp32, activations in the
     compute dtype (fp32 on a CPU; bf16 on a GPU), a finite loss that moves the adapter; then 04 in 4-bit for
     one step, resumed from its checkpoint for a second, and 05 loading the adapter onto a 4-bit base."""
-    import argparse
 
     import bitsandbytes as bnb
     from safetensors.torch import load_file
 
-    args = argparse.Namespace(
-        model=tiny_model_64,
-        adapter=None,
-        trust_remote_code=False,
-        lora_targets="q_proj,v_proj",
+    args = policy_args(
+        tiny_model_64,
         load_in_4bit="on",
-        gradient_checkpointing=False,
     )
     model, tok = common.load_policy(args)
     linear = {

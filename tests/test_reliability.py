@@ -21,7 +21,7 @@ from accelerate import Accelerator
 import common
 import options
 import runs
-from conftest import FAULTS, ROOT, run_script, write_jsonl
+from conftest import FAULTS, ROOT, policy_args, run_script, write_jsonl
 
 TINY = ["--max-new-tokens", "6", "--max-turns", "2", "--no-progress"]
 KEY = "sk-reliability-secret-7"
@@ -492,13 +492,8 @@ def test_nothing_to_score_skips_the_update_without_nan(trainer, env, tiny_model)
 
     import common
 
-    args = argparse.Namespace(
-        model=tiny_model,
-        adapter=None,
-        lora_targets="q_proj,v_proj",
-        load_in_4bit="off",
-        gradient_checkpointing=False,
-        trust_remote_code=False,
+    args = policy_args(
+        tiny_model,
         minibatch_size=4,
         micro_batch_size=2,
         update_epochs=1,

@@ -10,7 +10,7 @@ from accelerate import Accelerator
 import common
 import offline
 import sampling
-from conftest import SCEN, env_args, run_script
+from conftest import SCEN, env_args, policy_args, run_script
 
 
 class StubJudge:
@@ -659,13 +659,8 @@ def test_minibatches_hold_whole_scenarios_in_the_steps_order(trainer, tiny_model
     """4 scenarios x K=4, the dialogues longest first: minibatches of 8 are scenarios (0, 1) then (2, 3), as the
     rollout ordered them (not the 8 shortest, then the 8 longest); a dialogue with nothing to score is left out;
     inside a minibatch the micro-batches go by length; the schedule steps once."""
-    args = argparse.Namespace(
-        model=tiny_model,
-        adapter=None,
-        lora_targets="q_proj,v_proj",
-        load_in_4bit="off",
-        gradient_checkpointing=False,
-        trust_remote_code=False,
+    args = policy_args(
+        tiny_model,
         minibatch_size=8,
         micro_batch_size=2,
         update_epochs=1,
@@ -705,13 +700,8 @@ def test_the_clip_engages_on_the_second_minibatch(trainer, tiny_model, monkeypat
     minibatch's ratio leaves [1 - clip_low, 1 + clip_high], and the clip counts those tokens; with one
     minibatch (pi_old = pi) nothing is ever clipped."""
     torch.manual_seed(0)
-    args = argparse.Namespace(
-        model=tiny_model,
-        adapter=None,
-        lora_targets="q_proj,v_proj",
-        load_in_4bit="off",
-        gradient_checkpointing=False,
-        trust_remote_code=False,
+    args = policy_args(
+        tiny_model,
         minibatch_size=4,
         micro_batch_size=2,
         update_epochs=1,

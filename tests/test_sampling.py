@@ -7,7 +7,6 @@ Each model here stands in for a real one: the tiny random Qwen2 of conftest.py w
 <|eot_id|> as eos and pad, three end-of-turn ids), with a Qwen2.5-like template (a default system prompt), and
 tiny Gemma 2, Cohere and Granite models (soft-capped or scaled final logits)."""
 
-import argparse
 import importlib
 import json
 import shutil
@@ -19,7 +18,7 @@ from transformers import AutoModelForCausalLM
 import common
 import offline
 import sampling
-from conftest import CHATML, SCEN, env_args, run_script
+from conftest import CHATML, SCEN, env_args, policy_args, run_script
 
 # Qwen2.5-7B-Instruct's published generation_config.json (its sampling fields), and a no_repeat_ngram_size that
 # bans every repeated token: each would change what generate samples if it leaked in
@@ -299,13 +298,8 @@ def test_an_unknown_transform_of_the_final_logits_stops_the_load(tiny_model, mon
     assert gap > 0.5
     # load_policy measures the gap of the model it loaded and stops with one line
     monkeypatch.setattr(sampling, "scoring_gap", lambda m: gap)
-    args = argparse.Namespace(
-        model=tiny_model,
-        adapter=None,
-        lora_targets="q_proj,v_proj",
-        load_in_4bit="off",
-        gradient_checkpointing=False,
-        trust_remote_code=False,
+    args = policy_args(
+        tiny_model,
     )
     with pytest.raises(common.UserError, match="differs from the model's own forward"):
         common.load_policy(args, trainable=False)

@@ -26,7 +26,7 @@ import pytest
 import torch
 from transformers.utils.import_utils import is_serve_available
 
-from conftest import ROOT, run_script
+from conftest import ROOT, policy_args, run_script
 
 sys.path.insert(0, str(ROOT / "scripts"))
 import merge_adapter  # noqa: E402
@@ -124,18 +124,13 @@ def test_the_merged_model_computes_base_plus_adapter(tiny_model, adapter, merged
 
 
 def test_an_adapter_trained_on_a_4bit_base_merges_into_its_full_precision_weights(tiny_model_64, tmp_path):
-    import argparse
 
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    args = argparse.Namespace(
-        model=tiny_model_64,
-        adapter=None,
-        trust_remote_code=False,
-        lora_targets="q_proj,v_proj",
+    args = policy_args(
+        tiny_model_64,
         load_in_4bit="on",
-        gradient_checkpointing=False,
     )
     model, _ = common.load_policy(args)  # QLoRA: NF4 base, fp32 LoRA
     torch.manual_seed(1)
