@@ -63,6 +63,7 @@ import math
 import os
 import re
 import time
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -327,6 +328,13 @@ def rollout(
             )
             for k in range(args.k)
         ]
+    for tr in trajs[:: args.k]:  # the first turn's requests fit the window, or one line before any is sent
+        common.check(
+            judge_and_user_fit(tokenizer, tr, judge, user, args),
+            f"scenario {tr.scenario['id']}: the judge's or the user's first request does not fit --max-context "
+            f"{args.max_context} (their prompts hold the dialogue and their instructions): raise --max-context (and "
+            "the engine's --max-model-len with it)",
+        )
     was_training = model.training
     model.eval()
     new_sampler = TurnCache if engine is None else engine.turns
@@ -352,8 +360,8 @@ def rollout(
             )
             if tr.outcome is None and t == args.max_turns:
                 tr.outcome = "timeout"
-        # 4. the simulated user answers the dialogues that go on
-        user_turn(tokenizer, [tr for tr in live if tr.outcome is None], user, args)
+        # 4. the simulated user answers the dialogues that go on (those whose next turn fits the window)
+        user_turn(tokenizer, [tr for tr in live if tr.outcome is None], user, args, judge)
     model.train(was_training)
     return trajs
 
@@ -378,8 +386,9 @@ def policy_turn(model, tokenizer, live: list[Trajectory], args, kv) -> list[dict
     return cases
 
 
-def user_turn(tokenizer, going: list[Trajectory], user, args):
-    """The simulated user's next message in each dialogue that goes on, told the trend and the band."""
+def user_turn(tokenizer, going: list[Trajectory], user, args, judge=None):
+    """The simulated user's next message in each dialogue that goes on, told the trend and the band; a dialogue
+    whose next turn would not fit --max-context (the policy's, the judge's or the user's request) ends here."""
     asks = []
     for tr in going:
         # better / stuck / worse: the last change of the user's state, dE_t (EMPA) or e_t - e_{t-1}
@@ -412,11 +421,20 @@ def user_turn(tokenizer, going: list[Trajectory], user, args):
         tr.messages.append({"role": "user", "content": answer})
         end = None if tr.cut_off[-1] else tokenizer.decode(tr.ids[-1:])  # the end-of-turn token it sampled
         extra = next_user_ids(tokenizer, tr.messages, tr.messages[-2]["content"], end)
-        if len(tr.ids) + len(extra) + args.max_new_tokens > args.max_context:
+        if len(tr.ids) + len(extra) + args.max_new_tokens > args.max_context or not judge_and_user_fit(
+            tokenizer, tr, judge, user, args
+        ):
             tr.outcome = "context_limit"
             tr.messages.pop()
             continue
         tr.ids.extend(extra)
+
+
+def judge_and_user_fit(tokenizer, tr: Trajectory, judge, user, args) -> bool:
+    """The window rule (docs/scale.md): every request of a dialogue's next turn fits --max-context, the policy's
+    (checked beside this), the judge's of the next reply and the user's after it, each prompt with its answer."""
+    need = [role.request_tokens(tokenizer, tr, args) for role in (judge, user) if hasattr(role, "request_tokens")]
+    return max(need, default=0) <= args.max_context
 
 
 def trajectory_record(tr: Trajectory, args, rewards: list[float] | None = None, **extra) -> dict:
@@ -582,29 +600,52 @@ def parse_judge_json(text: str | None) -> dict | None:
     return levels
 
 
+JUDGE_MAX_TOKENS, USER_MAX_TOKENS = 200, 120  # the LLM judge's answer, the LLM user's message
+REQUEST_SLACK = 16  # tokens: a reply's text re-tokenised inside another prompt, the user's band and trend
+
+
+def seed_of(seed: int, item: dict) -> int:
+    """An LLM judge's or user's request seed: the step's seed, the scenario, the dialogue k and the turn."""
+    key = f"{seed}|{item['scenario']['id']}|{item.get('k', 0)}|{len(item['history'])}"
+    return zlib.crc32(key.encode())
+
+
 class LLMJudge:
-    def __init__(self, backend: backends.ChatBackend, retries: int = 2):
+    def __init__(self, backend: backends.ChatBackend, retries: int = 2, seed: int = 0):
         self.backend, self.retries = backend, retries
+        self.seed = seed  # the step's seed (04 sets it each step), sent with each request to an endpoint
+
+    def prompt(self, case: dict) -> list[dict]:
+        history = common.transcript_lines(case["history"]) + [f"Supporter: {case['reply']}"]
+        scenario = case["scenario"]
+        content = JUDGE_PROMPT.format(
+            persona=scenario["persona"], situation=scenario["situation"], history="\n".join(history)
+        )
+        return [{"role": "user", "content": content}]
 
     def judge(self, cases: list[dict]) -> list[dict | None]:
-        prompts = [
-            [
-                {
-                    "role": "user",
-                    "content": JUDGE_PROMPT.format(
-                        persona=c["scenario"]["persona"],
-                        situation=c["scenario"]["situation"],
-                        history="\n".join(common.transcript_lines(c["history"]) + [f"Supporter: {c['reply']}"]),
-                    ),
-                }
-            ]
-            for c in cases
-        ]
+        prompts = [self.prompt(c) for c in cases]
+        seeds = [seed_of(self.seed, c) for c in cases]
         # malformed output: asked again (api: only), then that turn is given up (None: judge_failed)
         levels = backends.ask_json(
-            self.backend, prompts, lambda i, text: parse_judge_json(text), self.retries, max_tokens=200
+            self.backend,
+            prompts,
+            lambda i, text: parse_judge_json(text),
+            self.retries,
+            max_tokens=JUDGE_MAX_TOKENS,
+            seeds=seeds,
         )
         return [None if lv is None else {"levels": lv, "features": {}} for lv in levels]
+
+    def request_tokens(self, tokenizer, tr: Trajectory, args) -> int:
+        """The largest request this judge sends for tr's next reply: its prompt with a reply of --max-new-tokens
+        tokens, and its answer. Counted for `self` only (the policy's tokenizer, the policy's window); another
+        model's window is its own (0)."""
+        if not self.backend.spec.startswith("self"):
+            return 0
+        case = {"scenario": tr.scenario, "history": tr.seen_history(), "reply": ""}
+        prompt = common.render_ids(tokenizer, self.prompt(case))
+        return len(prompt) + args.max_new_tokens + REQUEST_SLACK + JUDGE_MAX_TOKENS
 
 
 # the LLM user: items {scenario, k, history, trend, band} -> the user's next message, or None (failed);
@@ -612,37 +653,45 @@ class LLMJudge:
 class LLMUser:
     def __init__(self, backend: backends.ChatBackend, seed: int = 0):
         self.backend = backend
-        # every user carries the step's seed (04 sets it each step, as for offline.ScriptedUser); an LLM user's
-        # own draws come from torch's generator, which 04 seeds from the same step seed (an api: user's from its
-        # server)
+        # every user carries the step's seed (04 sets it each step, as for offline.ScriptedUser); a local LLM
+        # user's draws come from torch's generator, which 04 seeds from the same step seed; an endpoint's (an
+        # api: user, or the engine) from the seed each request carries (seed_of)
         self.seed = seed
 
+    def conversation(self, item: dict) -> list[dict]:
+        scenario = item["scenario"]
+        system = USER_PROMPT.format(persona=scenario["persona"], situation=scenario["situation"], band=item["band"])
+        # the roles swap: the supporter's words are the "user" turns of the role-playing model
+        return [{"role": "system", "content": system}] + [
+            {"role": "assistant" if m["role"] == "user" else "user", "content": m["content"]}
+            for m in item["history"]
+            if m["role"] != "system"
+        ]
+
     def reply(self, items: list[dict]) -> list[str | None]:
-        convs = []
-        for it in items:
-            system = USER_PROMPT.format(
-                persona=it["scenario"]["persona"], situation=it["scenario"]["situation"], band=it["band"]
-            )
-            # the roles swap: the supporter's words are the "user" turns of the role-playing model
-            convs.append(
-                [{"role": "system", "content": system}]
-                + [
-                    {"role": "assistant" if m["role"] == "user" else "user", "content": m["content"]}
-                    for m in it["history"]
-                    if m["role"] != "system"
-                ]
-            )
         # an empty answer is a failed turn (not asked again: the dialogue ends as user_failed)
         return backends.ask_json(
             self.backend,
-            convs,
+            [self.conversation(it) for it in items],
             lambda i, a: a.strip() if a and a.strip() else None,
             0,
             who="user",
             noun="dialogues",
-            max_tokens=120,
+            max_tokens=USER_MAX_TOKENS,
             temperature=0.7,
+            seeds=[seed_of(self.seed, it) for it in items],
         )
+
+    def request_tokens(self, tokenizer, tr: Trajectory, args) -> int:
+        """The largest request this user sends after tr's next reply: the dialogue with a reply of
+        --max-new-tokens tokens, the longest band, and its message. For `self` only, as LLMJudge's."""
+        if not self.backend.spec.startswith("self"):
+            return 0
+        history = tr.seen_history() + [{"role": "assistant", "content": ""}]
+        band = max([state_band(1, 1), state_band(0.5, 1), state_band(0, 1)], key=len)
+        band += "; " + max(TREND_TEXT.values(), key=len)
+        conversation = self.conversation({"scenario": tr.scenario, "history": history, "band": band})
+        return len(common.render_ids(tokenizer, conversation)) + args.max_new_tokens + REQUEST_SLACK + USER_MAX_TOKENS
 
 
 def state_band(d: float, d0: float) -> str:
@@ -663,7 +712,7 @@ def make_judge(args, policy=None, engine=None):
     if args.judge == "embed":
         return offline.EmbedJudge(HERE / "data" / "judge_prototypes.json", device=str(common.pick_device()))
     backend = backends.make_chat_backend(args.judge, args, args.judge_concurrency, policy, engine)
-    return LLMJudge(backend, args.judge_retries)
+    return LLMJudge(backend, args.judge_retries, args.seed)
 
 
 def make_user(args, policy=None, engine=None):

@@ -575,11 +575,12 @@ class Run:
 def step_scenarios(run: Run, step: int) -> list[dict]:
     """This step's scenarios (this process's share of them), and the step's seeds: every step's randomness
     depends on (seed, step), and on the process (each samples its own dialogues). Every user takes the step's
-    seed (the scripted user draws its lines from it; an LLM user samples from torch's generator, seeded here)."""
+    seed (the scripted user draws its lines from it; a local LLM user samples from torch's generator, seeded here;
+    an endpoint's judge and user, the engine's too, from seeds their requests carry, made from it)."""
     args, accelerator = run.args, run.accelerator
     step_seed = args.seed * 100_003 + step
     torch.manual_seed(step_seed * accelerator.num_processes + accelerator.process_index)
-    run.user.seed = step_seed
+    run.user.seed = run.judge.seed = step_seed  # an LLM judge's and user's requests to an endpoint carry it
     batch = random.Random(step_seed).sample(run.scenarios, min(args.scenarios_per_step, len(run.scenarios)))
     return batch[accelerator.process_index :: accelerator.num_processes]
 
@@ -621,13 +622,16 @@ def train_loop(run: Run, start: int):
     ):
         timer = runs.PhaseTimer()
         # 0. --engine: the adapter as it is now (after the last update, or as the run starts) goes to the engine,
-        #    which samples this step with it
+        #    which samples this step with it: process 0 pushes it, and every process samples from the name it got
         if run.engine is not None:
             with timer("push"):
-                parallel.on_main_process(accelerator, run.engine.push, run.model, run.dir / "engine")
+                name = parallel.on_main_process(accelerator, run.engine.push, run.model, run.dir / "engine")
+                run.engine.policy = name
         # 1. rollout: K dialogues for each of this step's scenarios, every live dialogue batched each turn
         with timer("rollout"):
             scenarios = step_scenarios(run, step)
+            if run.engine is not None:
+                run.engine.sent.clear()  # the names this step's policy requests carry
             trajs = env.rollout(
                 run.model, run.tokenizer, scenarios, run.judge, run.user, args, f"step {step} rollout", run.engine
             )
@@ -667,7 +671,9 @@ def train_loop(run: Run, start: int):
                 terms = {name: value[s][k] for name, value in A_terms.items()}
                 records.append(dialogue_record(args, step, trajs[i], parts[i], rewards[i], A[s][k], failed[i], terms))
         degenerate = sum(all(abs(a) < 1e-9 for a_k in group for a in a_k) for group in A)  # every A of a group 0
-        run.log(step, records, rewards, {"degenerate_groups": degenerate, **counts}, stats, lr, timer)
+        # with an engine: the model names this process's policy requests carried (each the adapter pushed this step)
+        own = {"engine_policy": sorted(run.engine.sent)} if run.engine is not None else None
+        run.log(step, records, rewards, {"degenerate_groups": degenerate, **counts}, stats, lr, timer, own)
         if accelerator.is_main_process and (step % args.save_every == 0 or step == args.steps):
             runs.save_checkpoint(run.dir, step, run.model, run.optimizer, run.scheduler)
             plots.curves(run.dir, plots.MICA_CURVES)
@@ -823,6 +829,9 @@ def main(argv=None):
     except common.UserError:  # the judge's endpoint went down, say: keep what was learned, then stop
         runs.checkpoint_on_error(run.dir, run.model, run.optimizer, run.scheduler, run.log.logger, start)
         raise
+    finally:
+        if run.engine is not None and run.accelerator.is_main_process:
+            run.engine.close()  # the run's adapter unloaded from the server, at the end or on a stop
     save(run)
 
 

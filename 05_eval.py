@@ -349,7 +349,7 @@ def evaluate(run: Run):
         if adapter is not None:
             run.model = switch_adapter(run.model, adapter, f"a{args.adapters.index(adapter)}")
         if run.server is not None:  # the engine samples this model's replies: the base, or the adapter loaded
-            run.server.use(adapter, f"{args.model}@a{args.adapters.index(adapter)}" if adapter else None)
+            run.server.use(adapter, f"a{args.adapters.index(adapter)}" if adapter else None)  # named per run
         for suite in args.suites:
             evaluate_suite(run, label, suite)
 
@@ -400,6 +400,9 @@ def main(argv=None):
         # the judge's endpoint went down, say: keep what was finished, then stop with the one message
         write_results(run.dir, args)
         raise common.UserError(f"{e}; the finished cases are saved: continue with --resume {run.dir}") from None
+    finally:
+        if run.server is not None:
+            run.server.close()  # this run's adapter unloaded from the engine: a next run starts from a clean server
     save(run)
 
 

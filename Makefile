@@ -9,6 +9,9 @@ ENGINE_VENV ?= .venv-engine
 EPY         := $(ENGINE_VENV)/bin/python
 MODEL       ?= SmolLM2-135M-Instruct
 PORT        ?= 8000
+# engine.py's and vLLM's flags, passed through as they are: the window (--max-model-len, the run's --max-context),
+# the GPU memory share (--memory-share), the dtype, --tensor-parallel-size, ...
+ENGINE_FLAGS ?=
 
 .PHONY: install engine serve demo pipeline test learning benchmark clean
 
@@ -42,9 +45,10 @@ $(ENGINE_VENV)/.installed: Makefile
 	fi
 	touch $@
 
-# serve MODEL (as 04's --model names it) on PORT for --engine http://localhost:PORT (engine.py: the flags it needs)
+# serve MODEL (as 04's --model names it) on PORT for --engine http://localhost:PORT (engine.py: the flags it needs),
+# with ENGINE_FLAGS, e.g. make serve MODEL=Qwen2.5-7B-Instruct ENGINE_FLAGS="--max-model-len 4096 --memory-share 0.35"
 serve: engine install
-	$(EPY) engine.py --model $(MODEL) --port $(PORT)
+	$(EPY) engine.py --model $(MODEL) --port $(PORT) $(ENGINE_FLAGS)
 
 # 4 training steps, then the base and the trained adapter on 4 held-out scenarios x 4 dialogues, the training
 # rules (3 turns, no end before turn 2, collapse window 3), paired by scenario, k and seed; the run's dialogues

@@ -64,6 +64,7 @@ class ChatBackend:
         concurrency=8,
         policy=None,
         extra_body=None,
+        owner=None,
     ):
         self.kind, _, self.name = spec.partition(":")
         common.check(
@@ -76,6 +77,7 @@ class ChatBackend:
         )
         self.spec, self.retries, self.concurrency = spec, retries, concurrency
         self.extra_body = extra_body  # fields sent with every api: request (the engine's neutral sampling)
+        self.owner = owner  # who serves it, named in its errors (the engine); None: an endpoint of the --api-* flags
         self.reasks = self.kind == "api"  # whether an unusable answer at temperature 0 may differ when asked again
         self.failures = self.retried = 0  # calls failed after every retry; retries spent (for the step log)
         self._lock, self._local = threading.Lock(), threading.local()
@@ -108,13 +110,15 @@ class ChatBackend:
     def __repr__(self):
         return f"ChatBackend({self.spec!r})"
 
-    def chat(self, conversations: list[list[dict]], max_tokens=256, temperature=0.0) -> list[str | None]:
+    def chat(self, conversations: list[list[dict]], max_tokens=256, temperature=0.0, seeds=None) -> list[str | None]:
+        """seeds: one per conversation, sent with an api: request (a local backend draws from torch's generator)."""
         if self.kind != "api":
             return self._chat_local(conversations, max_tokens, temperature)
         if not conversations:
             return []
+        seeds = seeds or [None] * len(conversations)
         with ThreadPoolExecutor(max_workers=min(self.concurrency, len(conversations))) as pool:
-            return list(pool.map(lambda m: self._chat_api(m, max_tokens, temperature), conversations))
+            return list(pool.map(lambda m, s: self._chat_api(m, max_tokens, temperature, s), conversations, seeds))
 
     @torch.no_grad()
     def _chat_local(self, conversations, max_tokens, temperature):
@@ -134,12 +138,13 @@ class ChatBackend:
     def _sent(self, request):  # the client's event hook: one HTTP attempt of this thread's call, retries included
         self._local.sent += 1
 
-    def _chat_api(self, messages, max_tokens, temperature) -> str | None:
+    def _chat_api(self, messages, max_tokens, temperature, seed=None) -> str | None:
         """One reply, or None (counted in `failures`) after `retries` + 1 HTTP attempts in all. The openai client
         retries what failed on the way (refused, timed out, cut mid-body, HTTP 408, 409, 429, 5xx) with its own
         backoff: 0.5 s doubling up to 8 s, or a 429's or 5xx's Retry-After up to 2 minutes (one longer ends the
         call). An answer that came but is unusable (not JSON, no choices, no text) is asked again here at once,
-        from the same attempts. HTTP 400, 401, 403 and 404 stop the run: one line, the key never in it."""
+        from the same attempts. HTTP 400, 401, 403 and 404 stop the run: one line, the key never in it (from the
+        engine: its own reason). A thinking model's <think> part is stripped, as a local backend's is."""
         import openai
 
         self._local.sent, text = 0, None
@@ -151,11 +156,17 @@ class ChatBackend:
                     messages=messages,
                     max_tokens=max_tokens,
                     temperature=temperature,
+                    seed=seed if seed is not None else openai.omit,
                     extra_headers=self._no_auth,
                     extra_body=self.extra_body,
                 )
                 text = reply.choices[0].message.content
             except openai.APIStatusError as e:  # after the client's retries, or a status it does not retry
+                reason = " ".join(str(e.message).split())[:300]
+                common.check(
+                    e.status_code not in (400, 401, 403, 404) or self.owner is None,
+                    f"{self.owner} answered HTTP {e.status_code} to a chat request of {self.spec}: {reason}",
+                )
                 common.check(
                     e.status_code not in (400, 401, 403, 404),
                     f"{self.url} answered HTTP {e.status_code} for model "
@@ -166,7 +177,7 @@ class ChatBackend:
                 break
             except (ValueError, LookupError, AttributeError, TypeError):  # not JSON or UTF-8, no choices, no message
                 pass
-            text = text if isinstance(text, str) else None
+            text = common.strip_thinking(text) if isinstance(text, str) else None
             if text is not None or self._local.sent > self.retries:
                 break
         with self._lock:
@@ -207,15 +218,25 @@ class EndpointOptions:
 
 
 def ask_json(
-    backend, prompts: list, parse, retries: int, who="judge", noun="replies", max_tokens=300, temperature=0.0
+    backend,
+    prompts: list,
+    parse,
+    retries: int,
+    who="judge",
+    noun="replies",
+    max_tokens=300,
+    temperature=0.0,
+    seeds=None,
 ) -> list:
     """Ask every prompt, re-ask the unparsable ones up to `retries` times (not a local model at temperature 0:
     it would answer the same again); parse(i, text) -> the answer or None. None where no answer parsed. When
-    no prompt got an answer and the endpoint itself failed, stop with one message, not go on with nothing."""
+    no prompt got an answer and the endpoint itself failed, stop with one message, not go on with nothing.
+    seeds: one per prompt for an api: endpoint (a re-ask sends seed + 1, + 2, ...)."""
     results, todo, down_before = [None] * len(prompts), list(range(len(prompts))), getattr(backend, "failures", 0)
     retries = 0 if not getattr(backend, "reasks", True) and temperature == 0 else retries
-    for _ in range(retries + 1):
-        answers = backend.chat([prompts[i] for i in todo], max_tokens=max_tokens, temperature=temperature)
+    for attempt in range(retries + 1):
+        ask = {"seeds": [seeds[i] + attempt for i in todo]} if seeds else {}
+        answers = backend.chat([prompts[i] for i in todo], max_tokens=max_tokens, temperature=temperature, **ask)
         for i, text in zip(todo, answers):
             results[i] = parse(i, text)
         todo = [i for i in todo if results[i] is None]

@@ -4,10 +4,12 @@ With --engine URL, 04 and 05 sample the policy's replies from a vLLM server inst
 pushes its LoRA adapter to the server after every update; with --judge self and --user self the judge and the user
 are the same server's base model, with no adapter: one engine, three roles, no generate in the learner's process.
 
-  EngineOptions   --engine URL, --engine-timeout
-  Engine          the client: connect (the server is up and serves --model), sample (Replies carrying the sampler's
-                  own log-probabilities), push (the adapter after an update: saved, loaded under a new name, the
-                  previous one unloaded), use (05: an adapter folder, or the base), turns (03's per-turn sampler)
+  EngineOptions   --engine URL, --engine-timeout, --engine-wait, --engine-adapter-dir
+  Engine          the client: connect (waits for the server to be up, then checks it serves --model with a window of
+                  --max-context), sample (Replies carrying the sampler's own log-probabilities), push (the adapter
+                  after an update: saved, loaded under a name every process then samples from, the previous one
+                  unloaded), use (05: an adapter folder, or the base), close (the run's adapter unloaded at its end
+                  or stop), turns (03's per-turn sampler), chat_backend (the judge and the user: the base model)
   serve_argv      the one command line that serves a model as this client needs it; `python engine.py --model M`
                   runs it (with the engine's own Python: make engine builds .venv-engine, make serve starts it)
 
@@ -22,22 +24,29 @@ What the client sends and what it relies on (docs/scale.md, "An inference engine
     and unloaded at run time.
   * the prompt is the dialogue's token ids and the reply comes back as token ids (return_token_ids), so a context
     extends its row exactly, as with 03's KV cache.
+  * the server reads the pushed adapter from the path the client sends: on this machine the run folder, on another
+    machine a folder both mount at the same path (--engine-adapter-dir); without one a remote engine is refused.
+The HTTP is httpx2's (the openai client brings it); the judge's and the user's chat goes through backends.py's
+openai client.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import ipaddress
 import os
 import shutil
+import socket
 import sys
 import time
-import urllib.error
-import urllib.request
 import uuid
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
+
+import httpx2
 
 import backends
 import common
@@ -47,7 +56,7 @@ import sampling
 # every field of vLLM's sampling that a model's generation_config.json can set, at its neutral value
 NEUTRAL = {"top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
 REQUESTS_AT_ONCE = 64  # concurrent requests per batch (one per dialogue: each carries its own seed)
-JSON = {"Content-Type": "application/json"}
+WAIT_NOTE_S = 30  # while waiting for a loading engine, a line this often
 
 
 @dataclass
@@ -61,6 +70,17 @@ class EngineOptions:
         "--judge self / --user self it is the judge and the user too",
     )
     engine_timeout: float = options.option(600.0, "seconds per engine request", type=options.number(above=0))
+    engine_wait: float = options.option(
+        300.0,
+        "seconds to wait for an engine that is not answering yet (vLLM opens its port only once the model is loaded: "
+        "a 7B takes one to three minutes, a 32B more); then one line and exit 2",
+        type=options.number(low=0),
+    )
+    engine_adapter_dir: str | None = options.option(
+        None,
+        "where the pushed adapters go: a folder the engine's machine reads at the same path (a shared mount). Needed "
+        "when --engine is on another machine; default: the run folder's engine/",
+    )
 
 
 def base_url(url: str) -> str:
@@ -69,46 +89,85 @@ def base_url(url: str) -> str:
     return url[: -len("/v1")] if url.endswith("/v1") else url
 
 
+def is_local(url: str) -> bool:
+    """Whether the server at url runs on this machine (loopback, or this machine's own name or address)."""
+    host = urlsplit(base_url(url)).hostname or ""
+    if host in ("localhost", socket.gethostname(), socket.getfqdn()):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 class Engine:
     """The client of one vLLM server serving --model under that name (served-model-name), LoRA enabled."""
 
-    def __init__(self, url: str, model: str, timeout: float = 600.0):
+    def __init__(self, url: str, model: str, timeout: float = 600.0, adapter_dir=None):
         self.url, self.model, self.timeout = base_url(url), model, timeout
         self.policy = model  # the name requests sample from: the base, or the adapter pushed last
+        self.adapter_dir = adapter_dir  # a folder the server reads at the same path (None: the run folder's)
         self.folder = None  # the pushed adapter's folder
         self.pushes = 0
-        self.tag = uuid.uuid4().hex[:8]  # this client's adapters' names: a resumed run on the same server never
-        # reuses a name the server still holds
+        self.tag = uuid.uuid4().hex[:8]  # this run's adapters' names: another run, or a resumed one, on the same
+        # server never reuses a name the server still holds
+        self.sent = Counter()  # the model name of every sampling request sent (04 logs a step's per process)
+        self.http = httpx2.Client(base_url=self.url, timeout=timeout)
 
     # ---- HTTP ---------------------------------------------------------------------------------
     def request(self, path: str, body: dict | None = None, retries: int = 2):
         """GET (body None) or POST JSON to the server -> its answer (JSON, or text); a server that cannot be
         reached after `retries` more tries 1 s apart, or that refuses, stops the run with one line."""
-        data = None if body is None else json.dumps(body).encode()
         for attempt in range(retries + 1):
             try:
-                with urllib.request.urlopen(
-                    urllib.request.Request(self.url + path, data, JSON), timeout=self.timeout
-                ) as answer:
-                    text = answer.read().decode()
-                try:
-                    return json.loads(text)
-                except json.JSONDecodeError:
-                    return text
-            except urllib.error.HTTPError as e:
-                detail = " ".join(e.read().decode(errors="replace").split())[:300]
-                raise common.UserError(f"engine {self.url}{path} answered HTTP {e.code}: {detail}") from None
-            except (urllib.error.URLError, OSError) as e:  # refused, reset, timed out: the server is down or dying
+                answer = self.http.get(path) if body is None else self.http.post(path, json=body)
+            except httpx2.TransportError as e:  # refused, reset, timed out: the server is down or dying
                 if attempt == retries:
-                    reason = getattr(e, "reason", e)
                     raise common.UserError(
-                        f"engine {self.url} cannot be reached ({reason}): is it up? start it with `make serve "
-                        f"MODEL={self.model}` (or python engine.py --model {self.model})"
+                        f"engine {self.url} cannot be reached ({type(e).__name__}: {e}): is it up? start it with "
+                        f"`make serve MODEL={self.model}` (or python engine.py --model {self.model})"
                     ) from None
                 time.sleep(1.0)
+                continue
+            if answer.is_error:  # the engine's own reason (an adapter it cannot read, a prompt over its window)
+                detail = " ".join(answer.text.split())[:300]
+                raise common.UserError(f"engine {self.url}{path} answered HTTP {answer.status_code}: {detail}")
+            try:
+                return answer.json()
+            except ValueError:
+                return answer.text
 
-    def connect(self, max_context: int | None = None):
-        """The server is up and serves --model under that name with a window of at least --max-context."""
+    def wait_until_up(self, wait: float):
+        """Wait up to `wait` seconds for the server to answer (a loading vLLM has not opened its port yet), saying
+        so every WAIT_NOTE_S seconds; then one line, as for a server that is down."""
+        t0 = noted = time.time()
+        while True:
+            try:
+                return self.http.get("/v1/models", timeout=min(self.timeout, 30.0))
+            except httpx2.TransportError:
+                waited = time.time() - t0
+                if waited >= wait:
+                    self.request("/v1/models", retries=0)  # the one line of a server that cannot be reached
+                if waited == 0 or time.time() - noted >= WAIT_NOTE_S:
+                    print(
+                        f"waiting for the engine at {self.url} (not answering yet; a loading model opens its port "
+                        f"when ready): {waited:.0f} s of --engine-wait {wait:.0f}",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                    noted = time.time()
+                time.sleep(min(2.0, max(0.0, wait - waited)))
+
+    def connect(self, max_context: int | None = None, wait: float = 0.0):
+        """The server is up (waited for up to `wait` s) and serves --model under that name with a window of at
+        least --max-context; a server on another machine needs --engine-adapter-dir (it reads the pushed adapter
+        from the path sent)."""
+        common.check(
+            self.adapter_dir is not None or is_local(self.url),
+            f"engine {self.url} is on another machine: it cannot read the adapters this machine writes. Pass "
+            f"--engine-adapter-dir DIR, a folder that machine mounts at the same path (docs/scale.md)",
+        )
+        self.wait_until_up(wait)
         served = self.request("/v1/models", retries=0).get("data", [])
         names = {m["id"]: m for m in served}
         root = {m.get("root"): m for m in served}
@@ -120,11 +179,12 @@ class Engine:
             f"`make serve MODEL={self.model}` (the served name must be --model)",
         )
         self.model = self.policy = info["id"]
-        window = info.get("max_model_len")
+        self.window = info.get("max_model_len")
         common.check(
-            not max_context or not window or window >= max_context,
-            f"engine {self.url} serves {self.model} with a window of {window} tokens, under --max-context "
-            f"{max_context}: serve it with --max-model-len {max_context} or more",
+            not max_context or not self.window or self.window >= max_context,
+            f"engine {self.url} serves {self.model} with a window of {self.window} tokens, under --max-context "
+            f"{max_context}: serve it with --max-model-len {max_context} (make serve ENGINE_FLAGS="
+            f"'--max-model-len {max_context}'), or pass --max-context {self.window}",
         )
         return self
 
@@ -162,44 +222,66 @@ class Engine:
 
         if not contexts:
             return []
+        self.sent[self.policy] += len(contexts)
         with ThreadPoolExecutor(max_workers=min(REQUESTS_AT_ONCE, len(contexts))) as pool:
             return list(pool.map(one, contexts, seeds))
 
     def turns(self) -> EngineTurns:
         return EngineTurns(self)
 
-    # ---- the adapter --------------------------------------------------------------------------
+    # ---- the adapter ---------------------------------------------------------------------------
     def load(self, folder, name: str):
-        """A peft adapter folder loaded under `name`, which then samples; the previous adapter unloaded."""
-        self.request("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(Path(folder).resolve())})
-        if self.policy != self.model:
-            self.request("/v1/unload_lora_adapter", {"lora_name": self.policy})
+        """A peft adapter folder loaded under `name`, which then samples; the previous adapter unloaded. With
+        --engine-adapter-dir a folder outside it is copied there first (the server reads that folder)."""
+        folder = Path(folder).resolve()
+        if self.adapter_dir is not None and Path(self.adapter_dir).resolve() not in folder.parents:
+            folder = Path(shutil.copytree(folder, Path(self.adapter_dir).resolve() / name.replace("/", "_")))
+        self.request("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(folder)})
+        self.unload()
         self.policy = name
 
-    def push(self, model, folder: Path) -> float:
-        """The policy's adapter as it is now, saved to folder/<n> and loaded as the adapter that samples from here on
-        (the previous one unloaded and its folder removed) -> the seconds it took."""
-        t0 = time.time()
+    def unload(self):
+        """The adapter that samples now unloaded (the base samples again); nothing when none is loaded."""
+        if self.policy != self.model:
+            self.request("/v1/unload_lora_adapter", {"lora_name": self.policy})
+            self.policy = self.model
+
+    def push(self, model, folder: Path) -> str:
+        """The policy's adapter as it is now, saved to a new folder (under --engine-adapter-dir, else `folder`) and
+        loaded as the adapter that samples from here on, the previous one unloaded and its folder removed -> its
+        name, which every process then samples from (04: parallel.on_main_process hands it to all)."""
         self.pushes += 1
-        new = Path(folder) / f"push-{self.tag}-{self.pushes}"
+        new = Path(self.adapter_dir or folder) / f"push-{self.tag}-{self.pushes}"
         model.save_pretrained(new, safe_serialization=True)
         self.load(new, f"{self.model}@{self.tag}-{self.pushes}")
         if self.folder is not None:
             shutil.rmtree(self.folder, ignore_errors=True)
         self.folder = new
-        return time.time() - t0
+        return self.policy
 
-    def use(self, adapter: str | None, name: str):
-        """05: sample from this adapter folder (None: the base, the adapter unloaded)."""
-        if adapter is not None:
-            self.load(adapter, name)
-        elif self.policy != self.model:
-            self.request("/v1/unload_lora_adapter", {"lora_name": self.policy})
-            self.policy = self.model
+    def use(self, adapter: str | None, name: str | None = None):
+        """05: sample from this adapter folder under `name`, made unique to this run with its tag (None: the
+        base, any adapter unloaded)."""
+        if adapter is None:
+            self.unload()
+        else:
+            self.load(adapter, f"{self.model}@{self.tag}-{name}")
+
+    def close(self):
+        """The end or the stop of a run: its adapter unloaded from the server (and a pushed folder removed), so the
+        server holds nothing of it; a server already gone is not an error here."""
+        try:
+            self.unload()
+        except common.UserError:
+            pass
+        if self.folder is not None and self.adapter_dir is not None:
+            shutil.rmtree(self.folder, ignore_errors=True)
+        self.http.close()
 
     def chat_backend(self, args, concurrency=None) -> backends.ChatBackend:
         """--judge self / --user self with an engine: the served base model (no adapter), asked through its chat
-        endpoint with every sampling field neutral, as `self` samples without an engine."""
+        endpoint with every sampling field neutral and a thinking model told not to think (its chat template's
+        enable_thinking off, as `self` renders it without an engine; what it thinks anyway is stripped)."""
         backend = backends.ChatBackend(
             f"api:{self.model}",
             self.url + "/v1",
@@ -207,7 +289,8 @@ class Engine:
             self.timeout,
             args.api_retries,
             concurrency or args.api_concurrency,
-            extra_body={"top_p": 1.0, **NEUTRAL},
+            extra_body={"top_p": 1.0, **NEUTRAL, "chat_template_kwargs": {"enable_thinking": False}},
+            owner=f"engine {self.url}",
         )
         backend.spec, backend.reasks = f"self (the engine {self.url})", False
         return backend
@@ -238,10 +321,11 @@ class EngineTurns:
 
 
 def connect(args) -> Engine | None:
-    """--engine's client, checked before any model loads (None without --engine)."""
+    """--engine's client, checked before any model loads (None without --engine): waited for up to --engine-wait."""
     if not getattr(args, "engine", None):
         return None
-    return Engine(args.engine, args.model, args.engine_timeout).connect(getattr(args, "max_context", None))
+    server = Engine(args.engine, args.model, args.engine_timeout, args.engine_adapter_dir)
+    return server.connect(getattr(args, "max_context", None), args.engine_wait)
 
 
 # ---- serving: the one command this client needs ----------------------------------------------

@@ -5,7 +5,7 @@ On one process each helper does nothing: sum_over_processes returns its tensors,
   gather_over_processes      every process's object, in process order: records, counts, the run folder
   gather_groups              every process's scenario groups, for the estimator (a batch-wide statistic sees all)
   as_many_minibatches        every process as many minibatches (empty ones where it has run out)
-  on_main_process            a call on process 0 while the others wait (the engine's adapter push)
+  on_main_process            a call on process 0 while the others wait, its result to all (the engine's adapter push)
   check_processes            the flags that make those shares whole
 04 calls them; accelerate carries the collectives (tests/test_layout.py: none outside these helpers).
 Imports common.py (its one-line errors).
@@ -14,7 +14,7 @@ Imports common.py (its one-line errors).
 from __future__ import annotations
 
 import torch
-from accelerate.utils import gather_object
+from accelerate.utils import broadcast_object_list, gather_object
 
 import common
 
@@ -49,10 +49,12 @@ def as_many_minibatches(accelerator, minibatches: list[list[int]]) -> list[list[
 
 
 def on_main_process(accelerator, fn, *args):
-    """fn(*args) on process 0 while the others wait for it (the engine's adapter push: one process loads it)."""
-    if accelerator.is_main_process:
-        fn(*args)
-    accelerator.wait_for_everyone()
+    """fn(*args) on process 0 while the others wait for it -> its result, on every process (the engine's adapter
+    push: one process loads it, and every process samples from the name it was loaded under)."""
+    result = fn(*args) if accelerator.is_main_process else None
+    if accelerator.num_processes == 1:
+        return result
+    return broadcast_object_list([result], from_process=0)[0]
 
 
 def check_processes(args, accelerator, n_scenarios: int):

@@ -355,12 +355,14 @@ class StepLog:
         self.accelerator, self.dir, self.logger = accelerator, run_dir, logger  # logger: None off process 0
         self.api_totals, self.api_before = api_totals, {}
 
-    def __call__(self, step, records, rewards, counts, stats, lr, timer):
+    def __call__(self, step, records, rewards, counts, stats, lr, timer, own=None):
+        """own: this process's values, logged as a list over the processes ({key}_by_process), not summed."""
         api = self.api_totals()
         counts = {**counts, **{k: v - self.api_before.get(k, 0) for k, v in api.items()}}
         self.api_before = api
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
         part = {"records": records, "rewards": [x for r in rewards for x in r], "counts": counts, "rss": rss}
+        part["own"] = own or {}
         everyone = parallel.gather_over_processes(self.accelerator, {**part, "seconds": timer.seconds})
         if not self.accelerator.is_main_process:
             return  # the other processes go on to the next step
@@ -375,6 +377,7 @@ class StepLog:
             {k: max(p["seconds"][k] for p in everyone) for k in timer.seconds},  # processes run side by side
             max(p["rss"] for p in everyone),  # of the largest process
         )
+        metrics.update({f"{k}_by_process": [p["own"][k] for p in everyone] for k in everyone[0]["own"]})
         self.logger.log(step, metrics)
 
 
@@ -451,22 +454,30 @@ class UpdateStats:
         loss_total, clip_count, kl_total, gap_total, w_total, w_capped, token_passes = parallel.sum_over_processes(
             accelerator, [sums]
         )[0].tolist()
+        own = (float(self.gap_total), float(self.w_total), self.token_passes / update_epochs)  # this process's
         extremes = parallel.gather_over_processes(
-            accelerator, (float(self.ratio_lo), float(self.ratio_hi), float(self.gap_max))
+            accelerator, (float(self.ratio_lo), float(self.ratio_hi), float(self.gap_max), own)
         )
         steps, scored = len(self.grad_norms), token_passes / update_epochs  # each scored token once, in epoch 0
+        # data-parallel: each process's own gap and weights (a process sampling another policy shows here)
+        by_process = {}
+        if accelerator.num_processes > 1:
+            by_process["sampler_gap_mean_by_process"] = [g / n if n else math.nan for *_, (g, _, n) in extremes]
+            if tis:
+                by_process["tis_weight_mean_by_process"] = [w / n if n else math.nan for *_, (_, w, n) in extremes]
         return {
             "loss": loss_total / steps if steps else math.nan,
             "clip_frac": clip_count / token_passes if token_passes else math.nan,
-            "ratio_min": min(lo for lo, _, _ in extremes) if token_passes else math.nan,
-            "ratio_max": max(hi for _, hi, _ in extremes) if token_passes else math.nan,
+            "ratio_min": min(lo for lo, *_ in extremes) if token_passes else math.nan,
+            "ratio_max": max(hi for _, hi, *_ in extremes) if token_passes else math.nan,
             "kl": kl_total / token_passes if kl_logged and token_passes else math.nan,
             "grad_norm": sum(self.grad_norms) / steps if steps else math.nan,
             "sampler_gap_mean": gap_total / scored if token_passes else math.nan,
-            "sampler_gap_max": max(gap for _, _, gap in extremes) if token_passes else math.nan,
+            "sampler_gap_max": max(gap for _, _, gap, _ in extremes) if token_passes else math.nan,
             "token_passes": int(token_passes),  # the scored tokens times --update-epochs
             "optimizer_steps": steps,
             "nonfinite_grads": self.nonfinite_grads,
             # with --tis-cap: the importance weights' mean and the share of tokens the cap cut
             **({"tis_weight_mean": w_total / scored, "tis_capped": w_capped / scored} if tis and token_passes else {}),
+            **by_process,
         }
