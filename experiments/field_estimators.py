@@ -121,8 +121,8 @@ def step_loo_advantages(rewards, dialogues, args) -> tuple[list, dict]:
     dialogues' rewards at that turn index, over the dialogues that reached it, divided by the std of them all.
 
     Source: ServiceNow/PipelineRL, pipelinerl/finetune/rl/__init__.py, `populate_rl_data`, as PR #135 ("Multi-Step
-    RL") merged it: merge commit 58d393458625ad63ed539f2dcd072c85700c557f (the function's last change, "Allow step
-    rewards", f40440e7). Each step (`step_index`) of a rollout is its own row, its reward the first of the row's
+    RL") merged it: merge commit 58d393458625ad63ed539f2dcd072c85700c557f (the per-step grouping came in f40440e7,
+    "Allow step rewards"). Each step (`step_index`) of a rollout is its own row, its reward the first of the row's
     `rewards`; the rows are grouped by (group_id, step_index), so only the rollouts that took step t meet at t.
     With N_t of them: the baseline is (sum - r) / (N_t - 1), and r itself (an advantage of 0) when N_t = 1; the std
     is pandas' (the sample std, NaN for one row, then 0 by nan_to_num), taken over all N_t rewards, this one
@@ -161,10 +161,11 @@ def ctc_grpo_advantages(rewards, dialogues, args) -> tuple[list, dict]:
     turn's score centred within its own dialogue.
 
     Source NOT FOUND. The issue names `compute_prompt_trace_grpo_advantage` in Tongyi-ConvAI/Qwen-Character; no file
-    of the repository read holds it: its history to 1de87a220bc06fb8402c7680809f7e5e4b49f4ea (fetched), nor the later
-    files the code index keeps (EIBench/code/training/ at af8994a4 and 34e8b967, whose trainer core is not among
-    them; code/training/verl/trainer/ppo/core_algos.py at d46d20f046b996b22db91d66a250837ee053d82a). The paper's
-    method section could not be read either (its abstract only). So this is written from the issue's one line,
+    of the repository read holds it: neither its history to 1de87a220bc06fb8402c7680809f7e5e4b49f4ea (fetched) nor
+    the files the code index keeps from commits that snapshot lacks (EIBench/code/training/ at af8994a4 and
+    34e8b967, whose trainer core is not among them; code/training/verl/trainer/ppo/core_algos.py at
+    d46d20f046b996b22db91d66a250837ee053d82a). The paper's method section could not be read either (its abstract
+    only). So this is written from the issue's one line,
     "A_trace (the dialogue's outcome, z over the group, sd floored at 0.1) + alpha (p_t - the mean of p over the same
     dialogue's turns), alpha 15", and the choices that line leaves open are taken from the GRPO of the repository's
     own verl (core_algos.py at d46d20f0, `compute_grpo_outcome_advantage`, whose `grpo_std_min` clamps the group std
