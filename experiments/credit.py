@@ -155,6 +155,18 @@ evaluation = importlib.import_module("05_eval")  # the t interval over independe
 
 AXES = env.AXES  # ("C", "A", "P")
 MOVES = ("validate", "clarify", "reflect", "suggest", "affirm", "lecture", "change_subject")
+CLOSE = "close"  # --close: the policy's eighth move, it ends the dialogue (the stopping rung, issue 67 item 2)
+ALL_MOVES = (*MOVES, CLOSE)  # a move's index in the policy's logits (close is 7, after the seven support moves)
+
+
+def moves(args) -> tuple:
+    """The moves the policy chooses among: the seven support moves, and close with --close."""
+    return ALL_MOVES if getattr(args, "close", False) else MOVES
+
+
+def initial_theta(args) -> list[list[float]]:
+    """The uniform policy's logits: N_OBS x (7 moves, or 8 with --close), all 0."""
+    return [[0.0] * len(moves(args)) for _ in range(N_OBS)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -351,9 +363,20 @@ def step(
     o: the observation the move was chosen on (computed here when not given). early_end False: EMPA's
     rules end nothing before --max-turns; the first turn and outcome they would have ended it with are
     kept in tr.extra["end"] (the survivor analysis). horizon: a timeout at this turn instead of --max-turns
-    (--early-horizon's length rule)."""
+    (--early-horizon's length rule).
+    --close (the stopping rung): the move "close" ends the dialogue at this turn, outcome "closed", as a user
+    leaving would: the judge is not asked, P does not move (v_t = 0, so r_t = 0 and dE_t = 0), and what was due on
+    this turn or later never lands; and EMPA's success no longer ends a dialogue (the user does not leave because
+    she feels better: the policy decides when to stop; the turn EMPA would have ended it at stays in
+    tr.extra["end"]); EMPA's failure (collapse) and the horizon still end it."""
     judge, look = TABLES[args.table]
     tr.extra["obs"].append(look(tr.states[-1], tr.scenario["p0"], mem) if o is None else o)
+    if move == CLOSE:
+        env.advance_state(tr, {"levels": {a: (0, 0) for a in AXES}, "features": {"move": move}})
+        mem.last.append(move)
+        tr.extra["moves"].append(move)
+        tr.outcome = "closed"
+        return
     levels, later = judge(move, mem, tr.states[-1], tr.scenario["p0"])
     env.advance_state(tr, {"levels": levels, "features": {"move": move}})
     t = len(tr.states) - 1
@@ -372,7 +395,7 @@ def step(
     tr.outcome = env.episode_status(tr.scenario["p0"], tr.dEs, tr.states, t, args)
     if tr.outcome is not None and "end" not in tr.extra:
         tr.extra["end"] = (t, tr.outcome)
-    if not early_end:
+    if not early_end or (tr.outcome == "success" and getattr(args, "close", False)):
         tr.outcome = None
     if tr.outcome is None and t == (horizon or args.max_turns):
         tr.outcome = "timeout"
@@ -399,9 +422,25 @@ def rollout(theta, scenario: dict, rng: random.Random, args, early_end: bool = T
             cum += p_a
             if u < cum:
                 break
-        step(tr, mem, MOVES[a], args, o, early_end, horizon)
-    tr.extra["rewards"] = env.incremental_distance_rewards(tr.states)  # r_t = d(P_{t-1}) - d(P_t)
+        step(tr, mem, ALL_MOVES[a], args, o, early_end, horizon)
+    tr.extra["rewards"] = turn_rewards(tr, args)
     return tr
+
+
+def turn_rewards(tr, args) -> list[float]:
+    """The per-turn rewards: 03's IDR, r_t = d(P_{t-1}) - d(P_t); with --turn-cost c, minus c on every turn of talk
+    (every move but close): r_t = d(P_{t-1}) - d(P_t) - c [a_t != close]. The return is then
+    d(P_0) - d(P_T) - c x (the turns talked)."""
+    r = env.incremental_distance_rewards(tr.states)
+    c = getattr(args, "turn_cost", 0.0)
+    if not c:
+        return r
+    return [r_t - (c if move != CLOSE else 0.0) for r_t, move in zip(r, tr.extra["moves"])]
+
+
+def talked(tr) -> int:
+    """The turns of talk in a dialogue: its moves but close (a dialogue closed at turn t talked t - 1 turns)."""
+    return sum(move != CLOSE for move in tr.extra["moves"])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -434,7 +473,8 @@ def advantages(estimator: dict, batch_rewards, gamma, dialogues=None) -> list:
     has none. The rewards are those the estimators see (with --judge-noise, the noisy ones)."""
     if estimator["kind"] == "rloo":
         return rloo_advantages(batch_rewards)
-    args = argparse.Namespace(alpha=estimator.get("alpha"), gamma=gamma)
+    # idr_weights: 03's defaults, which a fork's estimator that scores states reads (field_estimators' turn_credit)
+    args = argparse.Namespace(alpha=estimator.get("alpha"), gamma=gamma, idr_weights=(1.0, 1.0, 1.0))
     if estimator["kind"] == "import":
         return trainer.imported_estimator(estimator["spec"])(batch_rewards, dialogues, args)[0]
     return trainer.ADVANTAGES[estimator["kind"]](batch_rewards, dialogues, args)[0]
@@ -444,7 +484,7 @@ def pg_update(theta, groups, advs, lr: float) -> None:
     """theta += lr * policy_gradient_direction(theta, groups, advs)."""
     grad = policy_gradient_direction(theta, groups, advs)
     for o in range(N_OBS):
-        for b in range(len(MOVES)):
+        for b in range(len(theta[o])):
             theta[o][b] += lr * grad[o][b]
 
 
@@ -453,13 +493,13 @@ def policy_gradient_direction(theta, groups, advs) -> list[list[float]]:
     direction pg_update steps along (the gradient of log softmax, averaged over turns as 04's loss averages
     over tokens)."""
     N = sum(len(tr.extra["moves"]) for group in groups for tr in group)
-    grad = [[0.0] * len(MOVES) for _ in range(N_OBS)]
+    grad = [[0.0] * len(theta[0]) for _ in range(N_OBS)]
     for group, group_adv in zip(groups, advs):
         for tr, A in zip(group, group_adv):
             for t, (o, move) in enumerate(zip(tr.extra["obs"], tr.extra["moves"])):
                 pi = policy(theta, o)
-                a = MOVES.index(move)
-                for b in range(len(MOVES)):
+                a = ALL_MOVES.index(move)
+                for b in range(len(pi)):
                     # d log pi(a | o) / d theta[o][b] = 1[a = b] - pi(b | o)
                     grad[o][b] += A[t] * ((a == b) - pi[b])
     return [[x / N for x in row] for row in grad]
@@ -492,10 +532,14 @@ def training_batch(theta, train_set: list[dict], rng: random.Random, side: rando
 
 def evaluate(theta, test: list[dict], rng: random.Random, args) -> dict:
     trajs = [rollout(theta, s, rng, args) for s in test for _ in range(args.eval_k)]
-    return {
+    out = {
         "return": sum(sum(tr.extra["rewards"]) for tr in trajs) / len(trajs),
-        "success": sum(tr.outcome == "success" for tr in trajs) / len(trajs),
+        "success": sum(succeeded(tr, args) for tr in trajs) / len(trajs),
     }
+    if getattr(args, "close", False):  # where the policy stops: the turns talked, and the share it closed itself
+        out["turns"] = sum(talked(tr) for tr in trajs) / len(trajs)
+        out["closed"] = sum(tr.outcome == "closed" for tr in trajs) / len(trajs)
+    return out
 
 
 def train(
@@ -517,7 +561,7 @@ def train(
     lr = estimator.get("lr", args.lr)
     rng = random.Random(seed)
     side = random.Random(1_000_033 * seed + 17)  # the length rule's and the judge noise's random numbers
-    theta = [[0.0] * len(MOVES) for _ in range(N_OBS)]  # the uniform policy
+    theta = initial_theta(args)  # the uniform policy
     curve = []
     for step_i in range(args.steps + 1):
         # 1. evaluate on the held-out scenarios every --eval-every steps (its own seeded random numbers)
@@ -538,7 +582,7 @@ def train(
     final = evaluate(
         theta, test, random.Random(7_919 * seed + 1), argparse.Namespace(**{**vars(args), "eval_k": args.final_eval_k})
     )
-    return {
+    row = {
         "estimator": estimator["name"],
         "seed": seed,
         "lr": lr,
@@ -547,6 +591,9 @@ def train(
         "final_return": final["return"],
         "final_success": final["success"],
     }
+    if "turns" in final:  # --close: where the trained policy stops on the scored-on scenarios
+        row["final_turns"], row["final_closed"] = final["turns"], final["closed"]
+    return row
 
 
 # ---------------------------------------------------------------------------------------------
@@ -617,7 +664,7 @@ def survivors(train_set: list[dict], test: list[dict], args) -> str:
     """The survivor analysis: (1) at the uniform policy, --survivor-groups groups of K per seed; (2) during
     MICA's training (alpha --survivor-alpha); (3) learning with and without early ends. Every figure is a
     mean over seeds, with the t interval over seeds."""
-    uniform_theta = [[0.0] * len(MOVES) for _ in range(N_OBS)]
+    uniform_theta = initial_theta(args)
     at_rest, learning = [], []  # per seed: {(key, view): {label: sums}}
     for seed in range(args.seeds):
         rng, sums = random.Random(seed), {}
@@ -756,14 +803,14 @@ def score_function_gradient(dialogues, theta) -> list[list[float]]:
       grad J ~= (1/M) sum_i sum_t G_t^i (onehot(a_t^i) - pi(. | o_t^i)),   G_t^i = sum_{j >= t} r_j^i
     The dialogues' scenarios are drawn as the expectation weighs them (here: the same number of dialogues for
     every training scenario, so J averages the scenarios equally)."""
-    g = [[0.0] * len(MOVES) for _ in range(N_OBS)]
+    g = [[0.0] * len(theta[0]) for _ in range(N_OBS)]
     for tr in dialogues:
         r = tr.extra["rewards"]
         for t, (o, move) in enumerate(zip(tr.extra["obs"], tr.extra["moves"])):
             G_t = sum(r[t:])  # the return-to-go: what came after the move, not before it
             pi = policy(theta, o)
-            a = MOVES.index(move)
-            for b in range(len(MOVES)):
+            a = ALL_MOVES.index(move)
+            for b in range(len(pi)):
                 g[o][b] += G_t * ((a == b) - pi[b])
     M = len(dialogues)
     return [[x / M for x in row] for row in g]
@@ -837,7 +884,7 @@ def gradient_quality(estimators: list[dict], train_set: list[dict], test: list[d
         "mean (bias) | cosine of the mean of all draws |",
         "|---|---|---|---|---|---|",
     ]
-    rows, notes = [], []
+    rows, notes, bias_lines = [], [], []
     for step_i, theta in snap.items():
         g_true, noise = true_gradient(theta, train_set, random.Random(4_242 + step_i), args)
         notes.append(f"step {step_i}: ||g*|| {math.sqrt(dot(g_true, g_true)):.3f}, split-half noise {noise:.3f}")
@@ -858,6 +905,13 @@ def gradient_quality(estimators: list[dict], train_set: list[dict], test: list[d
             rows.append(
                 {"policy_step": step_i, "estimator": e["name"], **m, "true_norm": math.sqrt(dot(g_true, g_true))}
             )
+            if args.protocol_67:  # the bias table (docs/ladder/protocol-stop.md)
+                jk = jackknife_measures(draws[e["name"]], g_true, args.gq_blocks, len(theta[0]) if args.close else None)
+                rows[-1].update(jk)
+                cells = [f"{jk['bias_all']:.3f}", t_cell(jk["bias_all_jk"], 3)]
+                if args.close:
+                    cells += [f"{jk['close_true']:+.3f}", f"{jk['close_all']:+.3f}", t_cell(jk["close_gap_jk"], 3)]
+                bias_lines.append(f"| {label} | {e['name']} | " + " | ".join(cells) + " |")
     n = args.gq_draws // args.gq_blocks
     note = (
         f"\nmean ± sd [95% t interval, t_{{0.975, units-1}} exact] over the independent units: {args.gq_draws} draws "
@@ -869,7 +923,83 @@ def gradient_quality(estimators: list[dict], train_set: list[dict], test: list[d
         f"{SNAPSHOT_RUN['lr']:g} from seed {SNAPSHOT_RUN['seed']} after "
         f"{', '.join(map(str, SNAPSHOT_RUN['steps'][1:]))} steps on this rung's settings.\n"
     )
+    if bias_lines:
+        note += "\n" + bias_table(bias_lines, args)
     return "\n".join(lines) + "\n" + note, rows
+
+
+def close_share(g: list[float], n_moves: int) -> float:
+    """How much of a direction pushes toward closing: sum_o g[o][close] / ||g|| (close the last of each row of
+    n_moves logits; 0 for a zero vector). Each row of a softmax's score sums to 0, so g[o][close] > 0 moves
+    probability to close at o from the other moves; the sum over the observations, over the length, is that push
+    in the unit direction: scale-free, like the cosines."""
+    norm = math.sqrt(dot(g, g))
+    return sum(g[o * n_moves + n_moves - 1] for o in range(N_OBS)) / norm if norm > 0 else 0.0
+
+
+def jackknife_measures(draws: list[list[float]], g_true: list[float], blocks: int, n_moves: int | None = None) -> dict:
+    """The bias of one estimator's mean direction, with an interval: the delete-one-block jackknife over the
+    blocks of draws (the block the unit, blocks - 1 df). For a statistic theta of the mean of the draws,
+    theta_all = theta(mean of all D draws), theta_-b = theta(mean of the draws outside block b), and the
+    pseudo-values p_b = B theta_all - (B - 1) theta_-b, whose mean is the jackknife's (bias-corrected) estimate
+    and whose sd / sqrt(B) its standard error; the interval is t_cell's over the B pseudo-values.
+      bias_all      cos(mean of all draws, g*) (the gradient-quality table's last column); bias_all_jk its
+                    pseudo-values
+    With n_moves (--close, close the last logit of each observation's row):
+      close_true    close_share(g*): how much the true gradient pushes toward closing
+      close_all     close_share(mean of all draws); close_gap_jk: the pseudo-values of close_share(mean) -
+                    close_share(g*) (below 0: the estimator pushes toward one more turn more than the true
+                    gradient does, RFC #7244's hidden bonus; above 0: a tax). g* is held fixed: its own noise is
+                    the split-half noise printed under the table."""
+    D, B = len(draws), blocks
+    n = D // B
+    used = draws[: n * B]
+    total = [sum(col) for col in zip(*used)]
+
+    def mean_without(b):
+        block = used[b * n : (b + 1) * n]
+        return [(t - sum(col)) / (n * (B - 1)) for t, col in zip(total, zip(*block))]
+
+    mean_all = [t / (n * B) for t in total]
+    stats = {"bias_all": lambda g: cosine(g, g_true)}
+    if n_moves:
+        true_share = close_share(g_true, n_moves)
+        stats["close_gap"] = lambda g: close_share(g, n_moves) - true_share
+    out = {}
+    rest = [mean_without(b) for b in range(B)]
+    for name, f in stats.items():
+        whole = f(mean_all)
+        out[f"{name}_jk"] = [B * whole - (B - 1) * f(r) for r in rest]
+        if name == "bias_all":
+            out["bias_all"] = whole
+    if n_moves:
+        out["close_true"], out["close_all"] = true_share, close_share(mean_all, n_moves)
+    return out
+
+
+def bias_table(lines: list[str], args) -> str:
+    """The bias table --protocol-67 adds under the gradient-quality table (with --close, the close decision's)."""
+    head = "| policy | estimator | cosine of the mean of all draws | "
+    head += "its jackknife (bias-corrected) mean ± sd [t interval] |"
+    rule = "|---|---|---|---|"
+    if args.close:
+        head += " close share, true gradient | close share, mean of all draws | close share: mean - true, jackknife |"
+        rule += "---|---|---|"
+    B = args.gq_blocks
+    note = (
+        f"\nBias in direction, with an interval: the delete-one-block jackknife over the {B} blocks of "
+        f"{args.gq_draws // B} draws (pseudo-values B theta_all - (B - 1) theta_-b; mean ± sd [95% t interval at "
+        f"{B - 1} df, t_{{0.975, {B - 1}}} exact]; jackknife_measures). The true gradient's own noise (split-half, "
+        "above) lowers every cosine alike and is not in the interval."
+    )
+    if args.close:
+        note += (
+            " Close share: sum over the observations of the direction's close logit over its length (close_share); "
+            "the true gradient's beside each estimator's mean direction, and their difference (below 0: the "
+            "estimator pushes toward one more turn more than the true gradient does, RFC #7244's hidden bonus; "
+            "above 0: a tax)."
+        )
+    return "\n".join([head, rule, *lines]) + "\n" + note + "\n"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -919,6 +1049,22 @@ SPEED_COMPARISONS = (
 )
 
 
+def speed_comparisons(estimators: list[dict], args) -> list[tuple[str, str]]:
+    """The paired comparisons --speed prints (a - b): SPEED_COMPARISONS and each --advantage estimator - GRPO;
+    with --protocol-67 (docs/ladder/protocol-stop.md) also MICA (alpha=0.4) - GRPO, MICA (alpha=1) - REINFORCE++
+    and each --advantage estimator - MICA (alpha=1): every estimator against GRPO and against MICA (alpha=1).
+    One whose rows are not run is left out by the caller."""
+    imports = [e["name"] for e in estimators if e["kind"] == "import"]
+    pairs = [*SPEED_COMPARISONS, *((name, "GRPO") for name in imports)]
+    if args.protocol_67:
+        pairs += [
+            ("MICA (alpha=0.4)", "GRPO"),
+            ("MICA (alpha=1)", "REINFORCE++"),
+            *((name, "MICA (alpha=1)") for name in imports),
+        ]
+    return pairs
+
+
 def power_check(tune_rows: list[dict], chosen: dict, estimators: list[dict], span: float, args) -> str:
     """Written before the fresh seeds run: for each comparison, the sd of its paired difference in tuning score
     over the tuning seeds at the chosen lrs (divided by span = C - U: in AUC units, approximately: the tuning
@@ -934,7 +1080,7 @@ def power_check(tune_rows: list[dict], chosen: dict, estimators: list[dict], spa
             score.setdefault(r["estimator"], {})[r["seed"]] = r["score"] / span
     names = {e["name"] for e in estimators}
     parts = []
-    for a, b in [*SPEED_COMPARISONS, *((e["name"], "GRPO") for e in estimators if e["kind"] == "import")]:
+    for a, b in speed_comparisons(estimators, args):
         if a in names and b in names:
             d = [score[a][s] - score[b][s] for s in args.tune_seeds]
             sd = common.mean_std(d, ddof=1)[1] if len(d) > 1 else float("nan")
@@ -946,11 +1092,14 @@ def power_check(tune_rows: list[dict], chosen: dict, estimators: list[dict], spa
     )
 
 
-def speed(estimators: list[dict], train_set: list[dict], test: list[dict], uniform, ceiling, args) -> tuple:
+def speed(
+    estimators: list[dict], train_set: list[dict], test: list[dict], uniform, ceiling, args, optimum=None
+) -> tuple:
     """The learning-speed protocol: tune each estimator's lr on curve_score (tuning seeds, training scenarios,
     the edge rule), write the power check, run the fresh seeds on the test scenarios, and tabulate normalised
-    AUC, steps to --speed-frac of the ceiling and the final return, with paired comparisons of AUC.
-    -> (the markdown text, the rows)."""
+    AUC, steps to --speed-frac of the ceiling and the final return, with paired comparisons of AUC. optimum
+    (--close): the search's [(fewest, most) turns talked at its best return] per test scenario, for the table of
+    where the trained policies stop (stop_table). -> (the markdown text, the rows)."""
     chosen, tune_rows, at_edge = tune(estimators, train_set, args, score=curve_score)
     span = ceiling - uniform
     power = power_check(tune_rows, chosen, estimators, span, args)
@@ -979,7 +1128,7 @@ def speed(estimators: list[dict], train_set: list[dict], test: list[dict], unifo
     for r in rows:
         by.setdefault(r["estimator"], {})[r["seed"]] = r["auc"]
     comp = ["| comparison (paired over the fresh seeds) | AUC difference | seeds where > 0 |", "|---|---|---|"]
-    for a, b in [*SPEED_COMPARISONS, *((e["name"], "GRPO") for e in estimators if e["kind"] == "import")]:
+    for a, b in speed_comparisons(estimators, args):
         if a in by and b in by:
             d = [by[a][s] - by[b][s] for s in sorted(by[a])]
             comp.append(f"| {a} - {b} | {t_cell(d, 3)} | {sum(x > 0 for x in d)}/{len(d)} |")
@@ -1002,15 +1151,67 @@ def speed(estimators: list[dict], train_set: list[dict], test: list[dict], unifo
         + "\n"
         + note
     )
+    if optimum is not None:
+        text += "\n" + stop_table(rows, tuned, optimum, args)
     return text, tune_rows + rows
+
+
+def stop_table(rows: list[dict], estimators: list[dict], optimum: list[tuple[int, int]], args) -> str:
+    """--close: where the trained policies stop against where the optimum stops. Per estimator over the fresh
+    seeds: the turns talked by its final policy (the mean over its --final-eval-k dialogues per test scenario),
+    the share of them it closed itself, that mean - the optimum's (the search's fewest turns talked at its best
+    return, averaged over the test scenarios; the most such turns beside it), and paired differences of turns
+    talked (speed_comparisons' pairs)."""
+    lo = sum(a for a, _ in optimum) / len(optimum)
+    hi = sum(b for _, b in optimum) / len(optimum)
+    lines = [
+        "| estimator | turns talked at the end | share closed by the policy | turns talked - the optimum's "
+        "| final held-out return |",
+        "|---|---|---|---|---|",
+    ]
+    by = {}
+    for e in estimators:
+        rs = sorted((r for r in rows if r["estimator"] == e["name"]), key=lambda r: r["seed"])
+        by[e["name"]] = {r["seed"]: r["final_turns"] for r in rs}
+        lines.append(
+            f"| {e['name']} | {t_cell([r['final_turns'] for r in rs])} | {t_cell([r['final_closed'] for r in rs])} "
+            f"| {t_cell([r['final_turns'] - lo for r in rs])} | {t_cell([r['final_return'] for r in rs])} |"
+        )
+    comp = [
+        "| comparison (paired over the fresh seeds) | difference of turns talked | seeds where > 0 |",
+        "|---|---|---|",
+    ]
+    for a, b in speed_comparisons(estimators, args):
+        if a in by and b in by:
+            d = [by[a][s] - by[b][s] for s in sorted(by[a])]
+            comp.append(f"| {a} - {b} | {t_cell(d)} | {sum(x > 0 for x in d)}/{len(d)} |")
+    per = ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in optimum)
+    note = (
+        f"\nThe optimum (the beam search's best return on each test scenario, beam {args.beam_width}: a lower bound) "
+        f"stops after {lo:.2f} turns talked on average (fewest at its best return; {hi:.2f} the most that tie), per "
+        f"test scenario {per}; the trained policies' turns over {args.final_eval_k} held-out dialogues per test "
+        f"scenario at the end of training; mean ± sd [95% t interval at {len(args.fresh_seeds) - 1} df] over the "
+        "fresh seeds (the optimum a constant)\n"
+    )
+    return (
+        "### Where the policies stop (held-out test scenarios, fresh seeds)\n\n"
+        + "\n".join(lines)
+        + "\n\n"
+        + ("\n".join(comp) + "\n" + note)
+    )
 
 
 def rung_text(args) -> str:
     """The rung's settings, as the tables' notes name them."""
     lengths = f"horizon drawn from {args.early_horizon}-{args.max_turns}" if args.early_horizon else "EMPA ends only"
+    if args.close:
+        lengths = "the policy closes (EMPA's success does not end a dialogue; collapse and the horizon do)" + (
+            f", horizon drawn from {args.early_horizon}-{args.max_turns}" if args.early_horizon else ""
+        )
+    cost = f", turn cost {args.turn_cost:g}" if args.turn_cost else ""
     return (
         f"table {args.table}, delay {args.delay}, judge noise {args.judge_noise:g} sd of the per-turn reward "
-        f"({args.noise_sd:.3f} in reward units), K={args.k}, {lengths}, "
+        f"({args.noise_sd:.3f} in reward units), K={args.k}, {lengths}{cost}, "
         f"{args.scenarios_per_step} training scenarios a step, gamma {args.gamma}"
     )
 
@@ -1020,7 +1221,7 @@ def reward_spread(train_set: list[dict], args) -> float:
     dialogues of the uniform policy on each training scenario (its own random numbers, seed 424242; the rung's
     delay and length rule)."""
     rng = random.Random(424242)
-    theta = [[0.0] * len(MOVES) for _ in range(N_OBS)]
+    theta = initial_theta(args)
     r = [x for s in train_set for _ in range(50) for x in rollout(theta, s, rng, args).extra["rewards"]]
     return common.mean_std(r, ddof=1)[1]
 
@@ -1035,6 +1236,8 @@ def branch(tr, mem: Memory, move: str, args):
     )
     child.dEs, child.vs, child.levels = list(tr.dEs), list(tr.vs), list(tr.levels)
     child.extra = {"moves": list(tr.extra["moves"]), "obs": list(tr.extra["obs"])}
+    if "end" in tr.extra:  # --close: EMPA's success, kept while the dialogue goes on
+        child.extra["end"] = tr.extra["end"]
     cmem = copy.deepcopy(mem)
     step(child, cmem, move, args)
     return child, cmem
@@ -1055,15 +1258,27 @@ def memory_key(mem: Memory, args) -> tuple:
 def search_ceiling(scenario: dict, args) -> tuple[float, bool]:
     """The best IDR return (and whether that dialogue succeeds) a beam search over move sequences finds on
     the same dynamics: a lower bound on the optimum, and the ceiling the threshold is measured against."""
+    return search_best(scenario, args)[:2]
+
+
+def search_best(scenario: dict, args) -> tuple[float, bool, tuple[int, int]]:
+    """search_ceiling's beam search -> (the best return it finds, whether a dialogue with that return succeeds,
+    (the fewest, the most) turns talked by the dialogues it finished within 1e-9 of that return). With --close the
+    moves include close and the return is turn_rewards' (the turn cost subtracted): the turns talked are where
+    the (beam's) optimum stops, a range where stopping a turn earlier or later ties."""
     beam, best = [new_episode(scenario, getattr(args, "delay", DELAY))], (-math.inf, False)
+    cost, finished = getattr(args, "turn_cost", 0.0), []
     while beam:
         children = []
         for tr, mem in beam:
-            for move in MOVES:
+            for move in moves(args):
                 child, cmem = branch(tr, mem, move, args)
                 ret = env.hinge_distance(scenario["p0"]) - env.hinge_distance(child.states[-1])
+                if cost:
+                    ret -= cost * talked(child)  # d(P_0) - d(P_T) - c x turns talked
                 if child.outcome is not None:
-                    best = max(best, (ret, child.outcome == "success"))
+                    best = max(best, (ret, succeeded(child, args)))
+                    finished.append((ret, talked(child)))
                 else:
                     children.append((ret, child, cmem))
         # keep the --beam-width best unfinished dialogues (distinct states and memories)
@@ -1074,7 +1289,16 @@ def search_ceiling(scenario: dict, args) -> tuple[float, bool]:
             if key not in seen and len(beam) < args.beam_width:
                 seen.add(key)
                 beam.append((child, cmem))
-    return best
+    turns = [n for ret, n in finished if ret >= best[0] - 1e-9]
+    return best[0], best[1], (min(turns), max(turns))
+
+
+def succeeded(tr, args) -> bool:
+    """EMPA's success: the outcome; with --close (where success does not end a dialogue) whether EMPA's rule held
+    at some turn of it (tr.extra["end"], the first end EMPA's rules gave)."""
+    if getattr(args, "close", False):
+        return tr.extra.get("end", (0, None))[1] == "success"
+    return tr.outcome == "success"
 
 
 def myopic_greedy(scenario: dict, args) -> tuple[float, bool]:
@@ -1082,13 +1306,16 @@ def myopic_greedy(scenario: dict, args) -> tuple[float, bool]:
     the move with the largest immediate reward r_t (ties: the first in MOVES): how far credit for the
     next turn alone goes in this environment."""
     tr, mem = new_episode(scenario, getattr(args, "delay", DELAY))
+    cost = getattr(args, "turn_cost", 0.0)
     while tr.outcome is None:
         gains = []
-        for move in MOVES:
+        for move in moves(args):
             child, _ = branch(tr, mem, move, args)
-            gains.append(env.hinge_distance(tr.states[-1]) - env.hinge_distance(child.states[-1]))  # r_t
-        step(tr, mem, MOVES[gains.index(max(gains))], args)
-    return env.hinge_distance(scenario["p0"]) - env.hinge_distance(tr.states[-1]), tr.outcome == "success"
+            gain = env.hinge_distance(tr.states[-1]) - env.hinge_distance(child.states[-1])  # r_t
+            gains.append(gain - cost if cost and move != CLOSE else gain)
+        step(tr, mem, moves(args)[gains.index(max(gains))], args)
+    ret = env.hinge_distance(scenario["p0"]) - env.hinge_distance(tr.states[-1])
+    return (ret - cost * talked(tr) if cost else ret), succeeded(tr, args)
 
 
 def ci_cell(xs: list[float], digits: int = 2) -> str:
@@ -1473,6 +1700,28 @@ def parse_args(argv=None):
         default=0,
         help="length rule: each training dialogue times out at a turn drawn from this .. --max-turns (0: off)",
     )
+    g.add_argument(
+        "--close",
+        action="store_true",
+        help="the stopping rung (issue 67 item 2): the policy gets an eighth move, close, that ends the dialogue "
+        "(r_t = 0, nothing due later lands); EMPA's success no longer ends a dialogue (collapse and the horizon "
+        "still do); with --speed and --gradient-quality, where the policies stop and the bias tables are printed",
+    )
+    g.add_argument(
+        "--protocol-67",
+        action="store_true",
+        help="the comparisons and measures docs/ladder/protocol-stop.md adds: MICA (alpha=0.4) - GRPO, "
+        "MICA (alpha=1) - REINFORCE++ and each --advantage estimator - MICA (alpha=1) beside the rest, and under "
+        "the gradient-quality table the bias table (the cosine of the mean of all draws with a jackknife interval; "
+        "with --close the close share); set by --close",
+    )
+    g.add_argument(
+        "--turn-cost",
+        type=float,
+        default=0.0,
+        help="subtract this from the reward of every turn of talk (every move but close): the user's time; the "
+        "stopping rung's is 1 (docs/ladder/protocol-stop.md)",
+    )
     g = p.add_argument_group("the survivor question (MICA's A_turn compares only the dialogues that reached turn t)")
     g.add_argument(
         "--survivors",
@@ -1585,6 +1834,9 @@ def parse_args(argv=None):
         p.error("--gq-draws must be at least twice --gq-blocks (a block's variance needs 2 draws)")
     if args.judge_noise < 0 or not 0 < args.speed_frac <= 1:
         p.error("--judge-noise must be >= 0 and --speed-frac in (0, 1]")
+    args.protocol_67 = args.protocol_67 or args.close
+    if args.turn_cost < 0:
+        p.error("--turn-cost must be >= 0")
     if args.early_horizon and not 1 <= args.early_horizon <= args.max_turns:
         p.error(f"--early-horizon must lie in 1 .. --max-turns {args.max_turns}")
     args.noise_sd = 0.0  # the judge noise in reward units: main sets it from --judge-noise x reward_spread
@@ -1657,17 +1909,25 @@ def main(argv=None):
     # the yardsticks, on the test scenarios: the uniform policy (every run's step 0), the myopic greedy
     # policy and the search ceiling
     uniform = evaluate(
-        [[0.0] * len(MOVES) for _ in range(N_OBS)],
+        initial_theta(args),
         test,
         random.Random(12345),
         argparse.Namespace(**{**vars(args), "eval_k": max(args.eval_k, 64)}),
     )["return"]
-    found, mine = [search_ceiling(s, args) for s in test], [myopic_greedy(s, args) for s in test]
+    best = [search_best(s, args) for s in test]  # search_ceiling's numbers, and where the best stops
+    found, mine = [b[:2] for b in best], [myopic_greedy(s, args) for s in test]
+    if args.close:
+        print(
+            f"yardsticks: uniform {uniform:.2f}, search ceiling {sum(r for r, _ in found) / len(found):.2f} stopping "
+            f"after {', '.join(str(b[2]) for b in best)} turns talked (fewest, most at its best return)",
+            flush=True,
+        )
     ceiling = (sum(r for r, _ in found) / len(found), sum(ok for _, ok in found) / len(found))
     greedy = (sum(r for r, _ in mine) / len(mine), sum(ok for _, ok in mine) / len(mine))
     threshold = uniform + args.threshold_frac * (ceiling[0] - uniform)
     if args.speed:
-        text, rows = speed(estimators, train_set, test, uniform, ceiling[0], args)
+        optimum = [b[2] for b in best] if args.close else None
+        text, rows = speed(estimators, train_set, test, uniform, ceiling[0], args, optimum)
         with open(out / "speed.jsonl", "w") as f:
             for r in rows:
                 f.write(json.dumps(r) + "\n")

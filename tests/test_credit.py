@@ -536,3 +536,188 @@ def test_quick_speed_runs_end_to_end_with_the_power_check_before_the_fresh_seeds
     )
     assert p.returncode == 0, p.stderr[-3000:]
     assert "Power check: one fresh seed, no interval" in (tmp_path / "one" / "speed.md").read_text()
+
+
+# ---- issue 67 item 2: the stopping rung (--close, --turn-cost); docs/ladder/protocol-stop.md ----
+def stop_args(**kw):
+    return argparse.Namespace(
+        **{"max_turns": 15, "min_turns": 4, "collapse_window": 5, "table": "delayed", "close": True, "turn_cost": 1.0}
+        | kw
+    )
+
+
+def scripted(moves, args, P0):
+    tr, mem = credit.new_episode({"id": "hand", "p0": P0})
+    for move in moves:
+        credit.step(tr, mem, move, args)
+    return tr, mem, credit.turn_rewards(tr, args)
+
+
+def test_the_close_move_ends_the_dialogue_and_the_return_is_computed_by_hand():
+    P0 = [-9.0, -12.0, -10.0]
+    d = env.hinge_distance  # d(P) = sqrt(sum max(0, -1 - P_a)^2)
+    args = stop_args()
+    # affirm (C1 A2 now: v = (1, 3, 0); -A2 -P1 due at turn 4), validate (A2: (0, 3, 0)), close at turn 3
+    tr, mem, r = scripted(["affirm", "validate", "close"], args, P0)
+    assert tr.outcome == "closed" and tr.extra["moves"] == ["affirm", "validate", "close"] and credit.talked(tr) == 2
+    assert tr.states == [P0, [-8.0, -9.0, -10.0], [-8.0, -6.0, -10.0], [-8.0, -6.0, -10.0]]  # the close moves nothing
+    assert mem.due == {4: {"A": 2, "P": 1}}  # due after the close: it never lands
+    # d(P0) = sqrt(8^2 + 11^2 + 9^2) = sqrt(266); d(P1) = sqrt(7^2 + 8^2 + 9^2) = sqrt(194); d(P2) = sqrt(155)
+    assert r == pytest.approx([math.sqrt(266) - math.sqrt(194) - 1, math.sqrt(194) - math.sqrt(155) - 1, 0.0])
+    assert sum(r) == pytest.approx(math.sqrt(266) - math.sqrt(155) - 2)  # d(P0) - d(P_T) - c x 2 turns talked
+    # a turn later: reflect at turn 3 (topic closed: C1 A1), close at turn 4, before the penalty due then lands
+    tr, _, r = scripted(["affirm", "validate", "reflect", "close"], args, P0)
+    assert sum(r) == pytest.approx(math.sqrt(266) - d([-7, -5, -10]) - 3) and d([-7, -5, -10]) == math.sqrt(133)
+    # talking on instead: validate at turn 4 gets A2 (+3) and the due -A2 (-5) on A, -P1 (-2) on P
+    tr, _, r = scripted(["affirm", "validate", "reflect", "validate"], args, P0)
+    assert tr.outcome is None and tr.vs[3] == [0.0, -2.0, -2.0]
+    assert sum(r) == pytest.approx(math.sqrt(266) - d([-7, -7, -12]) - 4)
+    # stopping earlier or later changes the return: closing at turn 1 returns 0 exactly
+    assert scripted(["close"], args, P0)[2] == [0.0]
+    # the policy's eighth logit is close; the rollout's rewards are turn_rewards'
+    theta = credit.initial_theta(args)
+    assert len(theta) == credit.N_OBS and len(theta[0]) == 8 and credit.ALL_MOVES[7] == "close"
+    theta = [[0.0] * 7 + [50.0] for _ in range(credit.N_OBS)]  # always close
+    tr = credit.rollout(theta, {"id": "hand", "p0": P0}, __import__("random").Random(0), args)
+    assert tr.extra["moves"] == ["close"] and tr.extra["rewards"] == [0.0] and tr.outcome == "closed"
+
+
+def test_under_close_success_does_not_end_the_dialogue_and_is_still_recorded():
+    # P0 (-3, -4, 0): ||P0|| = 5, v* = (0.6, 0.8, 0); validate, validate (dE 2.4 each), reflect (C1; A is past 0:
+    # dE 0.6): E_total 5.4 >= 5 at turn 3
+    P0, moves = [-3.0, -4.0, 0.0], ["validate", "validate", "reflect"]
+    tr, _, _ = scripted(moves, stop_args(min_turns=1, close=False, turn_cost=0.0), P0)
+    assert tr.outcome == "success"
+    args = stop_args(min_turns=1)
+    tr, mem, _ = scripted(moves, args, P0)
+    assert tr.outcome is None and tr.extra["end"] == (3, "success")  # the policy decides when to stop
+    credit.step(tr, mem, "close", args)
+    assert tr.outcome == "closed" and credit.succeeded(tr, args)
+    # a branch of the search keeps the record
+    child, _ = credit.branch(scripted(moves, args, P0)[0], mem, "validate", args)
+    assert child.extra["end"] == (3, "success")
+
+
+def test_the_optimum_stops_inside_the_horizon_by_hand():
+    # one axis of deficit, C at -5 (d(P0) = 4; A and P at 0, past their hinge), a cost of 1 a turn, 6 turns at most.
+    # Reflect (C1; A past 0 gets nothing) four times reaches d 0: 4 - 4 = 0. The question first: clarify with the
+    # topic closed costs -A1 (A to -2: d sqrt(17)) but opens it; clarify again is C2 (C to -2, d sqrt(2)); reflect
+    # (C1 A1: C and A to -1) reaches d 0 after 3 turns talked: 4 - 0 - 3 = 1, the best (d cannot go below 0, and no
+    # 2 turns gain 4). It closes at turn 4 of 6: inside the horizon; every turn after it would cost 1 and gain 0.
+    args = credit.parse_args(["--table", "delayed", "--close", "--turn-cost", "1", "--beam-width", "16"])
+    args.max_turns = 6
+    scenario = {"id": "hand", "p0": [-5.0, 0.0, 0.0]}
+    tr, _, r = scripted(["clarify", "clarify", "reflect", "close"], args, scenario["p0"])
+    assert tr.states[1:4] == [[-5.0, -2.0, 0.0], [-2.0, -2.0, 0.0], [-1.0, -1.0, 0.0]] and sum(r) == pytest.approx(1.0)
+    assert credit.search_best(scenario, args) == (pytest.approx(1.0), False, (3, 3))
+    assert credit.search_ceiling(scenario, args) == (pytest.approx(1.0), False)
+
+
+def test_the_stopping_rung_leaves_the_other_rungs_as_they_were():
+    default = credit.parse_args(["--table", "delayed", "--speed"])
+    assert not default.close and default.turn_cost == 0.0 and not default.protocol_67
+    assert credit.moves(default) == credit.MOVES and len(credit.initial_theta(default)[0]) == 7
+    default.noise_sd = 0.0
+    assert credit.rung_text(default) == (
+        "table delayed, delay 3, judge noise 0 sd of the per-turn reward (0.000 in reward units), K=4, EMPA ends "
+        "only, 4 training scenarios a step, gamma 0.85"
+    )
+    fork = [{"name": "f:g", "kind": "import"}]
+    assert credit.speed_comparisons(fork, default) == [*credit.SPEED_COMPARISONS, ("f:g", "GRPO")]
+    stop = credit.parse_args(["--table", "delayed", "--speed", "--close", "--turn-cost", "1"])
+    assert stop.protocol_67 and credit.speed_comparisons(fork, stop)[-2:] == [
+        ("MICA (alpha=1)", "REINFORCE++"),
+        ("f:g", "MICA (alpha=1)"),
+    ]
+    stop.noise_sd = 0.0
+    assert "the policy closes (EMPA's success does not end a dialogue" in credit.rung_text(stop)
+    assert "turn cost 1," in credit.rung_text(stop)
+    # a rollout without the flags is the one every earlier version drew (no close logit, IDR rewards as 03 gives them)
+    args = argparse.Namespace(max_turns=15, min_turns=4, collapse_window=5, table="delayed")
+    theta = [[0.0] * 7 for _ in range(credit.N_OBS)]
+    tr = credit.rollout(theta, {"id": "x", "p0": [-9.0, -12.0, -10.0]}, __import__("random").Random(5), args)
+    assert "close" not in tr.extra["moves"] and tr.extra["rewards"] == env.incremental_distance_rewards(tr.states)
+    with pytest.raises(SystemExit):
+        credit.parse_args(["--turn-cost", "-1"])
+
+
+def test_jackknife_bias_and_close_share_by_hand():
+    # two moves (close the second), one observation's worth of logits used: N_OBS rows, only row 0 non-zero
+    def vec(a, b):
+        v = [0.0] * (credit.N_OBS * 2)
+        v[0], v[1] = a, b
+        return v
+
+    g_true = vec(1.0, 0.0)
+    assert credit.close_share(vec(0.0, 2.0), 2) == 1.0 and credit.close_share(vec(3.0, -4.0), 2) == -0.8
+    draws = [vec(2.0, 1.0), vec(2.0, -1.0), vec(0.0, 1.0), vec(0.0, 1.0)]  # 2 blocks of 2
+    jk = credit.jackknife_measures(draws, g_true, 2, n_moves=2)
+    # all: mean (1, 0.5): cosine 1 / sqrt(1.25); without block 1: (0, 1), cosine 0; without block 2: (2, 0), 1
+    c_all = 1 / math.sqrt(1.25)
+    assert jk["bias_all"] == pytest.approx(c_all)
+    assert jk["bias_all_jk"] == pytest.approx([2 * c_all - 0.0, 2 * c_all - 1.0])
+    # close share: all 0.5 / sqrt(1.25); without block 1: 1; without block 2: 0; the true gradient's: 0
+    s_all = 0.5 / math.sqrt(1.25)
+    assert jk["close_true"] == 0.0 and jk["close_all"] == pytest.approx(s_all)
+    assert jk["close_gap_jk"] == pytest.approx([2 * s_all - 1.0, 2 * s_all - 0.0])
+
+
+def test_speed_with_close_prints_where_the_policies_stop_against_the_optimum(tmp_path, monkeypatch):
+    """The reporting of the stopping rung, with train faked (no estimator runs on the rung here): the stop table,
+    its comparisons and the optimum's turns, from the rows' final_turns."""
+
+    def fake_train(estimator, seed, train_scenarios, scored_on, args, watch=None, curves=True):
+        turns = {"GRPO": 10.0, "MICA (alpha=1)": 12.0}[estimator["name"]] + 0.1 * (seed % 3)
+        return {
+            "estimator": estimator["name"],
+            "seed": seed,
+            "lr": estimator["lr"],
+            "curve": [0.0, 1.0],
+            "final_return": 1.0,
+            "final_success": 0.0,
+            "final_turns": turns,
+            "final_closed": 0.5,
+        }
+
+    monkeypatch.setattr(credit, "train", fake_train)
+    monkeypatch.setattr(credit, "search_best", lambda s, args: (5.0, False, (9, 11)))
+    credit.main(
+        [
+            *("--speed", "--close", "--turn-cost", "1", "--table", "delayed", "--estimators", "mica,grpo"),
+            *("--alphas", "1", "--lr-grid", "1,10", "--extend-edges", "0", "--tune-seeds", "3000-3001"),
+            *("--fresh-seeds", "300-302", "--steps", "2", "--out", str(tmp_path)),
+        ]
+    )
+    md = (tmp_path / "speed.md").read_text()
+    assert "### Where the policies stop" in md and "stops after 9.00 turns talked on average" in md
+    assert "| GRPO | 10.10 ± 0.10 [9.85, 10.35] | 0.50 ± 0.00 [0.50, 0.50] | 1.10 ± 0.10 [0.85, 1.35] |" in md
+    assert "| MICA (alpha=1) - GRPO | 2.00 ± 0.00 [2.00, 2.00] | 3/3 |" in md
+    assert "per test scenario 9-11, 9-11" in md
+
+
+def test_gradient_quality_with_close_prints_the_bias_table(tmp_path, monkeypatch):
+    """The plumbing of the stopping rung's bias table, with no estimator measured: the snapshots are the uniform
+    policy, the true gradient a fixed vector, and every estimator's advantages 1 on every turn."""
+
+    def fake_train(estimator, seed, train_scenarios, scored_on, args, watch=None, curves=True, snapshots=None):
+        for step_i in snapshots:
+            snapshots[step_i] = credit.initial_theta(args)
+
+    g_true = [0.0] * (credit.N_OBS * 8)
+    g_true[7], g_true[0] = 1.0, -1.0  # observation 0: toward close, away from validate
+    monkeypatch.setattr(credit, "train", fake_train)
+    monkeypatch.setattr(credit, "true_gradient", lambda theta, train_set, rng, args: (g_true, 0.1))
+    monkeypatch.setattr(
+        credit, "advantages", lambda e, rewards, gamma, groups: [[[1.0] * len(r) for r in g] for g in rewards]
+    )
+    credit.main(
+        [
+            *("--gradient-quality", "--close", "--turn-cost", "1", "--table", "delayed", "--estimators", "grpo"),
+            *("--gq-draws", "4", "--gq-blocks", "2", "--out", str(tmp_path)),
+        ]
+    )
+    md = (tmp_path / "gradient.md").read_text()
+    assert "| close share, true gradient | close share, mean of all draws | close share: mean - true, jackknife |" in md
+    rows = [line for line in md.splitlines() if line.startswith("| uniform | GRPO | ") and line.count(" | ") == 6]
+    assert len(rows) == 1 and rows[0].split(" | ")[4] == f"{1 / math.sqrt(2):+.3f}"  # the true gradient's share
+    assert "RFC #7244's hidden bonus" in md and "turn cost 1" in md
