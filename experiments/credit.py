@@ -123,6 +123,20 @@ it ran; docs/results.md has the ladder, its commands, what was cut and the resul
   python experiments/credit.py --table delayed --speed --gradient-quality [--judge-noise X | --delay D | --k 8 |
                                --early-horizon 8] [--advantage module:function] [--quick: a look, not a result]
 
+The stopping rung (--close --turn-cost 1; issue 67 item 2; docs/ladder/protocol-stop.md, committed before any
+estimator ran on it)
+  rules        the policy gets an eighth move, close, that ends the dialogue as a user leaving would (r_t = 0, P does
+               not move, whatever was due later never lands); EMPA's success no longer ends a dialogue (the policy
+               decides when to stop), collapse and the horizon still do; every turn of talk costs c (--turn-cost):
+               r_t = d(P_{t-1}) - d(P_t) - c, the return d(P_0) - d(P_T) - c x (turns talked). Once d(P) is 0 every
+               further turn costs c and gains nothing, so the optimum stops inside the horizon
+  measures     --gradient-quality adds the bias table (the cosine of the mean direction with a jackknife interval
+               over the blocks; the close share of the mean direction against the true gradient's: RFC #7244's
+               hidden bonus on "one more turn" is a share below the truth); --speed adds where the trained policies
+               stop against where the search's best stops (search_best), with paired differences
+  --protocol-67  the comparisons the new protocol adds (set by --close): every estimator against GRPO and MICA
+               (alpha=1), and MICA (alpha=1) - REINFORCE++; the bias table on any rung
+
 CPU (docs/results.md has the minutes each took on one core):  python experiments/credit.py
 Quick look (3 seeds, 60 steps):     python experiments/credit.py --quick
 The second table:                   python experiments/credit.py --table delayed [--quick]
