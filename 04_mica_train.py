@@ -671,8 +671,12 @@ def train_loop(run: Run, start: int):
                 terms = {name: value[s][k] for name, value in A_terms.items()}
                 records.append(dialogue_record(args, step, trajs[i], parts[i], rewards[i], A[s][k], failed[i], terms))
         degenerate = sum(all(abs(a) < 1e-9 for a_k in group for a in a_k) for group in A)  # every A of a group 0
-        # with an engine: the model names this process's policy requests carried (each the adapter pushed this step)
-        own = {"engine_policy": sorted(run.engine.sent)} if run.engine is not None else None
+        # per process: the model names its policy requests carried with an engine (each the adapter pushed this
+        # step), and an LLM judge's and user's largest request (prompt + the tokens it may answer), for the window
+        own = {"engine_policy": sorted(run.engine.sent)} if run.engine is not None else {}
+        for role, who in (("judge", run.judge), ("user", run.user)):
+            if hasattr(who, "backend"):
+                own[f"{role}_largest_request"], who.backend.largest = who.backend.largest, 0
         run.log(step, records, rewards, {"degenerate_groups": degenerate, **counts}, stats, lr, timer, own)
         if accelerator.is_main_process and (step % args.save_every == 0 or step == args.steps):
             runs.save_checkpoint(run.dir, step, run.model, run.optimizer, run.scheduler)

