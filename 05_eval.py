@@ -601,9 +601,11 @@ def results_table(summary: dict, suites, args=None) -> str:
         for suite in suites:
             s = by_suite.get(suite, {"n": 0, "failed": 0})
             failed, miss = f"; {s['failed']} failed" if s["failed"] else "", ["-"] * len(cols[suite])
-            if suite == "empa":
+            if suite == "empa" and s["n"]:
                 units = f" ({s['units']} scenarios, {s['n']} dialogues)"  # the interval is over scenarios
-                cells += [fmt(s["EPM"]) + units + failed, f"{100 * s['success'][0]:.2f}"] if s["n"] else miss
+                cells += [fmt(s["EPM"]) + units + failed, f"{100 * s['success'][0]:.2f}"]
+            elif suite == "empa":  # no case finished (every one failed): the failures, no measure
+                cells += [f"- ({s['failed']} failed)", "-"]
             elif suite == "eqbench3":
                 cells += [eqbench3.cell(s, fmt)]
             elif suite == "sage":

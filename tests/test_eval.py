@@ -842,3 +842,14 @@ def test_a_verdict_needs_three_scenarios_and_a_spread(diffs, verdict):
         else f"no spread over {n} scenarios: every scenario's difference is +0.000"
     )
     assert out["A"]["naturalness"]["verdict"] == same and out["A"]["naturalness"]["ci"] == [0.0, 0.0]
+
+
+def test_a_suite_whose_every_case_failed_writes_its_row():
+    """Every EMPA case failed (the judge never gave a verdict: SmolLM2 judging itself, as make rehearsal found): the
+    table's row says how many failed, with no measure, and the adapter's row beside it is unharmed."""
+    failed = [{"case": f"s{i}#0", "failed": True} for i in range(3)]
+    done = [{"case": "s0#0", "EPM": 1.0, "outcome": "success", **{k: 1.0 for k in ev.EPM_KEYS}}]
+    summary = {"base": {"empa": ev.summarize(failed, "empa")}, "a": {"empa": ev.summarize(done + failed[1:], "empa")}}
+    lines = ev.results_table(summary, ["empa"]).splitlines()
+    assert lines[2] == "| base | - (3 failed) | - |"
+    assert lines[3].startswith("| a | 1.00 (1 scenarios, 1 dialogues); 2 failed | 100.00 |")
