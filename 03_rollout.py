@@ -606,7 +606,7 @@ REQUEST_SLACK = 16  # tokens: a reply's text re-tokenised inside another prompt,
 
 def seed_of(seed: int, item: dict) -> int:
     """An LLM judge's or user's request seed: the step's seed, the scenario, the dialogue k and the turn."""
-    key = f"{seed}|{item['scenario']['id']}|{item.get('k', 0)}|{len(item['history'])}"
+    key = f"{seed}|{item['scenario'].get('id')}|{item.get('k', 0)}|{len(item['history'])}"
     return zlib.crc32(key.encode())
 
 

@@ -241,7 +241,8 @@ def ask_json(
     results, todo, down_before = [None] * len(prompts), list(range(len(prompts))), getattr(backend, "failures", 0)
     retries = 0 if not getattr(backend, "reasks", True) and temperature == 0 else retries
     for attempt in range(retries + 1):
-        ask = {"seeds": [seeds[i] + attempt for i in todo]} if seeds else {}
+        # seeds go to an endpoint's requests (a local backend, or a stand-in without them, draws its own)
+        ask = {"seeds": [seeds[i] + attempt for i in todo]} if seeds and getattr(backend, "kind", None) == "api" else {}
         answers = backend.chat([prompts[i] for i in todo], max_tokens=max_tokens, temperature=temperature, **ask)
         for i, text in zip(todo, answers):
             results[i] = parse(i, text)

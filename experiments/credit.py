@@ -978,7 +978,11 @@ def jackknife_measures(draws: list[list[float]], g_true: list[float], blocks: in
     stats = {"bias_all": lambda g: cosine(g, g_true)}
     if n_moves:
         true_share = close_share(g_true, n_moves)
-        stats["close_gap"] = lambda g: close_share(g, n_moves) - true_share
+
+        def close_gap(g):
+            return close_share(g, n_moves) - true_share
+
+        stats["close_gap"] = close_gap
     out = {}
     rest = [mean_without(b) for b in range(B)]
     for name, f in stats.items():

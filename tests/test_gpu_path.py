@@ -524,7 +524,8 @@ def test_gpu_check_runs_its_sequence_on_the_cpu(tiny_model_64, tmp_path):
     import argparse
 
     out = tmp_path / "gpu_check"
-    shapes = {"SCENARIOS": "1", "K": "2", "TURNS": "2", "REPLY": "8", "CONTEXT": "512", "MICRO": "2"}
+    # a 2048-token window: the tiny model's small vocabulary spells the judge's prompt in about 1,000 tokens
+    shapes = {"SCENARIOS": "1", "K": "2", "TURNS": "2", "REPLY": "8", "CONTEXT": "2048", "MICRO": "2"}
     p = subprocess.run(
         ["bash", str(SCRIPT), "--cpu"],
         capture_output=True,
@@ -570,7 +571,7 @@ def test_gpu_check_runs_its_sequence_on_the_cpu(tiny_model_64, tmp_path):
     full = next(out.glob("gpu-preset-*"))
     assert json.loads((full / "args.json").read_text())["preset"] == "gpu"
     assert re.search(
-        r"^  judge: largest request \d+ tokens \(prompt \+ answer\) against the window 512: fits$", p.stdout, re.M
+        r"^  judge: largest request \d+ tokens \(prompt \+ answer\) against the window 2048: fits$", p.stdout, re.M
     )
     gaps = re.findall(r"^sampler gap, (gpu|gap)-check-[\d-]+, step (\d): (.*)$", p.stdout, re.M)
     assert [g[:2] for g in gaps] == [("gpu", "1"), ("gpu", "2"), ("gap", "1")], p.stdout[-3000:]
