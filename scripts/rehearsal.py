@@ -73,7 +73,8 @@ BUDGET = {
     "train": "--steps 2 --scenarios-per-step 2 --k 2 --minibatch-size 4 --no-progress",
     "train x2": "--steps 2 --scenarios-per-step 2 --k 2 --minibatch-size 4 --no-progress",
     "evaluate": "--max-cases 2 --k 2 --no-progress",
-    "resume": "--steps 3 --no-progress",
+    # 04 --resume takes the flags again (the run's args.json is checked against them, not read): the train budget
+    "resume": "--steps 3 --scenarios-per-step 2 --k 2 --minibatch-size 4 --no-progress",
 }
 
 
