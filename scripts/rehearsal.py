@@ -153,6 +153,11 @@ def metrics(run_dir: Path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
 
 
+def last_step(run_dir: Path) -> int:
+    """The last step a run has logged so far (a later --resume appends to the same metrics.jsonl)."""
+    return max((m["step"] for m in metrics(run_dir)), default=0)
+
+
 def number(x, spec: str) -> str:
     return "none scored" if x is None or x != x else format(x, spec)
 
@@ -182,10 +187,12 @@ def screen(phases, requests, runs, left, window, model) -> tuple[str, bool]:
     loads = [r for r in requests if r["path"] == "/v1/load_lora_adapter"]
     out.append("\nThe adapter each process's policy requests named (its log), and what the server saw meanwhile\n")
     out.append("| run | step | pushed | by process | server: policy requests by name | |\n|---|---|---|---|---|---|")
-    for name, run_dir, since, until, first in runs:
+    for name, run_dir, since, until, first, last in runs:
         pushed = [r for r in loads if since <= r["t"] <= until]
-        logged = [m for m in metrics(run_dir) if m["step"] >= first]
-        ok &= len(logged) == len(pushed) > 0
+        logged = [m for m in metrics(run_dir) if first <= m["step"] <= last]
+        if not len(logged) == len(pushed) > 0:
+            ok = False
+            out.append(f"| {name} | {first}-{last} | {len(pushed)} pushed | {len(logged)} steps logged | | FAIL |")
         for m, push, after in zip(logged, pushed, pushed[1:] + [{"t": until}]):
             seen = {}
             for r in requests:
@@ -204,8 +211,8 @@ def screen(phases, requests, runs, left, window, model) -> tuple[str, bool]:
         "| run | step | judge verdicts failed | sampler_gap_mean | by process | tis_weight_mean | by process |\n"
         "|---|---|---|---|---|---|---|"
     )
-    for name, run_dir, _, _, first in runs:
-        for m in [m for m in metrics(run_dir) if m["step"] >= first]:
+    for name, run_dir, _, _, first, last in runs:
+        for m in [m for m in metrics(run_dir) if first <= m["step"] <= last]:
             gap, w = number(m.get("sampler_gap_mean"), ".2g"), number(m.get("tis_weight_mean"), ".4f")
             gaps = " ".join(number(g, ".2g") for g in m.get("sampler_gap_mean_by_process", [])) or "-"
             ws = " ".join(number(x, ".4f") for x in m.get("tis_weight_mean_by_process", [])) or "-"
@@ -245,7 +252,7 @@ def main(argv=None):
         for n, name in enumerate(("train", "train x2"), 2):
             t0, folder = time.time(), out / name.replace(" ", "")
             phases.append(run(name, command(name, values, folder), out / f"0{n}-{folder.name}.log", env))
-            runs += [(name, d, t0, time.time(), 1) for d in sorted(folder.glob("mica-*"))[-1:]]
+            runs += [(name, d, t0, time.time(), 1, last_step(d)) for d in sorted(folder.glob("mica-*"))[-1:]]
         values["run"] = str(runs[0][1] if runs else out / "train" / "missing")
         for n in (1, 2):  # twice against the same server
             folder = out / f"evaluate{n}"
@@ -256,7 +263,7 @@ def main(argv=None):
         phases.append(server.start(a.model, a.window))
         t0 = time.time()
         phases.append(run("resume", command("resume", values), out / "06-resume.log", env))
-        runs += [("resume", Path(values["run"]), t0, time.time(), 3)]
+        runs += [("resume", Path(values["run"]), t0, time.time(), 3, last_step(Path(values["run"])))]
         left = server.adapters()
     finally:
         server.stop()
@@ -270,7 +277,7 @@ def draw(out: Path) -> int:
     rehearsal.md -> 0 if every check held, else 1."""
     state = json.loads((out / "phases.json").read_text())
     phases = [Phase(p["name"], p["seconds"], p["code"], p["log"]) for p in state["phases"]]
-    runs = [(name, Path(d), since, until, first) for name, d, since, until, first in state["runs"]]
+    runs = [(name, Path(d), since, until, first, last) for name, d, since, until, first, last in state["runs"]]
     requests = [json.loads(x) for x in (out / "requests.jsonl").read_text().splitlines()]
     text, ok = screen(phases, requests, runs, state["left"], state["window"], state["model"])
     (out / "rehearsal.md").write_text(text + "\n")

@@ -73,7 +73,7 @@ def test_the_screen_marks_a_request_over_the_window_and_a_stray_adapter(tmp_path
 
     good = [load, request("policy", "m@t-1", 500), request("judge", "m", 1000), request("user", "m", 700)]
     phases = [rehearsal.Phase("train", 10.0, 0, tmp_path / "log")]
-    runs = [("train", run, 0.0, 10.0, 1)]
+    runs = [("train", run, 0.0, 10.0, 1, 1)]
     text, ok = rehearsal.screen(phases, good, runs, [], 1024, "m")
     assert ok and "FAIL" not in text and "| train | 1 | 1 of 4 | 1e-05 | - | 1.0000 | - |" in text
     bad = good[:2] + [request("judge", "m", 1100), request("user", "m", 700), request("policy", "m", 500, 3.0)]
@@ -82,3 +82,32 @@ def test_the_screen_marks_a_request_over_the_window_and_a_stray_adapter(tmp_path
     assert "| judge | 1 | 0 | 1100 | 1024 | FAIL |" in text
     assert "| train | 1 | m@t-1 |" in text and "m x1" in text
     assert "Adapters left on the server at the end: m@t-1 (FAIL)" in text
+
+
+def test_the_screen_counts_a_runs_own_steps_not_those_a_resume_appends_later(tmp_path):
+    """CI's rehearsal failed here: 04 --resume appends step 3 to the train run's metrics.jsonl, and the train row
+    counted 3 logged steps against its 2 pushes (a FAIL with no row). Each run counts its own steps; a mismatch is
+    a row of its own."""
+    run = tmp_path / "run"
+    run.mkdir()
+    lines = []
+    for n in (1, 2, 3):
+        step = {"step": n, "engine_policy_by_process": [[f"m@t-{n}"]], "sampler_gap_mean": None}
+        step.update(turns_mean=1.0, trajectories=1, judge_failures=1, tis_weight_mean=None)
+        lines.append(__import__("json").dumps(step))
+    (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    requests = []
+    for n, t in ((1, 1.0), (2, 3.0), (3, 21.0)):
+        requests.append({"t": t, "path": "/v1/load_lora_adapter", "status": 200, "lora_name": f"m@t-{n}"})
+        requests.append({"t": t + 1, "path": "/v1/completions", "status": 200, "role": "policy", "model": f"m@t-{n}"})
+        requests[-1]["request_tokens"] = 500
+    for role in ("judge", "user"):
+        requests.append({"t": 2.0, "path": "/v1/chat/completions", "status": 200, "role": role, "model": "m"})
+        requests[-1]["request_tokens"] = 700
+    phases = [rehearsal.Phase("train", 10.0, 0, tmp_path / "log")]
+    runs = [("train", run, 0.0, 10.0, 1, 2), ("resume", run, 20.0, 30.0, 3, 3)]
+    text, ok = rehearsal.screen(phases, requests, runs, [], 1024, "m")
+    assert ok, text
+    assert "| train | 3 |" not in text and "| resume | 3 | m@t-3 |" in text
+    text, ok = rehearsal.screen(phases, requests, [("train", run, 0.0, 10.0, 1, 3)], [], 1024, "m")
+    assert not ok and "| train | 1-3 | 2 pushed | 3 steps logged | | FAIL |" in text
