@@ -138,7 +138,8 @@ echo "   256-token replies, 4-bit, the judge and the user self, all by generate)
 FULL=(04_mica_train.py --model "$MODEL" --preset gpu --steps 1 --scenarios-per-step "$FULL_SCENARIOS"
       --save-every 1000 --out-dir "$OUT" --run-name gpu-preset --no-progress)
 if [[ $MODE == cpu ]]; then  # the test suite's CPU run: the same command at step 1's small shapes
-  FULL+=(--load-in-4bit on --k "$K" --minibatch-size "$K" --max-turns "$TURNS" --min-turns "$TURNS"
+  FULL+=(--load-in-4bit on --scenarios-per-step "$SCENARIOS" --k "$K" --minibatch-size "$K"
+         --max-turns "$TURNS" --min-turns "$TURNS"
          --max-new-tokens "$REPLY" --max-context "$CONTEXT" --micro-batch-size "$MICRO")
 fi
 show "$PYTHON" -c "$PEAK_PY" "${FULL[@]}"

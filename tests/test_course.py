@@ -612,14 +612,6 @@ EXPECT = [
     ("python scripts/score_reply.py", ['its rubric, parsed by parse_rubric: {"cognitive": 0.2', "    S(y) = 0.20 x "]),
     ("python 05_eval.py", ["vs base on 3 scenarios, 6 dialogues paired by scenario, k and seed", "  IDR return "]),
     ("--survivors", ["## The survivor question (table delayed", "| all |"]),
-    (
-        "--speed",
-        [
-            "## Gradient quality at fixed policies (table delayed, delay 3, judge noise 2 sd",
-            "## Learning speed (table delayed, delay 3, judge noise 2 sd",
-            "| MICA (alpha=1) - GRPO |",
-        ],
-    ),
 ]
 # what the fork exercise's commands print, at least (the same form as EXPECT); the module is the Answers' solution
 FORK_MODULE = "my_estimators"
@@ -750,6 +742,8 @@ def test_every_command_of_the_course_runs_and_prints_what_the_page_shows(group, 
     for lesson in GROUPS[group]:
         text, _, fork_text = by_lesson[lesson].partition("### The fork exercise")
         for line in commands(text):
+            if lesson == 7 and "--speed" in line:  # run as the page gives it, no flag added, and its tables checked
+                continue  # line for line: test_lesson_7s_quick_ladder_command_prints_the_pages_tables_exactly
             ran += 1
             check_output(line, run_command(line, copy, env, tiny_model, ran), page)
         if fork_text:

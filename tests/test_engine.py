@@ -138,6 +138,15 @@ def adapters_loaded(url: str) -> list[str]:
 def leaky_tiny(tmp_path_factory):
     """The tiny model 256 wide with Qwen's published sampling fields, a min-p, a typical-p and an n-gram ban in its
     generation_config.json, served so that vLLM reads them as its defaults (--generation-config auto)."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker:  # every worker's basetemp lies in one folder: each worker that starts this server signs it there
+        signed = tmp_path_factory.getbasetemp().parent / "engine-server-workers"
+        with open(signed, "a") as out:
+            out.write(worker + "\n")
+        assert set(signed.read_text().split()) == {worker}, (
+            "the engine's tests ran on several workers, each starting its own server: --dist loadgroup grouped "
+            "nothing (pytest-xdist#1386 under pytest 9.2; requirements.txt pins the pytest it works with)"
+        )
     folder = tmp_path_factory.mktemp("tiny256")
     base = build_tiny_model(folder / "base", hidden_size=256)
     leaky = with_generation_config(base, folder / "leaky", LEAKS)

@@ -363,9 +363,20 @@ def test_kardia_format_and_reward(env, trainer):
     assert tr.seen_history()[1]["content"] == "That sounds frightening."  # the user never sees the rest
 
 
-@pytest.mark.parametrize("reward", ["idr", "rlver", "idr+0.5*rlver", "care", "idr+care", "kardia"])
-@pytest.mark.parametrize("advantage", ["mica", "grpo", "reinforce_pp"])
-def test_every_reward_with_every_estimator_one_step(
+# each reward once, each estimator twice: an estimator reads only the per-turn numbers a reward gives, so the full
+# product (18 runs of 04) would test no more than these 6
+PAIRS = [
+    ("idr", "mica"),
+    ("rlver", "grpo"),
+    ("idr+0.5*rlver", "reinforce_pp"),
+    ("care", "grpo"),
+    ("idr+care", "reinforce_pp"),
+    ("kardia", "mica"),
+]
+
+
+@pytest.mark.parametrize("reward, advantage", PAIRS)
+def test_every_reward_and_every_estimator_one_step(
     trainer, tiny_model, tiny_rubric_adapter, tmp_path, reward, advantage
 ):
     import json
