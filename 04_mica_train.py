@@ -62,6 +62,7 @@ import math
 import os
 import random
 import sys
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -546,7 +547,11 @@ def policy_update(model, tokenizer, optimizer, scheduler, samples, args, acceler
             else:  # a non-finite gradient is skipped, and counted
                 optimizer.zero_grad(set_to_none=True)
             stats.optimizer_step(grad_norm)
-    scheduler.step()
+    # the schedule follows the training steps, a step with nothing scored (no optimizer step) too: torch's warning
+    # that the schedule stepped first says nothing a user can act on
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step\\(\\)` before", UserWarning)
+        scheduler.step()
     return stats.result(accelerator, args.update_epochs, need_ref, args.tis_cap > 0)
 
 
