@@ -185,7 +185,6 @@ def load_policy(args, trainable=True):
     """Base model + LoRA adapter (new, or --adapter) and its tokenizer: bf16 on a GPU, fp32 on a CPU; with
     4-bit NF4 base weights, activations in the compute dtype and LoRA in fp32. A --max-context beyond the
     model's window is cut to it (args changed, with a warning)."""
-    from peft import LoraConfig, PeftModel, get_peft_model, prepare_model_for_kbit_training
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
     from transformers.utils import logging as transformers_logging
 
@@ -200,6 +199,9 @@ def load_policy(args, trainable=True):
         )
         kwargs["device_map"] = {"": device.index or 0} if device.type == "cuda" else {"": "cpu"}
     model = from_pretrained(AutoModelForCausalLM.from_pretrained, args.model, **kwargs)
+    # peft only once the model has loaded: a model that does not load is said before its import (4 s on a CPU)
+    from peft import LoraConfig, PeftModel, get_peft_model, prepare_model_for_kbit_training
+
     tokenizer = load_tokenizer(resolve_model(args.model), args.trust_remote_code)
     window = getattr(model.config, "max_position_embeddings", None)
     if getattr(args, "max_context", None) and window and args.max_context > window:

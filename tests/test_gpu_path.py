@@ -152,6 +152,21 @@ def test_a_stages_first_stderr_line_is_its_own_on_a_cpu_with_avx512_bf16(script,
     assert p.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: model 'no-such-model-xyz'"), lines
 
 
+def test_a_model_that_does_not_load_is_said_before_peft_is_imported(tmp_path):
+    """A mistyped --model is said as soon as the model fails to load: common.load_policy imports peft (4 s on a
+    CPU, bitsandbytes and torch's compiler with it) only after the model has loaded. A fresh interpreter, which
+    reports at exit whether peft was imported."""
+    code = (
+        "import atexit, runpy, sys\n"
+        "atexit.register(lambda: print('peft imported:', 'peft' in sys.modules))\n"
+        f"sys.argv = ['04_mica_train.py', '--model', 'no-such-model-xyz', '--out-dir', {str(tmp_path / 'runs')!r}]\n"
+        "runpy.run_path('04_mica_train.py', run_name='__main__')\n"
+    )
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 2 and p.stderr.startswith("error: model 'no-such-model-xyz' could not be loaded"), p.stderr
+    assert p.stdout.splitlines()[-1] == "peft imported: False", p.stdout[-2000:]
+
+
 def test_04_trains_a_step_with_nothing_on_stderr_on_a_cpu_with_avx512_bf16(tiny_model, tmp_path):
     """A whole 04 step on such a CPU with --no-progress: stderr stays empty (no library warning, no loading
     bar), stdout holds the header and the step line."""
